@@ -1,0 +1,264 @@
+"""The only reader of the environment: one table of options, a frozen Config read at `init()`.
+
+Each `Option` names its environment variable (Horovod's names), type, default, unit and doc,
+and optionally the `hvdrun` flag that sets it. The launcher builds its tuning flags, the README
+table and `hvdrun --help` from `OPTIONS`, so the three cannot drift apart.
+
+Precedence: keyword override > environment > default.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
+
+__all__ = ["Option", "OPTIONS", "Config", "read_env", "options_by_field", "environ_snapshot"]
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("", "0", "false", "no", "off"):
+        return False
+    if t in ("true", "yes", "on"):
+        return True
+    try:
+        return int(t) > 0
+    except ValueError:
+        warnings.warn(f"cannot parse boolean value {text!r}; treating it as false", RuntimeWarning)
+        return False
+
+
+@dataclass(frozen=True)
+class Option:
+    field: str  # attribute of Config
+    env: str  # environment variable
+    type: Callable[[str], Any]
+    default: Any
+    unit: str = ""
+    doc: str = ""
+    cli: str = ""  # hvdrun flag that sets it ("" = none)
+    cli_scale: float = 1.0  # env value = flag value * scale (e.g. MB -> bytes)
+
+
+OPTIONS: tuple[Option, ...] = (
+    # --- tuning -----------------------------------------------------------------------------
+    Option("fusion_threshold", "HOROVOD_FUSION_THRESHOLD", int, 128 * 1024 * 1024, "bytes",
+           "fusion buffer size; 0 disables fusion", "--fusion-threshold-mb", 1024 * 1024),
+    Option("cycle_time_ms", "HOROVOD_CYCLE_TIME", float, 1.0, "ms",
+           "longest wait of the coordinator between cycles (it wakes at once on new work)",
+           "--cycle-time-ms"),
+    Option("cache_capacity", "HOROVOD_CACHE_CAPACITY", int, 1024, "entries",
+           "response cache size; 0 disables the cache", "--cache-capacity"),
+    Option("hierarchical_allreduce", "HOROVOD_HIERARCHICAL_ALLREDUCE", _bool, False, "",
+           "hierarchical allreduce (accepted; ringvod uses NCCL's own topology)",
+           "--hierarchical-allreduce"),
+    Option("hierarchical_allgather", "HOROVOD_HIERARCHICAL_ALLGATHER", _bool, False, "",
+           "hierarchical allgather (accepted; no effect)", "--hierarchical-allgather"),
+    Option("torus_allreduce", "HOROVOD_TORUS_ALLREDUCE", _bool, False, "",
+           "torus allreduce (accepted; no effect)", "--torus-allreduce"),
+    Option("disable_group_fusion", "HOROVOD_DISABLE_GROUP_FUSION", _bool, False, "",
+           "fuse grouped ops only with members of the same group"),
+    Option("batch_d2d_memcopies", "HOROVOD_BATCH_D2D_MEMCOPIES", _bool, True, "",
+           "pack GPU fusion buffers with one batched copy"),
+    Option("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", int, 1, "",
+           "NCCL streams per device", "--num-nccl-streams"),
+    Option("thread_affinity", "HOROVOD_THREAD_AFFINITY", str, "", "",
+           "comma list of core ids for the coordinator thread, one per local rank",
+           "--thread-affinity"),
+    # --- autotune ---------------------------------------------------------------------------
+    Option("autotune", "HOROVOD_AUTOTUNE", _bool, False, "", "enable autotuning", "--autotune"),
+    Option("autotune_log", "HOROVOD_AUTOTUNE_LOG", str, "", "path", "autotune CSV log",
+           "--autotune-log-file"),
+    Option("autotune_warmup_samples", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", int, 3, "",
+           "discarded autotune samples", "--autotune-warmup-samples"),
+    Option("autotune_steps_per_sample", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", int, 10, "",
+           "steps per autotune sample", "--autotune-steps-per-sample"),
+    Option("autotune_bayes_opt_max_samples", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", int, 20,
+           "", "Bayesian optimisation samples", "--autotune-bayes-opt-max-samples"),
+    Option("autotune_gaussian_process_noise", "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", float,
+           0.8, "", "Gaussian process noise", "--autotune-gaussian-process-noise"),
+    # --- timeline ---------------------------------------------------------------------------
+    Option("timeline", "HOROVOD_TIMELINE", str, "", "path",
+           "Chrome trace file written by rank 0, or DYNAMIC", "--timeline-filename"),
+    Option("timeline_mark_cycles", "HOROVOD_TIMELINE_MARK_CYCLES", _bool, False, "",
+           "mark coordinator cycles in the timeline", "--timeline-mark-cycles"),
+    # --- stall inspector --------------------------------------------------------------------
+    Option("stall_check_disable", "HOROVOD_STALL_CHECK_DISABLE", _bool, False, "",
+           "disable the stall inspector", "--no-stall-check"),
+    Option("stall_check_time", "HOROVOD_STALL_CHECK_TIME_SECONDS", float, 60.0, "s",
+           "warn about tensors that some ranks have not submitted for this long",
+           "--stall-check-warning-time-seconds"),
+    Option("stall_shutdown_time", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", float, 0.0, "s",
+           "shut down when a tensor has stalled this long (0 = never)",
+           "--stall-check-shutdown-time-seconds"),
+    # --- logging ----------------------------------------------------------------------------
+    Option("log_level", "HOROVOD_LOG_LEVEL", str, "warning", "",
+           "trace, debug, info, warning, error or fatal", "--log-level"),
+    Option("log_hide_time", "HOROVOD_LOG_HIDE_TIME", _bool, False, "",
+           "drop timestamps from log lines", "--log-without-timestamp"),
+    # --- controller and transports ----------------------------------------------------------
+    Option("controller", "HOROVOD_CONTROLLER", str, "", "", "mpi or gloo/tcp (default: detect)"),
+    Option("cpu_operations", "HOROVOD_CPU_OPERATIONS", str, "", "",
+           "mpi or gloo/tcp (default: same as the controller)"),
+    Option("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", _bool, False, "",
+           "ask MPI for a single-threaded level", "--mpi-threads-disable"),
+    Option("gloo_timeout", "HOROVOD_GLOO_TIMEOUT_SECONDS", float, 30.0, "s",
+           "tcp mode: connect and operation timeout; a silent peer is declared dead after it",
+           "--gloo-timeout-seconds"),
+    Option("gloo_iface", "HOROVOD_GLOO_IFACE", str, "", "", "network interface for tcp mode"),
+    Option("rendezvous_addr", "HOROVOD_GLOO_RENDEZVOUS_ADDR", str, "", "",
+           "rendezvous server address (set by hvdrun)"),
+    Option("rendezvous_port", "HOROVOD_GLOO_RENDEZVOUS_PORT", int, 0, "",
+           "rendezvous server port (set by hvdrun)"),
+    Option("secret_key", "HOROVOD_SECRET_KEY", str, "", "",
+           "job secret (hex) for HMAC authentication (set by hvdrun; never logged)"),
+    # --- topology (set by hvdrun / elastic driver) ------------------------------------------
+    Option("rank", "HOROVOD_RANK", int, -1, "", "rank of this process"),
+    Option("size", "HOROVOD_SIZE", int, -1, "", "number of processes"),
+    Option("local_rank", "HOROVOD_LOCAL_RANK", int, -1, "", "rank on this host"),
+    Option("local_size", "HOROVOD_LOCAL_SIZE", int, -1, "", "processes on this host"),
+    Option("cross_rank", "HOROVOD_CROSS_RANK", int, -1, "", "index of this host"),
+    Option("cross_size", "HOROVOD_CROSS_SIZE", int, -1, "", "number of hosts"),
+    Option("hostname", "HOROVOD_HOSTNAME", str, "", "", "host id of this process"),
+    Option("elastic", "HOROVOD_ELASTIC", _bool, False, "", "elastic mode"),
+    Option("dynamic_process_sets", "HOROVOD_DYNAMIC_PROCESS_SETS", _bool, False, "",
+           "allow add_process_set/remove_process_set after init"),
+    Option("start_timeout", "HOROVOD_START_TIMEOUT", float, 30.0, "s",
+           "how long hvdrun waits for workers to start", "--start-timeout"),
+    Option("elastic_timeout", "HOROVOD_ELASTIC_TIMEOUT", float, 600.0, "s",
+           "elastic: wait for enough slots", "--elastic-timeout"),
+    # --- torchrun / Ray Train style environment ---------------------------------------------
+    Option("env_rank", "RANK", int, -1, "", "torchrun-style rank"),
+    Option("env_world_size", "WORLD_SIZE", int, -1, "", "torchrun-style world size"),
+    Option("env_local_rank", "LOCAL_RANK", int, -1, "", "torchrun-style local rank"),
+    Option("env_local_world_size", "LOCAL_WORLD_SIZE", int, -1, "", "torchrun-style local size"),
+    Option("master_addr", "MASTER_ADDR", str, "", "", "torchrun-style rendezvous host"),
+    Option("master_port", "MASTER_PORT", int, 0, "", "torchrun-style rendezvous port"),
+    # --- MPI launchers ----------------------------------------------------------------------
+    Option("ompi_rank", "OMPI_COMM_WORLD_RANK", int, -1, "", "set by Open MPI's mpirun"),
+    Option("ompi_size", "OMPI_COMM_WORLD_SIZE", int, -1, "", "set by Open MPI's mpirun"),
+    Option("pmi_rank", "PMI_RANK", int, -1, "", "set by MPICH/Hydra and Slurm"),
+    Option("pmi_size", "PMI_SIZE", int, -1, "", "set by MPICH/Hydra and Slurm"),
+    Option("pmix_rank", "PMIX_RANK", int, -1, "", "set by PMIx launchers"),
+    Option("slurm_ntasks", "SLURM_NTASKS", int, -1, "", "set by srun"),
+    # --- devices ----------------------------------------------------------------------------
+    Option("cuda_visible_devices", "CUDA_VISIBLE_DEVICES", str, "", "", "GPU visibility"),
+)
+
+_BY_FIELD = {o.field: o for o in OPTIONS}
+
+
+def options_by_field() -> Mapping[str, Option]:
+    return dict(_BY_FIELD)
+
+
+def _parse(option: Option, raw: str) -> Any:
+    try:
+        return option.type(raw)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{option.env}={raw!r} is not a valid {option.type.__name__}"
+            f"{' (' + option.unit + ')' if option.unit else ''}: {option.doc}") from None
+
+
+def read_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+    """Builds a Config from the environment (read now, not at import) and keyword overrides.
+
+    Raises:
+        TypeError: an override names no option.
+        ValueError: an environment value does not parse.
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for o in OPTIONS:
+        raw = env.get(o.env)
+        values[o.field] = o.default if raw is None or raw == "" and o.type is not str else (
+            _parse(o, raw))
+    for k, v in overrides.items():
+        if k not in _BY_FIELD:
+            raise TypeError(f"unknown config option {k!r}; known: {sorted(_BY_FIELD)}")
+        values[k] = v
+    return Config(**values)
+
+
+def environ_snapshot() -> dict[str, str]:
+    """A copy of the process environment (for the launcher, which builds child environments)."""
+    return dict(os.environ)
+
+
+@dataclass(frozen=True)
+class Config:
+    fusion_threshold: int
+    cycle_time_ms: float
+    cache_capacity: int
+    hierarchical_allreduce: bool
+    hierarchical_allgather: bool
+    torus_allreduce: bool
+    disable_group_fusion: bool
+    batch_d2d_memcopies: bool
+    num_nccl_streams: int
+    thread_affinity: str
+    autotune: bool
+    autotune_log: str
+    autotune_warmup_samples: int
+    autotune_steps_per_sample: int
+    autotune_bayes_opt_max_samples: int
+    autotune_gaussian_process_noise: float
+    timeline: str
+    timeline_mark_cycles: bool
+    stall_check_disable: bool
+    stall_check_time: float
+    stall_shutdown_time: float
+    log_level: str
+    log_hide_time: bool
+    controller: str
+    cpu_operations: str
+    mpi_threads_disable: bool
+    gloo_timeout: float
+    gloo_iface: str
+    rendezvous_addr: str
+    rendezvous_port: int
+    secret_key: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str
+    elastic: bool
+    dynamic_process_sets: bool
+    start_timeout: float
+    elastic_timeout: float
+    env_rank: int
+    env_world_size: int
+    env_local_rank: int
+    env_local_world_size: int
+    master_addr: str
+    master_port: int
+    ompi_rank: int
+    ompi_size: int
+    pmi_rank: int
+    pmi_size: int
+    pmix_rank: int
+    slurm_ntasks: int
+    cuda_visible_devices: str
+
+    def replace(self, **changes: Any) -> "Config":
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in changes:
+            if k not in d:
+                raise TypeError(f"unknown config option {k!r}")
+        d.update(changes)
+        return Config(**d)
+
+    @property
+    def cycle_time(self) -> float:
+        """Cycle time in seconds."""
+        return max(self.cycle_time_ms, 0.0) / 1000.0
+
+    def __repr__(self) -> str:  # never print the secret
+        items = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                          if f.name != "secret_key")
+        return f"Config({items})"

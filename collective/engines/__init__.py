@@ -1,0 +1,84 @@
+"""Registries of control planes ("backends") and engines; factories import their packages lazily.
+
+A backend factory builds the world's `ControlPlane` from a `Config` (and keyword arguments such as
+an mpi4py communicator). An engine factory builds an `Engine` for one group from that group's
+control plane. `"mpi"` imports mpi4py inside its factory and `"nccl"` imports CuPy inside its
+own; `"loopback"` imports nothing.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+from ..errors import EngineUnavailableError
+
+__all__ = ["register_backend", "register_engine", "create_backend", "create_engine",
+           "backend_names", "engine_names"]
+
+_BACKENDS: dict[str, Callable[..., Any]] = {}
+_ENGINES: dict[str, Callable[..., Any]] = {}
+
+# name -> (module, attribute); resolved on first use so that no backend is imported eagerly.
+_BUILTIN_BACKENDS = {
+    "loopback": ("collective.engines.loopback", "create_backend"),
+    "single": ("collective.engines.loopback", "create_single_backend"),
+    "mpi": ("collective.engines.mpi", "create_backend"),
+    "tcp": ("collective.engines.tcp", "create_backend"),
+}
+_BUILTIN_ENGINES = {
+    "loopback": ("collective.engines.loopback", "create_engine"),
+    "mpi": ("collective.engines.mpi", "create_engine"),
+    "tcp": ("collective.engines.tcp", "create_engine"),
+    "nccl": ("collective.engines.nccl", "create_engine"),
+}
+
+
+def _register(table: dict, kind: str, name: str, factory: Callable[..., Any]) -> None:
+    if name in table and table[name] is not factory:
+        raise ValueError(f"{kind} {name!r} is already registered")
+    table[name] = factory
+
+
+def register_backend(name: str, factory: Callable[..., Any]) -> None:
+    """Registers a control-plane factory `factory(config, **kwargs) -> ControlPlane`."""
+    _register(_BACKENDS, "backend", name, factory)
+
+
+def register_engine(name: str, factory: Callable[..., Any]) -> None:
+    """Registers an engine factory `factory(control_plane, config) -> Engine`."""
+    _register(_ENGINES, "engine", name, factory)
+
+
+def _lookup(table: dict, builtin: dict, kind: str, name: str) -> Callable[..., Any]:
+    if name in table:
+        return table[name]
+    if name not in builtin:
+        raise ValueError(f"{kind} {name!r} is not registered; known: "
+                         f"{sorted(set(table) | set(builtin))}. Did you forget to register it?")
+    module, attr = builtin[name]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:  # a missing optional package
+        raise EngineUnavailableError(
+            f"the {name!r} {kind} needs a package that is not installed ({exc}). "
+            f"Install it, e.g. `pip install ringvod[{'gpu' if name == 'nccl' else name}]`."
+        ) from exc
+    factory = getattr(mod, attr)
+    table[name] = factory
+    return factory
+
+
+def create_backend(name: str, config: Any, **kwargs: Any) -> Any:
+    return _lookup(_BACKENDS, _BUILTIN_BACKENDS, "backend", name)(config, **kwargs)
+
+
+def create_engine(name: str, control: Any, config: Any) -> Any:
+    return _lookup(_ENGINES, _BUILTIN_ENGINES, "engine", name)(control, config)
+
+
+def backend_names() -> list[str]:
+    return sorted(set(_BACKENDS) | set(_BUILTIN_BACKENDS))
+
+
+def engine_names() -> list[str]:
+    return sorted(set(_ENGINES) | set(_BUILTIN_ENGINES))
