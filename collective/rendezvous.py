@@ -1,0 +1,527 @@
+"""Rendezvous key-value store over TCP, authenticated with the job secret (stdlib only).
+
+`hvdrun --tcp` runs a `KVServer`; workers reach it with a `KVClient` to publish and look up the
+addresses of their peers. Under torchrun / Ray Train, rank 0 of the tcp mode runs the server
+itself (see `collective/engines/tcp.py`).
+
+Wire protocol (nothing is ever unpickled; every field has a fixed layout):
+
+* Handshake, before any request is read (`handshake_server` / `handshake_client`, shared with
+  the tcp data plane under another `magic` so a connection of one kind cannot pass as the other):
+
+  1. server -> client: ``magic`` (8 bytes) + server nonce (32 bytes)
+  2. client -> server: client nonce (32) + hello length (u16, at most 1 KiB) + hello +
+     ``HMAC(secret, "C" + magic + server nonce + client nonce + hello)``
+  3. server checks it (constant-time); on failure it logs the peer's address and closes.
+     Otherwise server -> client: ``HMAC(secret, "S" + magic + client nonce + server nonce +
+     hello)``, which the client checks: authentication is mutual.
+
+  Both sides derive ``session = HMAC(secret, "K" + server nonce + client nonce)``.
+* Requests and replies, after the handshake: ``u32 length`` + body + ``HMAC(session, direction
+  + u64 sequence number + body)``. A frame with a wrong MAC (forged, replayed or reordered)
+  closes the connection and is logged. Unauthenticated peers can make the server read at most
+  a fixed handful of bytes (the hello is bounded), and only for `HANDSHAKE_TIMEOUT` seconds.
+* Request body: ``op`` (1 byte: P put, G get, D delete) + ``u16 scope length`` + ``u16 key
+  length`` + scope + key + (P: the value | G: ``u32`` milliseconds to wait for the key).
+  Reply body: status (1 byte: 0 ok + value, 1 not found, 2 error + UTF-8 message).
+
+A get waits on the server (one condition variable), so a waiting client costs no CPU and no
+polling traffic; the client reconnects with backoff if the server is not up yet or restarts.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from typing import Callable
+
+from ._log import get_logger
+from .errors import CollectiveTimeoutError, HorovodInternalError
+
+__all__ = ["KVServer", "KVClient", "handshake_server", "handshake_client", "recv_exact",
+           "KV_MAGIC", "HANDSHAKE_TIMEOUT", "MAX_VALUE_BYTES"]
+
+KV_MAGIC = b"RVODKV01"
+NONCE_BYTES = 32
+MAC_BYTES = 32
+MAX_HELLO_BYTES = 1024
+HANDSHAKE_TIMEOUT = 10.0  # seconds an unauthenticated peer may take to prove the secret
+MAX_VALUE_BYTES = 1 << 30  # authenticated frames only; horovod.run ships pickled functions
+MAX_KEY_BYTES = 4096
+MAX_CONNECTIONS = 4096
+
+_U16 = struct.Struct("!H")
+_U32 = struct.Struct("!I")
+_U64 = struct.Struct("!Q")
+_REQ = struct.Struct("!cHH")
+
+_OK, _NOT_FOUND, _ERROR = 0, 1, 2
+_TO_SERVER, _TO_CLIENT = b"c", b"s"
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Reads exactly `n` bytes (the socket's timeout applies to each read).
+
+    Raises:
+        ConnectionError: the peer closed the connection first.
+        socket.timeout: a read timed out.
+    """
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += r
+    return bytes(buf)
+
+
+def handshake_server(sock: socket.socket, secret: bytes, magic: bytes,
+                     timeout: float = HANDSHAKE_TIMEOUT) -> tuple[bytes, bytes] | None:
+    """Server side of the mutual HMAC challenge-response.
+
+    Returns:
+        ``(hello, session_key)`` once the client proved the secret, or None when it did not
+        (bad proof, oversized hello, timeout, closed early); the caller logs and closes.
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        sock.settimeout(timeout)
+        sn = os.urandom(NONCE_BYTES)
+        sock.sendall(magic + sn)
+        head = recv_exact(sock, NONCE_BYTES + _U16.size)
+        cn, (hlen,) = head[:NONCE_BYTES], _U16.unpack(head[NONCE_BYTES:])
+        if hlen > MAX_HELLO_BYTES:
+            return None
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        rest = recv_exact(sock, hlen + MAC_BYTES)
+        hello, proof = rest[:hlen], rest[hlen:]
+        if not hmac.compare_digest(proof, _mac(secret, b"C", magic, sn, cn, hello)):
+            return None
+        sock.sendall(_mac(secret, b"S", magic, cn, sn, hello))
+        return hello, _mac(secret, b"K", sn, cn)
+    except (OSError, ValueError):
+        return None
+
+
+def handshake_client(sock: socket.socket, secret: bytes, magic: bytes, hello: bytes,
+                     timeout: float, where: str) -> bytes:
+    """Client side of the handshake; returns the session key.
+
+    Raises:
+        HorovodInternalError: the server refused the secret, or failed to prove it knows it.
+        OSError: the connection failed (callers may retry).
+    """
+    sock.settimeout(timeout)
+    head = recv_exact(sock, len(magic) + NONCE_BYTES)
+    if head[:len(magic)] != magic:
+        raise HorovodInternalError(
+            f"{where} is not a ringvod endpoint of the expected kind (got {head[:8]!r}); "
+            "check the address and port")
+    sn = head[len(magic):]
+    cn = os.urandom(NONCE_BYTES)
+    sock.sendall(cn + _U16.pack(len(hello)) + hello + _mac(secret, b"C", magic, sn, cn, hello))
+    try:
+        proof = recv_exact(sock, MAC_BYTES)
+    except ConnectionError:
+        raise HorovodInternalError(
+            f"{where} refused authentication: this process's job secret (HOROVOD_SECRET_KEY) "
+            "differs from the server's. Start every worker from the same hvdrun, or give all "
+            "of them the same secret.") from None
+    if not hmac.compare_digest(proof, _mac(secret, b"S", magic, cn, sn, hello)):
+        raise HorovodInternalError(
+            f"{where} could not prove it knows the job secret; refusing to talk to it. "
+            "Another service may be listening on that port.")
+    return _mac(secret, b"K", sn, cn)
+
+
+class _Channel:
+    """An authenticated connection: MAC'd, sequence-numbered frames in both directions."""
+
+    def __init__(self, sock: socket.socket, key: bytes, send_dir: bytes, recv_dir: bytes,
+                 max_frame: int) -> None:
+        self.sock, self.key = sock, key
+        self.send_dir, self.recv_dir = send_dir, recv_dir
+        self.send_seq = self.recv_seq = 0
+        self.max_frame = max_frame
+
+    def send(self, body: bytes) -> None:
+        mac = _mac(self.key, self.send_dir, _U64.pack(self.send_seq), body)
+        self.send_seq += 1
+        self.sock.sendall(_U32.pack(len(body) + MAC_BYTES) + body + mac)
+
+    def recv(self) -> bytes | None:
+        """The next body, or None when its MAC is wrong or its length out of bounds.
+
+        Raises:
+            ConnectionError, socket.timeout: the connection failed.
+        """
+        (n,) = _U32.unpack(recv_exact(self.sock, _U32.size))
+        if n < MAC_BYTES or n > self.max_frame + MAX_KEY_BYTES * 2 + 64:
+            return None
+        frame = recv_exact(self.sock, n)
+        body, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
+        if not hmac.compare_digest(mac, _mac(self.key, self.recv_dir,
+                                             _U64.pack(self.recv_seq), body)):
+            return None
+        self.recv_seq += 1
+        return body
+
+
+def _pack_request(op: bytes, scope: str, key: str, tail: bytes = b"") -> bytes:
+    s, k = scope.encode(), key.encode()
+    if len(s) > MAX_KEY_BYTES or len(k) > MAX_KEY_BYTES:
+        raise ValueError(f"rendezvous scope/key too long: {scope[:40]!r}/{key[:40]!r}")
+    return _REQ.pack(op, len(s), len(k)) + s + k + tail
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+class KVServer:
+    """Threaded key-value store; one named thread accepts, one serves each connection.
+
+    Example:
+        >>> server = KVServer("127.0.0.1", 0, secret)
+        >>> host, port = server.start()
+        >>> KVClient(host, port, secret).put("global", "0", b"10.0.0.1:4000")
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: bytes = b"") -> None:
+        self.host, self.port, self._secret = host, port, secret
+        self._data: dict[tuple[str, str], bytes] = {}
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._listener: socket.socket | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns_lock = threading.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> tuple[str, int]:
+        """Binds `host:port` (port 0 picks a free one) and starts serving.
+
+        Returns:
+            The bound ``(host, port)``.
+
+        Raises:
+            OSError: the address cannot be bound (in use, or not an address of this host).
+        """
+        if not self._secret:
+            get_logger().debug("rendezvous server on %s runs without a job secret", self.host)
+        sock = socket.socket(_family(self.host), socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"hvd-kv-accept-{self.port}", daemon=True)
+        self._accept_thread.start()
+        return self.host, self.port
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def stop(self) -> None:
+        """Closes the listener and every connection, wakes waiting gets, joins all threads."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cond.notify_all()
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass
+        if self._accept_thread is not None:
+            self._accept_thread.join()
+        with self._conns_lock:
+            conns = list(self._conns.items())
+        for sock, _ in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for _, thread in conns:
+            thread.join()
+        for s in (self._listener, self._wake_r, self._wake_w):
+            if s is not None:
+                s.close()
+
+    def __enter__(self) -> "KVServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- local access -------------------------------------------------------------------------
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        """Stores `value` and wakes the gets waiting for it."""
+        with self._cond:
+            self._data[(scope, key)] = bytes(value)
+            self._cond.notify_all()
+
+    def get(self, scope: str, key: str) -> bytes | None:
+        """The value, or None when the key is absent (never waits)."""
+        with self._cond:
+            return self._data.get((scope, key))
+
+    def delete(self, scope: str, key: str) -> None:
+        with self._cond:
+            self._data.pop((scope, key), None)
+
+    def _wait_get(self, scope: str, key: str, timeout: float) -> bytes | None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                v = self._data.get((scope, key))
+                left = deadline - time.monotonic()
+                if v is not None or left <= 0 or self._stopping:
+                    return v
+                self._cond.wait(left)
+
+    # -- network ------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._listener is not None and self._wake_r is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._stopping:
+                for key, _ in sel.select():
+                    if key.fileobj is self._wake_r or self._stopping:
+                        return
+                    try:
+                        sock, peer = self._listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as exc:  # e.g. EMFILE: back off instead of spinning
+                        get_logger().warning("rendezvous server: accept failed: %s", exc)
+                        time.sleep(0.1)
+                        continue
+                    self._spawn(sock, peer)
+        finally:
+            sel.close()
+
+    def _spawn(self, sock: socket.socket, peer: tuple) -> None:
+        with self._conns_lock:
+            if len(self._conns) >= MAX_CONNECTIONS:
+                get_logger().warning("rendezvous server: too many connections; dropping %s",
+                                     _fmt(peer))
+                sock.close()
+                return
+            t = threading.Thread(target=self._serve, args=(sock, peer),
+                                 name=f"hvd-kv-conn-{_fmt(peer)}", daemon=True)
+            self._conns[sock] = t
+        t.start()
+
+    def _serve(self, sock: socket.socket, peer: tuple) -> None:
+        try:
+            sock.setblocking(True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            got = handshake_server(sock, self._secret, KV_MAGIC)
+            if got is None:
+                if not self._stopping:
+                    get_logger().warning(
+                        "rendezvous server %s:%d refused a connection from %s: it did not "
+                        "prove the job secret (wrong or missing HOROVOD_SECRET_KEY)",
+                        self.host, self.port, _fmt(peer))
+                return
+            chan = _Channel(sock, got[1], _TO_CLIENT, _TO_SERVER, MAX_VALUE_BYTES)
+            sock.settimeout(None)  # authenticated clients may idle for the job's lifetime
+            while not self._stopping:
+                body = chan.recv()
+                if body is None:
+                    get_logger().warning(
+                        "rendezvous server %s:%d dropped a connection from %s: a frame failed "
+                        "authentication (forged, replayed or corrupted)",
+                        self.host, self.port, _fmt(peer))
+                    return
+                chan.send(self._handle(body))
+        except (OSError, ValueError):
+            pass  # the client went away, or stop() shut the socket
+        finally:
+            sock.close()
+            with self._conns_lock:
+                self._conns.pop(sock, None)
+
+    def _handle(self, body: bytes) -> bytes:
+        try:
+            op, ls, lk = _REQ.unpack_from(body)
+            pos = _REQ.size
+            scope = body[pos:pos + ls].decode()
+            key = body[pos + ls:pos + ls + lk].decode()
+            tail = body[pos + ls + lk:]
+        except (struct.error, UnicodeDecodeError) as exc:
+            return bytes([_ERROR]) + f"malformed request: {exc}".encode()
+        if op == b"P":
+            self.put(scope, key, tail)
+            return bytes([_OK])
+        if op == b"G":
+            (wait_ms,) = _U32.unpack(tail[:4]) if len(tail) == 4 else (0,)
+            v = self._wait_get(scope, key, wait_ms / 1000.0)
+            return bytes([_NOT_FOUND]) if v is None else bytes([_OK]) + v
+        if op == b"D":
+            self.delete(scope, key)
+            return bytes([_OK])
+        return bytes([_ERROR]) + f"unknown op {op!r}".encode()
+
+
+def _fmt(peer: object) -> str:
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer) or "?"
+
+
+class KVClient:
+    """Client of a `KVServer`; connects lazily, retries until `timeout`, thread-safe."""
+
+    def __init__(self, addr: str, port: int, secret: bytes, timeout: float = 30.0) -> None:
+        self.addr, self.port, self._secret, self.timeout = addr, int(port), secret, timeout
+        self._chan: _Channel | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _where(self) -> str:
+        return f"the rendezvous server at {self.addr}:{self.port}"
+
+    def _connect(self, deadline: float) -> _Channel:
+        delay = 0.01
+        last: BaseException | None = None
+        while True:
+            sock = None
+            try:
+                left = max(deadline - time.monotonic(), 0.05)
+                sock = socket.create_connection((self.addr, self.port), timeout=min(left, 10.0))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                key = handshake_client(sock, self._secret, KV_MAGIC, b"kv",
+                                       min(left, HANDSHAKE_TIMEOUT), self._where())
+                return _Channel(sock, key, _TO_SERVER, _TO_CLIENT, MAX_VALUE_BYTES)
+            except HorovodInternalError:
+                if sock is not None:
+                    sock.close()
+                raise
+            except OSError as exc:
+                if sock is not None:
+                    sock.close()
+                last = exc
+            if time.monotonic() + delay > deadline:
+                raise CollectiveTimeoutError(
+                    f"could not reach {self._where()} within {self.timeout:.0f} s ({last}). "
+                    "Check that the launcher (hvdrun, or rank 0 under torchrun) is running, "
+                    "that this host can reach that address, and the firewall; raise "
+                    "HOROVOD_GLOO_TIMEOUT_SECONDS if startup is slow.") from last
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _request(self, body: bytes, wait: float, deadline: float,
+                 what: Callable[[], str]) -> bytes:
+        with self._lock:
+            if self._closed:
+                raise HorovodInternalError(f"KVClient for {self._where()} is closed")
+            while True:
+                if self._chan is None:
+                    self._chan = self._connect(deadline)
+                chan = self._chan
+                try:
+                    chan.sock.settimeout(wait + max(self.timeout, 5.0))
+                    chan.send(body)
+                    reply = chan.recv()
+                    if reply is None:
+                        raise ConnectionError("reply failed authentication")
+                except OSError as exc:
+                    chan.sock.close()
+                    self._chan = None
+                    if time.monotonic() >= deadline:
+                        raise CollectiveTimeoutError(
+                            f"{what()}: lost {self._where()} ({exc}) and could not reconnect "
+                            f"within {self.timeout:.0f} s") from exc
+                    continue  # the server restarted or dropped us: reconnect and retry
+                if reply[:1] == bytes([_ERROR]):
+                    raise HorovodInternalError(
+                        f"{what()}: {self._where()} answered: {reply[1:].decode(errors='replace')}")
+                return reply
+
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        """Stores `value` under `scope/key`.
+
+        Raises:
+            CollectiveTimeoutError: the server cannot be reached within the timeout.
+            HorovodInternalError: the server refused the secret.
+        """
+        deadline = time.monotonic() + self.timeout
+        self._request(_pack_request(b"P", scope, key, bytes(value)), 0.0, deadline,
+                      lambda: f"put of {scope}/{key}")
+
+    def get(self, scope: str, key: str, timeout: float | None = None) -> bytes:
+        """The value of `scope/key`, waiting (on the server) until some rank puts it.
+
+        Raises:
+            CollectiveTimeoutError: the key did not appear within `timeout` (default: the
+                client's timeout), naming the key, the server address and the fix.
+            HorovodInternalError: the server refused the secret.
+        """
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            ms = min(int(left * 1000), 0xFFFFFFFF)
+            reply = self._request(_pack_request(b"G", scope, key, _U32.pack(ms)), left,
+                                  deadline, lambda: f"get of {scope}/{key}")
+            if reply[0] == _OK:
+                return reply[1:]
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"timed out after {wait:.1f} s waiting for key {scope!r}/{key!r} at "
+                    f"{self.addr}:{self.port}: the process that should publish it has not "
+                    "started or has failed. Check every rank's log, or raise "
+                    "HOROVOD_GLOO_TIMEOUT_SECONDS (hvdrun --gloo-timeout-seconds / "
+                    "--start-timeout) if startup is slow.")
+
+    def delete(self, scope: str, key: str) -> None:
+        """Removes `scope/key` (no error when absent).
+
+        Raises:
+            CollectiveTimeoutError: the server cannot be reached within the timeout.
+        """
+        deadline = time.monotonic() + self.timeout
+        self._request(_pack_request(b"D", scope, key), 0.0, deadline,
+                      lambda: f"delete of {scope}/{key}")
+
+    def close(self) -> None:
+        """Closes the connection; later calls raise."""
+        with self._lock:
+            self._closed = True
+            if self._chan is not None:
+                self._chan.sock.close()
+                self._chan = None
+
+    def __enter__(self) -> "KVClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
