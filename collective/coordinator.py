@@ -1,0 +1,361 @@
+"""The coordinator: one named background thread per process that negotiates and executes.
+
+A cycle (`run_cycle`) drains each process set's queue, negotiates which names are ready on every
+rank (cache fast path: one bitwise-AND of a word vector; slow path: gather requests to the set's
+rank 0, which validates, orders and fuses, then broadcasts the responses), and executes the
+responses in the same order on every rank. The thread loops over `run_cycle` and waits between
+cycles for new work or the cycle time, whichever comes first.
+
+Only this thread talks to control planes and engines. When a cycle raises (an engine error, a dead
+peer), every pending handle fails with that cause and later submits raise `ShutdownError`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _log
+from .engines import create_engine
+from .entry import Entry
+from .errors import HorovodInternalError, MismatchError, ShutdownError
+from .fusion import plan_fusion
+from .handle import Handle
+from .negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, MessageTable, ResponseCache,
+                          decode_requests, decode_responses, encode_requests, encode_responses)
+from .stall import StallInspector
+from .types import CPU_DEVICE, Request, RequestType, Response, ResponseType
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+__all__ = ["Coordinator", "ProcessSetState"]
+
+_log_ = _log.get_logger()
+
+# Status bits of the fast-path vector, stored inverted (set = condition false), as Horovod.
+_NOT_SHUTDOWN, _NOT_UNCACHED, _NOT_INVALID = 1, 2, 4
+# After this many cycles without progress while work is pending, wait the full cycle time.
+_SPIN_CYCLES = 200
+
+
+class ProcessSetState:
+    """One process set as this rank sees it. Fields marked (lock) are shared with user threads."""
+
+    def __init__(self, ps_id: int, ranks: list[int], control: Any, host_engine: Any,
+                 config: Any, is_global_root: bool) -> None:
+        self.id = ps_id
+        self.ranks = ranks
+        self.control = control
+        self.rank = control.rank
+        self.size = control.size
+        self.is_root = control.rank == 0
+        self.host_engine = host_engine
+        self.device_engine: Any = None  # created on the first device response (collectively)
+        self.config = config
+        self.lock = threading.Lock()
+        self.table: dict[str, Entry] = {}  # (lock) pending entries by name
+        self.queue: list[Request] = []  # (lock) requests not yet negotiated
+        # coordinator thread only:
+        self.cache = ResponseCache(config.cache_capacity)
+        self.hits: dict[int, tuple[Request, float]] = {}  # cache bit -> (request, first seen)
+        self.join_active = False  # some rank of the set has joined (cache suspended)
+        self.messages = MessageTable(self.size, ranks) if self.is_root else None
+        self.stall = StallInspector(config.stall_check_time, config.stall_shutdown_time,
+                                    not config.stall_check_disable,
+                                    warn=_log_.warning) if self.is_root else None
+        self.is_global_root = is_global_root
+
+    def pending(self) -> bool:
+        return bool(self.table)
+
+    def pop(self, name: str) -> Entry | None:
+        with self.lock:
+            return self.table.pop(name, None)
+
+    def drain(self) -> list[Request]:
+        with self.lock:
+            q, self.queue = self.queue, []
+        return q
+
+    def fail_all(self, exc: BaseException) -> None:
+        with self.lock:
+            entries, self.table, self.queue = list(self.table.values()), {}, []
+        for e in entries:
+            e.handle._set_exception(exc)
+
+
+class Coordinator:
+    """Owns the background thread. `run_cycle()` is one step, testable without the thread."""
+
+    def __init__(self, runtime: "Runtime") -> None:
+        self.rt = runtime
+        self.config = runtime.config
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.shutdown_requested = False  # set by user threads; read each cycle
+        self.stopped = threading.Event()
+        self.timeline: Any = None  # collective.timeline.Timeline on global rank 0
+        self._idle_cycles = 0
+        self._warned_eviction = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="hvd-coordinator", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def request_shutdown(self) -> None:
+        self.shutdown_requested = True
+        self._wake.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        if self._thread is None or self._thread is threading.current_thread():
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _loop(self) -> None:
+        self.rt._pin_thread()
+        cause: BaseException | None = None
+        try:
+            cycle = self.config.cycle_time
+            while True:
+                start = time.monotonic()
+                self._wake.clear()
+                if not self.run_cycle():
+                    break
+                busy = any(ps.pending() for ps in self.rt.member_sets())
+                if busy and self._idle_cycles < _SPIN_CYCLES:
+                    time.sleep(0)  # yield the GIL; peers block us in the next negotiation
+                    continue
+                remaining = cycle - (time.monotonic() - start)
+                if remaining > 0:
+                    self._wake.wait(remaining)
+        except BaseException as exc:  # noqa: BLE001 - everything pending must learn the cause
+            cause = exc
+            _log_.error("Horovod background loop uncaught exception: %s", exc, exc_info=True)
+            for ps in self.rt.member_sets():
+                try:
+                    ps.control.abort(str(exc))
+                except Exception:  # noqa: BLE001
+                    pass
+        finally:
+            self.rt._on_loop_exit(cause)
+            self.stopped.set()
+
+    # -- one cycle ----------------------------------------------------------------------------
+    def run_cycle(self) -> bool:
+        """Negotiates and executes once for every process set; False when the job shuts down."""
+        tl = self.timeline
+        if tl is not None:
+            tl.mark_cycle()  # a no-op unless cycle marking is on
+        if self.rt.dynamic_process_sets:
+            self.rt._sync_process_set_changes()
+        progress = False
+        for ps in self.rt.member_sets():
+            responses, shutdown = self._negotiate(ps)
+            for resp in responses:
+                self._perform(ps, resp)
+                progress = True
+            if shutdown:
+                return False
+        self._idle_cycles = 0 if progress else self._idle_cycles + 1
+        return True
+
+    def _negotiate(self, ps: ProcessSetState) -> tuple[list[Response], bool]:
+        now = time.monotonic()
+        new = ps.drain()
+        if new:
+            self._idle_cycles = 0
+        cache_on = ps.cache.capacity > 0 and not ps.join_active
+        uncached: list[Request] = []
+        invalid: set[int] = set()
+        if not cache_on and ps.hits:  # cache suspended by a join: re-route waiting hits
+            uncached.extend(req for req, _ in ps.hits.values())
+            ps.hits.clear()
+        for req in new:
+            if req.type in (RequestType.JOIN, RequestType.BARRIER) or not cache_on:
+                uncached.append(req)
+                continue
+            state, bit = ps.cache.lookup(req)
+            if state is CacheState.HIT:
+                ps.hits[bit] = (req, now)
+            else:
+                if state is CacheState.INVALID:
+                    invalid.add(bit)
+                uncached.append(req)
+        limit = self.config.stall_check_time
+        if ps.hits and not self.config.stall_check_disable and limit > 0:
+            # Hits waiting longer than the warning time go to the slow path to be reported.
+            for bit in [b for b, (_, t) in ps.hits.items() if now - t > limit]:
+                uncached.append(ps.hits.pop(bit)[0])
+                invalid.add(bit)
+        want_shutdown = self.shutdown_requested and ps.id == 0
+        nbits = ps.cache.num_bits if cache_on else 0
+        words = np.zeros(1 + (nbits + 63) // 64, dtype=np.uint64)
+        status = 0
+        if not want_shutdown:
+            status |= _NOT_SHUTDOWN
+        if not uncached:
+            status |= _NOT_UNCACHED
+        if not invalid:
+            status |= _NOT_INVALID
+        words[0] = status
+        for bit in ps.hits:
+            words[1 + bit // 64] |= np.uint64(1 << (bit % 64))
+        res = ps.control.allreduce_words(words, "and")
+        flags = int(res[0])
+        any_shutdown = not flags & _NOT_SHUTDOWN
+        any_uncached = not flags & _NOT_UNCACHED
+        if not flags & _NOT_INVALID:
+            inv = np.zeros_like(words)
+            for bit in invalid:
+                inv[1 + bit // 64] |= np.uint64(1 << (bit % 64))
+            inv = ps.control.allreduce_words(inv, "or")
+            for bit in _bits(inv):
+                ps.cache.erase(bit)
+                if bit in ps.hits:
+                    uncached.append(ps.hits.pop(bit)[0])
+        common = [b for b in sorted(ps.hits) if int(res[1 + b // 64]) >> (b % 64) & 1]
+        for b in common:
+            del ps.hits[b]
+        threshold = self.config.fusion_threshold
+        if not any_uncached:
+            cached = [ps.cache.get(b) for b in common]
+            return self._fuse(ps, cached, threshold), any_shutdown
+        return self._slow_path(ps, uncached, common, want_shutdown, any_shutdown, threshold)
+
+    def _slow_path(self, ps: ProcessSetState, uncached: list[Request], common: list[int],
+                   want_shutdown: bool, any_shutdown: bool,
+                   threshold: int) -> tuple[list[Response], bool]:
+        gathered = ps.control.gather(encode_requests(uncached, want_shutdown))
+        payload = None
+        if ps.is_root:
+            assert gathered is not None and ps.messages is not None
+            lists = [decode_requests(g)[0] for g in gathered]
+            tl = self.timeline if ps.is_global_root else None
+            constructed = ps.messages.process(
+                lists,
+                on_first=(lambda n, t: tl.negotiate_start(n, t.name)) if tl else None,
+                on_rank=(lambda n, r: tl.negotiate_rank_ready(n, r)) if tl else None)
+            if tl is not None:
+                for r in constructed:
+                    for n in r.names:
+                        tl.negotiate_end(n)
+            stall_stop = self._check_stall(ps)
+            responses = [ps.cache.peek(b) for b in common] + constructed
+            fused = self._fuse(ps, responses, threshold)
+            payload = encode_responses(fused, any_shutdown or stall_stop,
+                                       ps.messages.join_active)
+        fused, shutdown, join_active = decode_responses(ps.control.bcast(payload))
+        ps.join_active = join_active
+        if ps.cache.capacity > 0 and not join_active:
+            for resp in fused:
+                if resp.type not in CACHEABLE:
+                    continue
+                for single in resp.split():
+                    entry = ps.table.get(single.names[0])
+                    if entry is not None and ps.cache.put(single, entry.request) and (
+                            not self._warned_eviction):
+                        self._warned_eviction = True
+                        _log_.warning(EVICTION_WARNING)
+            ps.cache.renumber()
+        return fused, shutdown
+
+    def _fuse(self, ps: ProcessSetState, responses: list[Response],
+              threshold: int) -> list[Response]:
+        if len(responses) <= 1:
+            return responses
+        return plan_fusion(responses, threshold, ps.size,
+                           disable_group_fusion=self.config.disable_group_fusion)
+
+    def _check_stall(self, ps: ProcessSetState) -> bool:
+        if ps.stall is None or not ps.stall.due() or ps.messages is None:
+            return False
+        report, stop = ps.stall.check(ps.messages.pending(), ps.size, ps.ranks,
+                                      ps.messages.joined)
+        if report:
+            (_log_.error if stop else _log_.warning)(report)
+        return stop
+
+    # -- execution ----------------------------------------------------------------------------
+    def _perform(self, ps: ProcessSetState, resp: Response) -> None:
+        tl = self.timeline if ps.is_global_root else None
+        if resp.type == ResponseType.ERROR:
+            exc = MismatchError(resp.error)
+            for name in resp.names:
+                e = ps.pop(name)
+                if tl is not None:
+                    tl.end_error(name)
+                if e is not None:
+                    e.handle._set_exception(exc)
+            return
+        if resp.type in (ResponseType.JOIN, ResponseType.BARRIER):
+            e = ps.pop(resp.names[0])
+            if e is not None:
+                e.handle._set_result(resp.last_joined_rank if resp.type == ResponseType.JOIN
+                                     else None)
+            return
+        entries: list[Entry] = []
+        device = resp.device
+        engine = self._engine(ps, device)
+        for i, name in enumerate(resp.names):
+            e = ps.pop(name)
+            if e is None:  # this rank joined: contribute zeros of the agreed size
+                shape = resp.shapes[i] if resp.shapes else (resp.sizes[i],)
+                z = engine.zeros(shape, resp.dtype, device)
+                e = Entry(Request(rank=ps.rank, type=RequestType(int(resp.type)), name=name,
+                                  dtype=resp.dtype, shape=shape, device=device),
+                          z, Handle(name), output=z)
+            entries.append(e)
+            if tl is not None:
+                tl.start(name, resp.type.name)
+        t = resp.type
+        if t == ResponseType.ALLREDUCE or t == ResponseType.ADASUM:
+            engine.allreduce(entries, resp)
+        elif t == ResponseType.ALLGATHER:
+            engine.allgather(entries, resp)
+        elif t == ResponseType.BROADCAST:
+            engine.broadcast(entries[0], ps.ranks.index(resp.root))
+        elif t == ResponseType.ALLTOALL:
+            engine.alltoall(entries[0])
+        elif t == ResponseType.REDUCESCATTER:
+            engine.reducescatter(entries, resp)
+        else:  # pragma: no cover - negotiation never produces other types
+            raise HorovodInternalError(f"unexpected response type {t.name} for {resp.names}")
+        for e in entries:
+            if tl is not None:
+                out = e.output
+                tl.end(e.name, resp.dtype.label, tuple(getattr(out, "shape", ())))
+            e.handle._set_result(engine.finish(e))
+
+    def _engine(self, ps: ProcessSetState, device: int) -> Any:
+        if device == CPU_DEVICE:
+            return ps.host_engine
+        if ps.device_engine is None:
+            ps.device_engine = create_engine(self.rt.device_engine_name, ps.control, self.config)
+            ps.device_engine.timeline = ps.host_engine.timeline
+        return ps.device_engine
+
+
+def _bits(words: np.ndarray) -> list[int]:
+    out = []
+    for i, w in enumerate(words[1:].tolist()):
+        while w:
+            low = w & -w
+            out.append(i * 64 + low.bit_length() - 1)
+            w ^= low
+    return out
+
+
+def shutdown_error(cause: BaseException | None) -> BaseException:
+    if isinstance(cause, HorovodInternalError):
+        return cause
+    err = ShutdownError()
+    err.__cause__ = cause
+    return err

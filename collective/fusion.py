@@ -1,0 +1,109 @@
+"""Fusion planning: which consecutive ready responses share one fusion buffer.
+
+A pure function of the ordered response list, so every rank computes the same plan from the same
+input (the fast path fuses locally from the response cache). Packing is the engine's job.
+
+Rules (API.md §1.5): ALLREDUCE/ADASUM/REDUCESCATTER fuse with later responses of the same type,
+device, dtype, scale factors and reduce op while the bytes fit under the threshold; ALLGATHER
+fuses by per-rank byte sums. A non-matching response is skipped (kept for later, in order) only
+while the accumulated plus skipped bytes still fit. BROADCAST, ALLTOALL, JOIN, BARRIER and ERROR
+never fuse; JOIN, BARRIER and ERROR also stop the look-ahead.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from .types import Response, ResponseType
+
+__all__ = ["plan_fusion", "response_bytes"]
+
+_REDUCTIONS = (ResponseType.ALLREDUCE, ResponseType.ADASUM, ResponseType.REDUCESCATTER)
+_BARRIERS = (ResponseType.JOIN, ResponseType.BARRIER, ResponseType.ERROR)
+
+
+def _pad(n: int, align: int) -> int:
+    return n if align <= 1 else (n + align - 1) // align * align
+
+
+def _row_elems(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    return n
+
+
+def response_bytes(r: Response, group_size: int, align: int = 0) -> int:
+    """Bytes the response adds to a fusion buffer (allgather: the largest per-rank share)."""
+    item = r.dtype.itemsize
+    if r.type in _REDUCTIONS:
+        pad = 0 if r.type == ResponseType.REDUCESCATTER else align
+        return sum(_pad(n * item, pad) for n in r.sizes)
+    if r.type == ResponseType.ALLGATHER:
+        per_rank = [0] * group_size
+        for t, shape in enumerate(r.shapes):
+            row = _row_elems(shape) * item
+            for rank in range(group_size):
+                per_rank[rank] += _pad(r.sizes[t * group_size + rank] * row, align)
+        return max(per_rank) if per_rank else 0
+    return 0
+
+
+def _compatible(a: Response, b: Response, by_group: bool) -> bool:
+    if a.type != b.type or a.device != b.device or a.dtype != b.dtype:
+        return False
+    if by_group and a.group_ids and b.group_ids and a.group_ids[0] != b.group_ids[0]:
+        return False
+    if a.type == ResponseType.ALLGATHER:
+        return True
+    return (a.reduce_op == b.reduce_op and a.prescale == b.prescale
+            and a.postscale == b.postscale)
+
+
+def _merge(into: Response, other: Response) -> None:
+    into.names.extend(other.names)
+    into.sizes.extend(other.sizes)
+    into.shapes.extend(other.shapes)
+    into.group_ids.extend(other.group_ids)
+
+
+def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
+                align: int = 0, disable_group_fusion: bool = False) -> list[Response]:
+    """Returns the fused responses in execution order. Inputs are not modified."""
+    queue = deque(_copy(r) for r in responses)
+    out: list[Response] = []
+    while queue:
+        head = queue.popleft()
+        fusable = head.type in _REDUCTIONS or head.type == ResponseType.ALLGATHER
+        if not fusable or threshold <= 0:
+            out.append(head)
+            continue
+        used = response_bytes(head, group_size, align)
+        skipped: list[Response] = []
+        skipped_bytes = 0
+        while queue:
+            nxt = queue[0]
+            if nxt.type in _BARRIERS:
+                break
+            nb = response_bytes(nxt, group_size, align)
+            if _compatible(head, nxt, disable_group_fusion):
+                if used + nb > threshold:
+                    break
+                _merge(head, queue.popleft())
+                used += nb
+            elif used + skipped_bytes + nb <= threshold:
+                skipped.append(queue.popleft())
+                skipped_bytes += nb
+            else:
+                break
+        queue.extendleft(reversed(skipped))
+        out.append(head)
+    return out
+
+
+def _copy(r: Response) -> Response:
+    return Response(type=r.type, names=list(r.names), dtype=r.dtype, device=r.device,
+                    sizes=list(r.sizes), reduce_op=r.reduce_op, prescale=r.prescale,
+                    postscale=r.postscale, root=r.root, error=r.error,
+                    last_joined_rank=r.last_joined_rank, shapes=list(r.shapes),
+                    group_ids=list(r.group_ids))

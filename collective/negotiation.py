@@ -1,0 +1,345 @@
+"""Pure negotiation logic: the response cache, rank 0's message table, and response validation.
+
+No threads and no I/O here; the coordinator wires these to a control plane. Every rank applies
+the same cache operations in the same order, so cache bit numbering stays identical everywhere.
+"""
+from __future__ import annotations
+
+import enum
+import pickle
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from .types import (CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response,
+                    ResponseType)
+
+__all__ = ["CacheState", "ResponseCache", "MessageTable", "encode_requests", "decode_requests",
+           "encode_responses", "decode_responses", "CACHEABLE"]
+
+CACHEABLE = (ResponseType.ALLREDUCE, ResponseType.ALLGATHER, ResponseType.ADASUM,
+             ResponseType.ALLTOALL)
+
+EVICTION_WARNING = (
+    "A response has been evicted from cache which may indicate reduced performance. Better "
+    "performance may be obtained by disabling caching (HOROVOD_CACHE_CAPACITY=0) or increasing "
+    "the cache capacity (HOROVOD_CACHE_CAPACITY>1024).")
+
+
+class CacheState(enum.Enum):
+    MISS = 0
+    HIT = 1
+    INVALID = 2
+
+
+def _params(req: Request) -> tuple:
+    return (int(req.type), int(req.dtype), tuple(req.shape), req.device >= 0, req.prescale,
+            req.postscale, int(req.reduce_op))
+
+
+@dataclass
+class _Cached:
+    response: Response
+    params: tuple
+
+
+class ResponseCache:
+    """LRU cache of single-tensor responses; each entry owns a bit of the fast-path vector."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lru: OrderedDict[str, _Cached] = OrderedDict()  # LRU first, MRU last
+        self._bit_of: dict[str, int] = {}
+        self._name_at: list[str | None] = []  # bit -> name (None = hole)
+        self.evicted_once = False
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_bits(self) -> int:
+        return len(self._name_at)
+
+    def lookup(self, req: Request) -> tuple[CacheState, int]:
+        c = self._lru.get(req.name)
+        if c is None:
+            return CacheState.MISS, -1
+        bit = self._bit_of[req.name]
+        return (CacheState.HIT if c.params == _params(req) else CacheState.INVALID), bit
+
+    def put(self, response: Response, req: Request) -> bool:
+        """Caches a single-tensor response; returns True if an entry was evicted."""
+        name = response.names[0]
+        if name in self._lru:
+            self._lru[name] = _Cached(response, _params(req))
+            self._lru.move_to_end(name)
+            return False
+        evicted = False
+        if len(self._lru) >= self.capacity:
+            old, _ = self._lru.popitem(last=False)
+            bit = self._bit_of.pop(old)
+            self._name_at[bit] = name
+            evicted = True
+        else:
+            bit = len(self._name_at)
+            self._name_at.append(name)
+        self._bit_of[name] = bit
+        self._lru[name] = _Cached(response, _params(req))
+        return evicted
+
+    def peek(self, bit: int) -> Response:
+        return self._lru[self._name_at[bit]].response  # type: ignore[index]
+
+    def get(self, bit: int) -> Response:
+        """The cached response for `bit`, marked most recently used."""
+        name = self._name_at[bit]
+        assert name is not None
+        self._lru.move_to_end(name)
+        return self._lru[name].response
+
+    def name_of(self, bit: int) -> str | None:
+        return self._name_at[bit] if 0 <= bit < len(self._name_at) else None
+
+    def erase(self, bit: int) -> None:
+        name = self._name_at[bit]
+        if name is None:
+            return
+        self._name_at[bit] = None
+        del self._bit_of[name]
+        del self._lru[name]
+
+    def renumber(self) -> None:
+        """Compacts holes; the least recently used entry gets bit 0."""
+        self._name_at = list(self._lru)
+        self._bit_of = {n: i for i, n in enumerate(self._name_at)}
+
+    def clear(self) -> None:
+        self._lru.clear()
+        self._bit_of.clear()
+        self._name_at.clear()
+
+
+# -- wire format (control plane payloads) -----------------------------------------------------
+def encode_requests(reqs: Sequence[Request], shutdown: bool) -> bytes:
+    return pickle.dumps(([(r.rank, int(r.type), r.name, int(r.dtype), r.shape, r.device, r.root,
+                           int(r.reduce_op), r.prescale, r.postscale) for r in reqs], shutdown),
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_requests(data: bytes) -> tuple[list[Request], bool]:
+    rows, shutdown = pickle.loads(data)
+    return [Request(rank=r[0], type=RequestType(r[1]), name=r[2], dtype=DataType(r[3]),
+                    shape=tuple(r[4]), device=r[5], root=r[6], reduce_op=ReduceOp(r[7]),
+                    prescale=r[8], postscale=r[9]) for r in rows], shutdown
+
+
+def encode_responses(resps: Sequence[Response], shutdown: bool, join_active: bool) -> bytes:
+    return pickle.dumps(([(int(r.type), r.names, int(r.dtype), r.device, r.sizes,
+                           int(r.reduce_op), r.prescale, r.postscale, r.root, r.error,
+                           r.last_joined_rank, r.shapes) for r in resps], shutdown, join_active),
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_responses(data: bytes) -> tuple[list[Response], bool, bool]:
+    rows, shutdown, join_active = pickle.loads(data)
+    return [Response(type=ResponseType(r[0]), names=r[1], dtype=DataType(r[2]), device=r[3],
+                     sizes=r[4], reduce_op=ReduceOp(r[5]), prescale=r[6], postscale=r[7],
+                     root=r[8], error=r[9], last_joined_rank=r[10], shapes=r[11])
+            for r in rows], shutdown, join_active
+
+
+# -- rank 0's message table -------------------------------------------------------------------
+def _shape_str(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _ranks_str(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+class MessageTable:
+    """Rank 0 of a process set: counts requests per name and builds validated responses."""
+
+    def __init__(self, size: int, global_ranks: list[int]) -> None:
+        self.size = size
+        self.global_ranks = global_ranks
+        # name -> {ps rank: Request}; insertion order = order of first sight
+        self.table: dict[str, dict[int, Request]] = {}
+        self.first_seen: dict[str, float] = {}
+        self.joined: set[int] = set()
+        self.last_joined = -1
+
+    @property
+    def join_active(self) -> bool:
+        return bool(self.joined)
+
+    def pending(self) -> dict[str, tuple[set[int], float]]:
+        """name -> (ps ranks that submitted, first-seen time); for the stall inspector."""
+        return {n: (set(reqs), self.first_seen[n]) for n, reqs in self.table.items()}
+
+    def process(self, request_lists: Sequence[Sequence[Request]],
+                on_first=None, on_rank=None) -> list[Response]:
+        """Adds every rank's new requests (in rank order); returns the responses now ready.
+
+        `on_first(name, type)` and `on_rank(name, rank)` feed the timeline.
+        """
+        ready: list[str] = []
+        joined_now = False
+        now = time.monotonic()
+        for rank, reqs in enumerate(request_lists):
+            for req in reqs:
+                if req.type == RequestType.JOIN:
+                    self.joined.add(rank)
+                    self.last_joined = self.global_ranks[rank]
+                    joined_now = True
+                    continue
+                slot = self.table.get(req.name)
+                if slot is None:
+                    slot = self.table[req.name] = {}
+                    self.first_seen[req.name] = now
+                    if on_first is not None:
+                        on_first(req.name, req.type)
+                slot[rank] = req
+                if on_rank is not None:
+                    on_rank(req.name, self.global_ranks[rank])
+                if len(slot.keys() | self.joined) == self.size and req.name not in ready:
+                    ready.append(req.name)
+        if joined_now:  # names waiting only for ranks that have now joined
+            for name, slot in self.table.items():
+                if name not in ready and len(slot.keys() | self.joined) == self.size:
+                    ready.append(name)
+        responses = [self._construct(name) for name in ready]
+        if len(self.joined) == self.size:
+            responses.append(Response(type=ResponseType.JOIN, names=["join.noname"],
+                                      last_joined_rank=self.last_joined))
+            self.joined.clear()
+            self.last_joined = -1
+        return responses
+
+    def _error(self, name: str, message: str) -> Response:
+        return Response(type=ResponseType.ERROR, names=[name], error=message)
+
+    def _disagree(self, reqs: dict[int, Request], key) -> tuple[list[int], list[int]] | None:
+        """Ranks (global) with the first value vs ranks with another value, if they differ."""
+        ranks = sorted(reqs)
+        first = key(reqs[ranks[0]])
+        same = [r for r in ranks if key(reqs[r]) == first]
+        other = [r for r in ranks if key(reqs[r]) != first]
+        if not other:
+            return None
+        return [self.global_ranks[r] for r in same], [self.global_ranks[r] for r in other]
+
+    def _construct(self, name: str) -> Response:
+        reqs = self.table.pop(name)
+        self.first_seen.pop(name, None)
+        ranks = sorted(reqs)
+        first = reqs[ranks[0]]
+        odd_rank = None
+
+        def mismatch(key, text) -> Response | None:
+            nonlocal odd_rank
+            d = self._disagree(reqs, key)
+            if d is None:
+                return None
+            same, other = d
+            odd = next(r for r in ranks if key(reqs[r]) != key(first))
+            odd_rank = odd
+            msg = text(first, reqs[odd])
+            return self._error(name, (
+                f"{msg} (tensor {name!r}: rank(s) {_ranks_str(same)} sent {key(first)}, rank(s) "
+                f"{_ranks_str(other)} sent {key(reqs[odd])}; every rank must submit the same "
+                f"tensor under the same name)"))
+
+        op = first.type
+        checks = [
+            (lambda r: r.dtype.label, lambda a, b: (
+                f"Mismatched data types: One rank had type {a.dtype.label}, but another rank "
+                f"had type {b.dtype.label}.")),
+            (lambda r: r.type.name, lambda a, b: (
+                f"Mismatched operations: One rank did an {a.type.name}, but another rank did an "
+                f"{b.type.name}.")),
+        ]
+        for key, text in checks:
+            err = mismatch(key, text)
+            if err:
+                return err
+        joined = bool(self.joined)
+        if op in (RequestType.ALLREDUCE, RequestType.ADASUM, RequestType.BROADCAST,
+                  RequestType.REDUCESCATTER):
+            err = mismatch(lambda r: _shape_str(r.shape), lambda a, b: (
+                f"Mismatched {op.name} tensor shapes: One rank sent a tensor of shape "
+                f"{_shape_str(a.shape)}, but another rank sent a tensor of shape "
+                f"{_shape_str(b.shape)}."))
+            if err:
+                return err
+        if op in (RequestType.ALLREDUCE, RequestType.ADASUM, RequestType.REDUCESCATTER):
+            err = mismatch(lambda r: (r.prescale, r.postscale), lambda a, b: (
+                f"Mismatched prescale and/or postscale factors: One rank sent factors "
+                f"({a.prescale}, {a.postscale}), but another rank sent factors "
+                f"({b.prescale}, {b.postscale})."))
+            if err:
+                return err
+        if op in (RequestType.ALLREDUCE, RequestType.REDUCESCATTER):
+            err = mismatch(lambda r: int(r.reduce_op), lambda a, b: (
+                f"Mismatched reduction operation: One rank sent reduction op "
+                f"{int(a.reduce_op)}, but another rank sent reduction op {int(b.reduce_op)}."))
+            if err:
+                return err
+        if op in (RequestType.ALLGATHER, RequestType.ALLTOALL):
+            if joined:
+                return self._error(name, (
+                    "Allgather is not supported with Join at this time. Specify "
+                    "sparse_to_dense=True if using DistributedOptimizer"
+                    if op == RequestType.ALLGATHER else
+                    "Alltoall is not supported with Join at this time."))
+            if len(first.shape) == 0:
+                return self._error(name, (
+                    f"Process-set rank zero tried to {op.name} a rank-zero tensor. "
+                    f"(tensor {name!r}; use a tensor with at least one dimension)"))
+            err = mismatch(lambda r: len(r.shape), lambda a, b: (
+                f"Mismatched {op.name} tensor shapes: One rank sent a tensor of rank "
+                f"{len(a.shape)}, but another rank sent a tensor of rank {len(b.shape)}."))
+            if err:
+                return err
+            for d in range(1, len(first.shape)):
+                err = mismatch(lambda r, d=d: r.shape[d], lambda a, b, d=d: (
+                    f"Mismatched {op.name} tensor shapes: One rank sent a tensor with dimension "
+                    f"{d} equal to {a.shape[d]}, but another rank sent a tensor with dimension "
+                    f"{d} equal to {b.shape[d]}."))
+                if err:
+                    return err
+        if op == RequestType.REDUCESCATTER:
+            if joined:
+                return self._error(name, "Reducescatter is not supported with Join at this time.")
+            if len(first.shape) == 0:
+                return self._error(name, (
+                    "Process-set rank zero tried to REDUCESCATTER a rank-zero tensor. "
+                    f"(tensor {name!r}; use a tensor with at least one dimension)"))
+        if op == RequestType.BROADCAST:
+            if joined:
+                return self._error(name, "Broadcast is not supported with Join at this time.")
+            err = mismatch(lambda r: r.root, lambda a, b: (
+                f"Mismatched BROADCAST root ranks: One rank specified root rank {a.root}, but "
+                f"another rank specified root rank {b.root}."))
+            if err:
+                return err
+        err = mismatch(lambda r: "GPU" if r.device != CPU_DEVICE else "CPU", lambda a, b: (
+            f"Mismatched {op.name} CPU/GPU device selection: One rank specified device "
+            f"{'GPU' if a.device != CPU_DEVICE else 'CPU'}, but another rank specified device "
+            f"{'GPU' if b.device != CPU_DEVICE else 'CPU'}."))
+        if err:
+            return err
+        return self._response(name, first, reqs)
+
+    def _response(self, name: str, first: Request, reqs: dict[int, Request]) -> Response:
+        rtype = ResponseType(int(first.type))
+        r = Response(type=rtype, names=[name], dtype=first.dtype,
+                     device=CPU_DEVICE if first.device == CPU_DEVICE else 0,
+                     reduce_op=first.reduce_op, prescale=first.prescale,
+                     postscale=first.postscale, root=first.root, shapes=[first.shape])
+        if rtype in (ResponseType.ALLREDUCE, ResponseType.ADASUM, ResponseType.REDUCESCATTER):
+            r.sizes = [first.num_elements()]
+        elif rtype == ResponseType.ALLGATHER:
+            r.sizes = [reqs[k].shape[0] for k in range(self.size)]
+        return r

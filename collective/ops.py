@@ -1,0 +1,385 @@
+"""Collectives on numpy arrays, and `enqueue`, the entry point framework adapters build on.
+
+Every op has an `_async` form returning a `Handle`; the plain form waits. Names follow Horovod:
+`<prefix>.<name>`, or `<prefix>.noname.<n>` without a name (then ranks must issue unnamed ops in
+the same order). Two-rank example::
+
+    # rank 0: x = np.array([1., 2.])      rank 1: x = np.array([3., 4.])
+    hvd.allreduce(x, op=hvd.Sum)          # both ranks: array([4., 6.])
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import runtime as _rt
+from .entry import Entry, default_allocate
+from .errors import HorovodInternalError
+from .handle import GroupHandle, Handle
+from .process_sets import ProcessSet, global_process_set
+from .types import CPU_DEVICE, DataType, ReduceOp, Request, RequestType, dtype_of
+
+__all__ = [
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "enqueue", "resolve_op",
+    "allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_",
+    "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "poll",
+    "synchronize",
+]
+
+Average, Sum, Adasum = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
+Min, Max, Product = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
+
+_PREFIX = {RequestType.ALLREDUCE: "allreduce", RequestType.ALLGATHER: "allgather",
+           RequestType.BROADCAST: "broadcast", RequestType.ALLTOALL: "alltoall",
+           RequestType.REDUCESCATTER: "reducescatter"}
+_LABEL = {RequestType.ALLREDUCE: "Allreduce", RequestType.ALLGATHER: "Allgather",
+          RequestType.BROADCAST: "Broadcast", RequestType.ALLTOALL: "Alltoall",
+          RequestType.REDUCESCATTER: "Reducescatter", RequestType.BARRIER: "Barrier",
+          RequestType.JOIN: "Join"}
+
+
+def resolve_op(op: Any, average: bool | None, default: ReduceOp = ReduceOp.AVERAGE) -> ReduceOp:
+    """Horovod's op/average rules: `average` is deprecated and conflicts with `op`.
+
+    Raises:
+        ValueError: both given.
+    """
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
+                      DeprecationWarning, stacklevel=3)
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return default if op is None else ReduceOp(int(op))
+
+
+def _check_reduce(dtype: DataType, op: ReduceOp, label: str) -> None:
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError("Adasum is not supported by ringvod; use op=hvd.Average or "
+                                  "hvd.Sum")
+    if dtype == DataType.BOOL and op == ReduceOp.AVERAGE:
+        raise ValueError(f"{label}: Average of a bool tensor is undefined; use Sum (logical or), "
+                         "Min or Max.")
+
+
+def enqueue(kind: RequestType, tensors: Sequence[Any], *, name: str | None = None,
+            process_set: ProcessSet = global_process_set, op: ReduceOp = ReduceOp.SUM,
+            prescale: float = 1.0, postscale: float = 1.0, root: int = -1,
+            outputs: Sequence[Any] | None = None, splits: Any = None,
+            dtypes: Sequence[DataType] | None = None, shapes: Sequence[tuple] | None = None,
+            device: int = CPU_DEVICE, ready_events: Sequence[Any] | None = None,
+            allocate: Callable[[tuple, Any], Any] | None = None, grouped: bool = False,
+            contexts: Sequence[dict] | None = None) -> Handle:
+    """Queues one op (or a grouped op) and returns its handle. For adapters and the numpy API.
+
+    Host tensors are numpy arrays (dtype and shape read from them); device tensors are opaque
+    objects for the device engine, with `dtypes`/`shapes` given explicitly.
+
+    Raises:
+        ValueError: not initialised, bad process set or root, bad splits, duplicate name.
+        ShutdownError: the runtime has shut down.
+    """
+    rt = _rt.current()
+    label = _LABEL[kind]
+    state = rt.process_set_state(process_set, label)
+    n = len(tensors)
+    hid = rt.next_handle_id()
+    prefix = ("grouped_" if grouped else "") + _PREFIX.get(kind, kind.name.lower())
+    base = name if name is not None else f"noname.{hid}"
+    if grouped:
+        names = [f"{prefix}.{base}_{i + 1}of{n}" for i in range(n)]
+    else:
+        names = [f"{prefix}.{base}"]
+    if kind == RequestType.BROADCAST:
+        members = rt.ranks_of(process_set)
+        if root not in members:
+            raise ValueError(f"broadcast received invalid root rank {root} for provided process "
+                             f"set (members: {members})")
+    entries = []
+    group_id = hid if grouped else -1
+    for i, t in enumerate(tensors):
+        dtype = dtypes[i] if dtypes is not None else dtype_of(t)
+        shape = tuple(shapes[i]) if shapes is not None else tuple(t.shape)
+        if kind in (RequestType.ALLREDUCE, RequestType.REDUCESCATTER):
+            _check_reduce(dtype, op, label)
+        req = Request(rank=state.rank, type=kind, name=names[i], dtype=dtype, shape=shape,
+                      device=device, root=root, reduce_op=op, prescale=float(prescale),
+                      postscale=float(postscale), group_id=group_id)
+        e = Entry(req, t, Handle(names[i]),
+                  output=outputs[i] if outputs is not None else None,
+                  allocate=allocate or default_allocate,
+                  ready_event=ready_events[i] if ready_events is not None else None,
+                  result_kind="alltoall" if kind == RequestType.ALLTOALL else None,
+                  context=contexts[i] if contexts is not None else {})
+        if kind == RequestType.ALLTOALL:
+            e.splits = _alltoall_splits(splits, shape, state.size)
+        entries.append(e)
+    rt.submit(state, entries)
+    if grouped:
+        return GroupHandle(f"{prefix}.{base}", [e.handle for e in entries])
+    return entries[0].handle
+
+
+def _alltoall_splits(splits: Any, shape: tuple, size: int) -> np.ndarray:
+    dim0 = shape[0] if shape else 0
+    if splits is None:
+        if dim0 % size:
+            raise ValueError("splits not provided, but first dimension of tensor is not an even "
+                             "multiple of the number of workers.")
+        return np.full(size, dim0 // size, dtype=np.int32)
+    arr = np.asarray(splits)
+    if arr.ndim != 1:
+        raise ValueError("alltoall expects a 1D splits tensor")
+    if arr.dtype.kind not in "iu":
+        raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
+    if arr.size != size:
+        raise ValueError("Number of entries in splits does not equal number of workers.")
+    if (arr < 0).any():
+        raise ValueError("alltoall splits must be non-negative")
+    if int(arr.sum()) > dim0:
+        raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
+    return arr.astype(np.int32)
+
+
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        a = np.asarray(a)
+    return np.ascontiguousarray(a)
+
+
+def _require_contiguous(a: np.ndarray) -> np.ndarray:
+    if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
+        raise ValueError("Tensor is required to be contiguous.")
+    return a
+
+
+# -- allreduce ---------------------------------------------------------------------------------
+def allreduce_async(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
+                    op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Reduces `tensor` across the process set into a new array; returns a handle.
+
+    Raises:
+        ValueError: not initialised, unsupported dtype, duplicate name, op/average conflict.
+    """
+    op = resolve_op(op, average)
+    return enqueue(RequestType.ALLREDUCE, [_contiguous(tensor)], name=name,
+                   process_set=process_set, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor)
+
+
+def allreduce(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
+              op: ReduceOp | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Synchronous `allreduce_async`; returns the reduced array (input unchanged)."""
+    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
+                                       postscale_factor, process_set))
+
+
+def allreduce_async_(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
+                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """In-place allreduce: the result overwrites `tensor` (which must be contiguous)."""
+    op = resolve_op(op, average)
+    t = _require_contiguous(tensor)
+    return enqueue(RequestType.ALLREDUCE, [t], name=name, process_set=process_set, op=op,
+                   prescale=prescale_factor, postscale=postscale_factor, outputs=[t])
+
+
+def allreduce_(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
+               op: ReduceOp | None = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> np.ndarray:
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+def grouped_allreduce_async(tensors: Sequence[np.ndarray], average: bool | None = None,
+                            name: str | None = None, op: ReduceOp | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Allreduces a list atomically (members negotiate and fuse together)."""
+    op = resolve_op(op, average)
+    return enqueue(RequestType.ALLREDUCE, [_contiguous(t) for t in tensors], name=name,
+                   process_set=process_set, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, grouped=True)
+
+
+def grouped_allreduce(tensors: Sequence[np.ndarray], average: bool | None = None,
+                      name: str | None = None, op: ReduceOp | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
+                                               postscale_factor, process_set))
+
+
+def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: bool | None = None,
+                             name: str | None = None, op: ReduceOp | None = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
+    op = resolve_op(op, average)
+    ts = [_require_contiguous(t) for t in tensors]
+    return enqueue(RequestType.ALLREDUCE, ts, name=name, process_set=process_set, op=op,
+                   prescale=prescale_factor, postscale=postscale_factor, outputs=ts,
+                   grouped=True)
+
+
+def grouped_allreduce_(tensors: Sequence[np.ndarray], average: bool | None = None,
+                       name: str | None = None, op: ReduceOp | None = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+# -- allgather / broadcast / alltoall / reducescatter -------------------------------------------
+def allgather_async(tensor: np.ndarray, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Concatenates every rank's tensor along dim 0 (dim-0 sizes may differ)."""
+    return enqueue(RequestType.ALLGATHER, [_contiguous(tensor)], name=name,
+                   process_set=process_set)
+
+
+def allgather(tensor: np.ndarray, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def grouped_allgather_async(tensors: Sequence[np.ndarray], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    return enqueue(RequestType.ALLGATHER, [_contiguous(t) for t in tensors], name=name,
+                   process_set=process_set, grouped=True)
+
+
+def grouped_allgather(tensors: Sequence[np.ndarray], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+def broadcast_async(tensor: np.ndarray, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Returns a copy of the root's tensor on every rank (`root_rank` is a global rank)."""
+    return enqueue(RequestType.BROADCAST, [_contiguous(tensor)], name=name,
+                   process_set=process_set, root=root_rank)
+
+
+def broadcast(tensor: np.ndarray, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_async_(tensor: np.ndarray, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    t = _require_contiguous(tensor)
+    return enqueue(RequestType.BROADCAST, [t], name=name, process_set=process_set,
+                   root=root_rank, outputs=[t])
+
+
+def broadcast_(tensor: np.ndarray, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> np.ndarray:
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def alltoall_async(tensor: np.ndarray, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Sends `splits[r]` rows to rank r; the handle yields (output, received_splits)."""
+    return enqueue(RequestType.ALLTOALL, [_contiguous(tensor)], name=name,
+                   process_set=process_set, splits=splits)
+
+
+def alltoall(tensor: np.ndarray, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Returns the output, or (output, received_splits) when `splits` is given."""
+    out, recv = synchronize(alltoall_async(tensor, splits, name, process_set))
+    return out if splits is None else (out, recv)
+
+
+def _check_rs_op(op: ReduceOp) -> None:
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
+
+
+def reducescatter_async(tensor: np.ndarray, name: str | None = None,
+                        op: ReduceOp = ReduceOp.AVERAGE,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Reduces, then gives rank r its share of dim 0 (the first dim0 % size ranks get one more)."""
+    _check_rs_op(op)
+    return enqueue(RequestType.REDUCESCATTER, [_contiguous(tensor)], name=name,
+                   process_set=process_set, op=ReduceOp(int(op)), prescale=prescale_factor,
+                   postscale=postscale_factor)
+
+
+def reducescatter(tensor: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> np.ndarray:
+    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                           postscale_factor))
+
+
+def grouped_reducescatter_async(tensors: Sequence[np.ndarray], name: str | None = None,
+                                op: ReduceOp = ReduceOp.AVERAGE,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    _check_rs_op(op)
+    return enqueue(RequestType.REDUCESCATTER, [_contiguous(t) for t in tensors], name=name,
+                   process_set=process_set, op=ReduceOp(int(op)), prescale=prescale_factor,
+                   postscale=postscale_factor, grouped=True)
+
+
+def grouped_reducescatter(tensors: Sequence[np.ndarray], name: str | None = None,
+                          op: ReduceOp = ReduceOp.AVERAGE,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[np.ndarray]:
+    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set,
+                                                   prescale_factor, postscale_factor))
+
+
+# -- barrier / join / handles -------------------------------------------------------------------
+def _control_op(kind: RequestType, name: str, process_set: ProcessSet,
+                device: int = CPU_DEVICE) -> Handle:
+    rt = _rt.current()
+    state = rt.process_set_state(process_set, _LABEL[kind])
+    e = Entry(Request(rank=state.rank, type=kind, name=name, device=device), None, Handle(name),
+              result_kind="join" if kind == RequestType.JOIN else None)
+    rt.submit(state, [e])
+    return e.handle
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Blocks until every member of the process set has called `barrier`."""
+    synchronize(_control_op(RequestType.BARRIER, "barrier.noname", process_set))
+
+
+def join(device: int = -1) -> int:
+    """Signals that this rank has no more data; joined ranks contribute zeros to allreduces.
+
+    Blocks until every rank has joined and returns the last rank to join (same on all ranks).
+    """
+    return synchronize(_control_op(RequestType.JOIN, "join.noname", global_process_set))
+
+
+def poll(handle: Handle) -> bool:
+    """True when the op behind `handle` has finished. Never blocks."""
+    return handle.done()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Waits for the op and returns its result.
+
+    Raises:
+        HorovodInternalError: the op failed on this or another rank (mismatch, dead peer,
+            shutdown).
+    """
+    return handle.wait()

@@ -1,0 +1,77 @@
+"""`ProcessSet`: a sorted subset of global ranks with its own negotiation and communicators."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["ProcessSet", "global_process_set"]
+
+
+class ProcessSet:
+    """A group of ranks that runs collectives among themselves.
+
+    Attributes:
+        process_set_id: id assigned at registration (0 = all ranks); None before.
+        ranks: sorted global ranks.
+        mpi_comm: the mpi4py communicator it was built from, if any.
+    """
+
+    def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
+        self.mpi_comm = None
+        if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator
+            self.mpi_comm = ranks_or_comm
+            self.ranks: list[int] | None = None  # resolved at registration
+        else:
+            ranks = sorted(int(r) for r in ranks_or_comm)
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"process set ranks must be unique, got {list(ranks_or_comm)}")
+            self.ranks = ranks
+        self.process_set_id: int | None = None
+        self._runtime: Any = None  # set at registration
+
+    def _bind(self, ps_id: int, ranks: list[int], runtime: Any) -> None:
+        self.process_set_id, self.ranks, self._runtime = ps_id, ranks, runtime
+
+    def _invalidate(self) -> None:
+        self.process_set_id, self._runtime = None, None
+
+    def size(self) -> int | None:
+        """Number of ranks, or None before registration."""
+        return None if self.ranks is None or self.process_set_id is None else len(self.ranks)
+
+    def rank(self) -> int | None:
+        """This process's rank inside the set, None before registration or if not a member."""
+        if self._runtime is None or self.ranks is None:
+            return None
+        me = self._runtime.rank
+        return self.ranks.index(me) if me in self.ranks else None
+
+    def included(self) -> bool | None:
+        """Whether this process belongs to the set (None before registration)."""
+        if self._runtime is None or self.ranks is None:
+            return None
+        return self._runtime.rank in self.ranks
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ProcessSet) and self.ranks == other.ranks and (
+            self.process_set_id == other.process_set_id)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.ranks or ()), self.process_set_id))
+
+    def __str__(self) -> str:
+        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+                f"mpi_comm={self.mpi_comm})")
+
+    __repr__ = __str__
+
+
+class _GlobalProcessSet(ProcessSet):
+    """Process set 0: all ranks. Its ranks track the current runtime."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.process_set_id = 0
+        self.ranks = None
+
+
+global_process_set = _GlobalProcessSet()

@@ -1,0 +1,362 @@
+"""`Runtime`: the object `init()` creates; it owns config, control planes, engines, process sets
+and the coordinator. Module-level functions look it up with `current()`.
+
+Tests that run N ranks as N threads of one process (loopback) give each thread its own runtime
+through `use_runtime()`; everything else uses the process-wide runtime set by `init()`.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import os
+import pickle
+import socket
+import threading
+from typing import Any, Iterator, Sequence
+
+from . import _log
+from .config import Config, read_env
+from .coordinator import Coordinator, ProcessSetState, shutdown_error
+from .engines import create_backend, create_engine
+from .entry import Entry
+from .errors import DuplicateNameError, NotInitializedError, ShutdownError
+from .handle import Handle
+from .process_sets import ProcessSet, global_process_set
+
+__all__ = ["Runtime", "current", "current_or_none", "set_current", "use_runtime", "detect_mode"]
+
+_log_ = _log.get_logger()
+
+_lock = threading.Lock()  # guards _current
+_current: "Runtime | None" = None
+_local = threading.local()
+
+
+def current_or_none() -> "Runtime | None":
+    rt = getattr(_local, "rt", None)
+    return rt if rt is not None else _current
+
+
+def current() -> "Runtime":
+    """The runtime of this thread (loopback) or process.
+
+    Raises:
+        NotInitializedError: `init()` has not been called (or `shutdown()` was).
+    """
+    rt = current_or_none()
+    if rt is None:
+        raise NotInitializedError()
+    return rt
+
+
+def set_current(rt: "Runtime | None") -> None:
+    global _current
+    with _lock:
+        _current = rt
+
+
+@contextlib.contextmanager
+def use_runtime(rt: "Runtime | None") -> Iterator[None]:
+    """Makes `rt` this thread's runtime (loopback tests run one rank per thread)."""
+    prev = getattr(_local, "rt", None)
+    _local.rt = rt
+    try:
+        yield
+    finally:
+        _local.rt = prev
+
+
+def detect_mode(config: Config, comm: Any = None) -> str:
+    """Picks the backend: explicit controller, launcher variables, MPI launchers, torchrun, else
+    a single process."""
+    if comm is not None and not isinstance(comm, (list, tuple)):
+        return "mpi"
+    ctl = (config.controller or config.cpu_operations).strip().lower()
+    if ctl == "mpi":
+        return "mpi"
+    if ctl in ("gloo", "tcp"):
+        return "tcp"
+    if config.rendezvous_addr:
+        return "tcp"
+    if comm is not None or config.ompi_size > 0 or config.pmi_size > 0 or config.pmix_rank >= 0:
+        return "mpi"
+    if config.env_world_size > 0 and config.master_addr:
+        return "tcp"
+    return "single"
+
+
+class Runtime:
+    def __init__(self, config: Config, control: Any, mode: str,
+                 process_sets: Sequence[ProcessSet] | str | None = None,
+                 host_engine: str | None = None, device_engine: str = "nccl") -> None:
+        self.config = config
+        self.mode = mode
+        self.control = control  # the world's control plane
+        self.rank, self.size = control.rank, control.size
+        self.host_engine_name = host_engine or {"single": "loopback"}.get(mode, mode)
+        self.device_engine_name = device_engine
+        self.dynamic_process_sets = process_sets == "dynamic" or config.dynamic_process_sets
+        self._handle_ids = itertools.count()
+        self._lock = threading.Lock()  # guards _sets/_registry/_members/_ps_changes/state
+        self._sets: dict[int, ProcessSetState] = {}
+        self._registry: dict[int, ProcessSet] = {}
+        self._members: list[ProcessSetState] = []
+        self._ps_changes: list[tuple[str, Any, Handle]] = []
+        self.shut_down = False
+        self.cause: BaseException | None = None
+        self._topology()
+        _log.configure(config.log_level, config.log_hide_time, self.rank,
+                       self.hostname if self.cross_size > 1 else None)
+        self.coordinator = Coordinator(self)
+        self._register(0, list(range(self.size)), control, global_process_set)
+        if isinstance(process_sets, (list, tuple)):
+            for ps in process_sets:
+                self._add_static(ps)
+        self._setup_timeline()
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def create(cls, comm: Any = None, process_sets: Any = None, config: Config | None = None,
+               control: Any = None, mode: str | None = None, **kw: Any) -> "Runtime":
+        config = config or read_env()
+        if control is None:
+            mode = mode or detect_mode(config, comm)
+            control = create_backend(mode, config, comm=comm)
+        return cls(config, control, mode or "loopback", process_sets, **kw)
+
+    def _topology(self) -> None:
+        c = self.config
+        self.hostname = c.hostname or socket.gethostname()
+        hosts = [pickle.loads(b) for b in self.control.allgather(pickle.dumps(self.hostname))]
+        order: list[str] = []
+        for h in hosts:
+            if h not in order:
+                order.append(h)
+        same = [r for r, h in enumerate(hosts) if h == self.hostname]
+        self.local_rank, self.local_size = same.index(self.rank), len(same)
+        local_of = [sum(1 for q in range(r) if hosts[q] == hosts[r]) for r in range(self.size)]
+        with_my_local = [order.index(hosts[r]) for r in range(self.size)
+                         if local_of[r] == self.local_rank]
+        self.cross_rank = sorted(with_my_local).index(order.index(self.hostname))
+        self.cross_size = len(with_my_local)
+        self.is_homogeneous = len({hosts.count(h) for h in order}) == 1
+
+    def _register(self, ps_id: int, ranks: list[int], control: Any, ps: ProcessSet) -> None:
+        if ps is not global_process_set:
+            ps._bind(ps_id, ranks, self)
+        self._registry[ps_id] = ps
+        if control is None:
+            return
+        engine = create_engine(self.host_engine_name, control, self.config)
+        state = ProcessSetState(ps_id, ranks, control, engine, self.config,
+                                is_global_root=self.rank == 0 and ps_id == 0)
+        self._sets[ps_id] = state
+        self._members = [self._sets[k] for k in sorted(self._sets)]
+
+    def _add_static(self, ps: ProcessSet) -> None:
+        ranks = ps.ranks
+        if ranks is None:  # built from an mpi4py communicator
+            ranks = self._ranks_of_comm(ps.mpi_comm)
+        for other in self._registry.values():
+            if other is not global_process_set and other.ranks == ranks:
+                raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+        if any(r < 0 or r >= self.size for r in ranks):
+            raise ValueError(f"process set ranks {ranks} out of range for size {self.size}")
+        control = self.control.split(ranks)
+        self._register(self._next_ps_id(), ranks, control, ps)
+
+    def _ranks_of_comm(self, comm: Any) -> list[int]:
+        mine = None
+        if comm is not None and getattr(comm, "size", 0):
+            from mpi4py import MPI  # only reached in MPI mode
+            world = getattr(self.control, "comm", MPI.COMM_WORLD).Get_group()
+            mine = list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.size)),
+                                                  world))
+        lists = [pickle.loads(b) for b in self.control.allgather(pickle.dumps(mine))]
+        return next(sorted(lst) for lst in lists if lst is not None)
+
+    def _next_ps_id(self) -> int:
+        i = 1
+        while i in self._registry:
+            i += 1
+        return i
+
+    def _setup_timeline(self) -> None:
+        path = self.config.timeline
+        self.timeline_enabled = bool(path)
+        if not path or self.rank != 0:
+            return
+        from .timeline import Timeline  # written off the critical path by its own thread
+        dynamic = path.upper() == "DYNAMIC"
+        tl = Timeline("" if dynamic else path, self.config.timeline_mark_cycles)
+        self.coordinator.timeline = tl
+        for ps in self._members:
+            ps.host_engine.timeline = tl
+
+    def start(self) -> "Runtime":
+        self.coordinator.start()
+        return self
+
+    def _pin_thread(self) -> None:
+        spec = self.config.thread_affinity
+        if not spec:
+            return
+        cores = [int(c) for c in spec.split(",") if c.strip()]
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {cores[self.local_rank % len(cores)]})
+
+    # -- process sets -------------------------------------------------------------------------
+    def member_sets(self) -> list[ProcessSetState]:
+        return self._members
+
+    def process_set_state(self, ps: ProcessSet, op_label: str) -> ProcessSetState:
+        """Resolves a user ProcessSet to this rank's state.
+
+        Raises:
+            ValueError: unknown set, or this rank is not a member (Horovod's texts).
+        """
+        ps_id = 0 if ps is global_process_set or ps is None else ps.process_set_id
+        if ps_id is None or ps_id not in self._registry:
+            raise ValueError(f"{op_label}: Process set provided does not exist, or has not "
+                             "been registered.")
+        state = self._sets.get(ps_id)
+        if state is None:
+            raise ValueError(f"{op_label}: Rank {self.rank} is not a member of the provided "
+                             "process set.")
+        return state
+
+    def ranks_of(self, ps: ProcessSet) -> list[int]:
+        if ps is global_process_set or ps is None:
+            return list(range(self.size))
+        return list(ps.ranks or [])
+
+    def request_process_set_change(self, kind: str, arg: Any) -> Handle:
+        if not self.dynamic_process_sets:
+            raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets "
+                             "after Horovod initialization.")
+        h = Handle(f"process_set.{kind}")
+        with self._lock:
+            self._check_running()
+            self._ps_changes.append((kind, arg, h))
+        self.coordinator.wake()
+        return h
+
+    def _sync_process_set_changes(self) -> None:
+        """Coordinator thread, every cycle in dynamic mode: apply changes all ranks agree on."""
+        with self._lock:
+            head = self._ps_changes[0] if self._ps_changes else None
+        mine = None if head is None else (head[0], head[1].ranks if head[0] == "add" else head[1])
+        views = [pickle.loads(b) for b in self.control.allgather(pickle.dumps(mine))]
+        if any(v is None for v in views):
+            return
+        with self._lock:
+            self._ps_changes.pop(0)
+        assert head is not None
+        kind, arg, handle = head
+        if any(v != views[0] for v in views):
+            handle._set_exception(ValueError(
+                f"process set changes differ across ranks: {views}; every rank must make the "
+                "same add_process_set/remove_process_set calls in the same order"))
+            return
+        try:
+            if kind == "add":
+                self._add_static(arg)
+                handle._set_result(arg)
+            else:
+                handle._set_result(self._remove(arg))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            handle._set_exception(exc)
+
+    def _remove(self, ps_id: int) -> bool:
+        ps = self._registry.pop(ps_id, None)
+        if ps is None:
+            return False
+        state = self._sets.pop(ps_id, None)
+        self._members = [self._sets[k] for k in sorted(self._sets)]
+        if state is not None:
+            state.fail_all(ValueError(f"process set {ps_id} was removed"))
+            state.host_engine.close()
+            state.control.close()
+        ps._invalidate()
+        return True
+
+    # -- submission ---------------------------------------------------------------------------
+    def next_handle_id(self) -> int:
+        return next(self._handle_ids)
+
+    def _check_running(self) -> None:
+        if self.shut_down:
+            raise shutdown_error(self.cause) if self.cause else ShutdownError()
+
+    def submit(self, state: ProcessSetState, entries: list[Entry]) -> None:
+        """Queues entries atomically (a grouped op negotiates as one).
+
+        Raises:
+            DuplicateNameError: a name is already pending on this rank.
+            ShutdownError: the runtime has shut down.
+        """
+        self._check_running()
+        with state.lock:
+            for i, e in enumerate(entries):
+                if e.name in state.table or any(e.name == o.name for o in entries[:i]):
+                    raise DuplicateNameError(
+                        f"Requested to collective {e.name!r}, but a tensor with the same name is "
+                        f"already pending on rank {self.rank}. Wait for the first op (synchronize"
+                        ") or give the tensors distinct names.")
+            for e in entries:
+                state.table[e.name] = e
+                state.queue.append(e.request)
+        if self.shut_down:  # raced with the loop's exit: fail what we just queued
+            state.fail_all(shutdown_error(self.cause))
+        self.coordinator.wake()
+
+    # -- shutdown -----------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Stops the coordinator on every rank (the flag travels with the next negotiation)."""
+        if not self.coordinator.stopped.is_set():
+            self.coordinator.request_shutdown()
+            if not self.coordinator.join(timeout):
+                _log_.error("the coordinator did not stop within %.0f s; aborting", timeout)
+                for ps in self._members:
+                    ps.control.abort("shutdown timed out")
+                self.coordinator.join(5.0)
+        for ps in self._members:
+            for eng in (ps.host_engine, ps.device_engine):
+                if eng is not None:
+                    eng.close()
+            if ps.control is not self.control:
+                ps.control.close()
+        self.control.close()
+        tl = self.coordinator.timeline
+        if tl is not None:
+            tl.close()
+
+    def _on_loop_exit(self, cause: BaseException | None) -> None:
+        with self._lock:
+            self.shut_down = True
+            self.cause = cause
+            changes, self._ps_changes = self._ps_changes, []
+        exc = shutdown_error(cause)
+        for ps in self._members:
+            ps.fail_all(exc)
+        for _, _, h in changes:
+            h._set_exception(exc)
+
+
+def _atexit_shutdown() -> None:
+    rt = _current
+    if rt is not None:
+        try:
+            rt.shutdown(timeout=10.0)
+        finally:
+            set_current(None)
+
+
+# threading's hook runs before the interpreter joins threads and before atexit handlers (where
+# mpi4py may finalize MPI), so the coordinator still has a working transport when it stops.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_atexit_shutdown)
+else:  # pragma: no cover
+    atexit.register(_atexit_shutdown)

@@ -1,0 +1,77 @@
+"""Stall inspector: names that some ranks submitted and others have not, for too long.
+
+Runs on rank 0 of each process set over the message table (`MessageTable.pending()`), at most
+once per warning period. Pure apart from the clock, which callers may inject for tests.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+__all__ = ["StallInspector", "format_stall_report"]
+
+SHUTDOWN_BELOW_WARNING = ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
+                          "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.")
+
+
+def format_stall_report(missing: dict[int, list[str]], shutdown_ranks: set[int],
+                        warning_time: float, shutdown_time: float) -> str:
+    """Horovod's stall message (API.md §1.7); at most 6 names per rank."""
+    lines = [
+        "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of "
+        "ranks and are waiting for remainder of ranks for more than "
+        f"{int(warning_time) if float(warning_time).is_integer() else warning_time} seconds. "
+        "This may indicate that different ranks are trying to submit different tensors or that "
+        "only subset of ranks is submitting tensors, which will cause deadlock. ",
+        "Missing ranks:",
+    ]
+    for rank in sorted(missing):
+        names = missing[rank]
+        shown = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
+        lines.append(f"{rank}{'!' if rank in shutdown_ranks else ''}: [{shown}]")
+    if shutdown_ranks:
+        lines.append("One or more rank (marked by \"!\") is stalled for longer than "
+                     f"{int(shutdown_time) if float(shutdown_time).is_integer() else shutdown_time}"
+                     " seconds. Will shutdown.")
+    return "\n".join(lines)
+
+
+class StallInspector:
+    def __init__(self, warning_time: float, shutdown_time: float, enabled: bool = True,
+                 clock: Callable[[], float] = time.monotonic, warn=None) -> None:
+        self.enabled = enabled and warning_time > 0
+        self.warning_time = warning_time
+        self.shutdown_time = shutdown_time
+        if shutdown_time > 0 and shutdown_time < warning_time:
+            if warn is not None:
+                warn(SHUTDOWN_BELOW_WARNING)
+            self.shutdown_time = 0.0
+        self._clock = clock
+        self._last_check = clock()
+
+    def due(self) -> bool:
+        return self.enabled and self._clock() - self._last_check >= self.warning_time
+
+    def check(self, pending: dict[str, tuple[set[int], float]], size: int,
+              global_ranks: list[int], joined: set[int]) -> tuple[str | None, bool]:
+        """Returns (report or None, shutdown?) for names older than the warning time."""
+        now = self._clock()
+        self._last_check = now
+        missing: dict[int, list[str]] = {}
+        shutdown_ranks: set[int] = set()
+        for name, (ready, first_seen) in pending.items():
+            age = now - first_seen
+            if age < self.warning_time:
+                continue
+            for r in range(size):
+                if r in ready or r in joined:
+                    continue
+                g = global_ranks[r]
+                missing.setdefault(g, []).append(name)
+                if self.shutdown_time > 0 and age >= self.shutdown_time:
+                    shutdown_ranks.add(g)
+        if not missing:
+            return None, False
+        report = format_stall_report(missing, shutdown_ranks, self.warning_time,
+                                     self.shutdown_time)
+        return report, bool(shutdown_ranks)
