@@ -220,36 +220,29 @@ class MessageTable:
     def _error(self, name: str, message: str) -> Response:
         return Response(type=ResponseType.ERROR, names=[name], error=message)
 
-    def _disagree(self, reqs: dict[int, Request], key) -> tuple[list[int], list[int]] | None:
-        """Ranks (global) with the first value vs ranks with another value, if they differ."""
-        ranks = sorted(reqs)
-        first = key(reqs[ranks[0]])
-        same = [r for r in ranks if key(reqs[r]) == first]
-        other = [r for r in ranks if key(reqs[r]) != first]
-        if not other:
+    def _groups(self, reqs: dict[int, Request], key) -> str | None:
+        """'rank(s) 0, 2 sent X; rank(s) 1 sent Y' when ranks disagree on key, else None."""
+        by_value: dict = {}
+        for r in sorted(reqs):
+            by_value.setdefault(key(reqs[r]), []).append(self.global_ranks[r])
+        if len(by_value) == 1:
             return None
-        return [self.global_ranks[r] for r in same], [self.global_ranks[r] for r in other]
+        return "; ".join(f"rank(s) {_ranks_str(rs)} sent {v}" for v, rs in by_value.items())
 
     def _construct(self, name: str) -> Response:
         reqs = self.table.pop(name)
         self.first_seen.pop(name, None)
         ranks = sorted(reqs)
         first = reqs[ranks[0]]
-        odd_rank = None
 
         def mismatch(key, text) -> Response | None:
-            nonlocal odd_rank
-            d = self._disagree(reqs, key)
-            if d is None:
+            groups = self._groups(reqs, key)
+            if groups is None:
                 return None
-            same, other = d
             odd = next(r for r in ranks if key(reqs[r]) != key(first))
-            odd_rank = odd
-            msg = text(first, reqs[odd])
             return self._error(name, (
-                f"{msg} (tensor {name!r}: rank(s) {_ranks_str(same)} sent {key(first)}, rank(s) "
-                f"{_ranks_str(other)} sent {key(reqs[odd])}; every rank must submit the same "
-                f"tensor under the same name)"))
+                f"{text(first, reqs[odd])} (tensor {name!r}: {groups}; every rank must submit "
+                "the same tensor under the same name)"))
 
         op = first.type
         checks = [
