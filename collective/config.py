@@ -262,3 +262,20 @@ class Config:
         items = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
                           if f.name != "secret_key")
         return f"Config({items})"
+
+
+def markdown_table() -> str:
+    """The README's table of environment variables (kept in sync by a test)."""
+    rows = ["| variable | default | unit | hvdrun flag | meaning |", "|---|---|---|---|---|"]
+    for o in OPTIONS:
+        if o.field.startswith(("env_", "ompi_", "pmi", "slurm", "master_", "cuda_")) or (
+                o.field in ("secret_key",)):
+            continue
+        default = "" if o.default in ("", -1) else o.default
+        rows.append(f"| `{o.env}` | {default} | {o.unit} | {('`' + o.cli + '`') if o.cli else ''}"
+                    f" | {o.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m collective.config  -> the README table
+    print(markdown_table())
