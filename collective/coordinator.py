@@ -195,6 +195,8 @@ class Coordinator:
             for bit in [b for b, (_, t) in ps.hits.items() if now - t > limit]:
                 uncached.append(ps.hits.pop(bit)[0])
                 invalid.add(bit)
+        if ps.is_root and self._check_stall(ps):
+            self.shutdown_requested = True  # travels with the next global negotiation
         want_shutdown = self.shutdown_requested and ps.id == 0
         nbits = ps.cache.num_bits if cache_on else 0
         words = np.zeros(1 + (nbits + 63) // 64, dtype=np.uint64)
@@ -247,11 +249,9 @@ class Coordinator:
                 for r in constructed:
                     for n in r.names:
                         tl.negotiate_end(n)
-            stall_stop = self._check_stall(ps)
             responses = [ps.cache.peek(b) for b in common] + constructed
             fused = self._fuse(ps, responses, threshold)
-            payload = encode_responses(fused, any_shutdown or stall_stop,
-                                       ps.messages.join_active)
+            payload = encode_responses(fused, any_shutdown, ps.messages.join_active)
         fused, shutdown, join_active = decode_responses(ps.control.bcast(payload))
         ps.join_active = join_active
         if ps.cache.capacity > 0 and not join_active:
