@@ -1,0 +1,6 @@
+"""`python -m launcher ...` is `hvdrun ...`."""
+import sys
+
+from launcher.cli import main
+
+sys.exit(main())

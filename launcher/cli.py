@@ -1,0 +1,383 @@
+"""`hvdrun`: Horovod's `horovodrun` command line (API.md §4.1).
+
+`hvdrun -np N [-H h1:2,h2:2 | --hostfile F] [--mpi | --tcp | --gloo] [flags] command...`
+
+The tuning, autotune, timeline, stall, logging and library flags are generated from
+`collective.config.OPTIONS` (each option's `cli` flag, `cli_scale` and env name), so the flags,
+their environment variables and `--help` cannot drift apart. Flags left unset export nothing:
+the worker then sees the launcher's environment or the option's default.
+
+`--config-file` applies a YAML file at its position on the command line: it overrides the flags
+before it, and flags after it override the file.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from collective.config import OPTIONS, Option, environ_snapshot
+
+from .hosts import HostInfo, parse_hostfile, parse_hosts
+from .settings import MODE_MPI, MODE_TCP, LaunchSettings, default_mode
+
+__all__ = ["main", "build_parser", "env_from_args", "settings_from_args", "YAML_KEYS",
+           "FLAG_OPTIONS", "version"]
+
+FALLBACK_VERSION = "0.1.0"
+
+# Which help group each generated flag belongs to (option field -> group title).
+_GROUPS = {
+    "fusion_threshold": "tuneable parameter arguments", "cycle_time_ms": "tuneable parameter arguments",
+    "cache_capacity": "tuneable parameter arguments",
+    "hierarchical_allreduce": "tuneable parameter arguments",
+    "hierarchical_allgather": "tuneable parameter arguments",
+    "torus_allreduce": "tuneable parameter arguments",
+    "timeline": "timeline arguments", "timeline_mark_cycles": "timeline arguments",
+    "stall_check_disable": "stall check arguments", "stall_check_time": "stall check arguments",
+    "stall_shutdown_time": "stall check arguments",
+    "log_level": "logging arguments", "log_hide_time": "logging arguments",
+    "start_timeout": "general arguments", "elastic_timeout": "elastic arguments",
+}
+_AUTOTUNE_ONLY = {"autotune_log", "autotune_warmup_samples", "autotune_steps_per_sample",
+                  "autotune_bayes_opt_max_samples", "autotune_gaussian_process_noise"}
+# Booleans whose flag already says "off": no --no- form (Horovod's spelling).
+_STORE_TRUE = {"log_hide_time", "mpi_threads_disable"}
+_LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+# Options with a flag, and the argparse dest of each (flag name minus dashes).
+FLAG_OPTIONS: dict[str, Option] = {o.cli.lstrip("-").replace("-", "_"): o
+                                   for o in OPTIONS if o.cli}
+
+# YAML keys (API.md §4.1) -> argparse dest; a leading "!" means the value is negated.
+YAML_KEYS: dict[str, dict[str, str]] = {
+    "params": {"fusion_threshold_mb": "fusion_threshold_mb", "cycle_time_ms": "cycle_time_ms",
+               "cache_capacity": "cache_capacity",
+               "hierarchical_allreduce": "hierarchical_allreduce",
+               "hierarchical_allgather": "hierarchical_allgather",
+               "torus_allreduce": "torus_allreduce"},
+    "autotune": {"enabled": "autotune", "log_file": "autotune_log_file",
+                 "warmup_samples": "autotune_warmup_samples",
+                 "steps_per_sample": "autotune_steps_per_sample",
+                 "bayes_opt_max_samples": "autotune_bayes_opt_max_samples",
+                 "gaussian_process_noise": "autotune_gaussian_process_noise"},
+    "timeline": {"filename": "timeline_filename", "mark_cycles": "timeline_mark_cycles"},
+    "stall_check": {"enabled": "!no_stall_check",
+                    "warning_time_seconds": "stall_check_warning_time_seconds",
+                    "shutdown_time_seconds": "stall_check_shutdown_time_seconds"},
+    "library_options": {"mpi_threads_disable": "mpi_threads_disable",
+                        "num_nccl_streams": "num_nccl_streams",
+                        "thread_affinity": "thread_affinity",
+                        "gloo_timeout_seconds": "gloo_timeout_seconds"},
+    "logging": {"level": "log_level", "with_timestamp": "!log_without_timestamp"},
+}
+
+
+def version() -> str:
+    """ringvod's version (package metadata, else the built-in constant)."""
+    try:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as _v
+        try:
+            return _v("ringvod")
+        except PackageNotFoundError:
+            return FALLBACK_VERSION
+    except ImportError:  # pragma: no cover
+        return FALLBACK_VERSION
+
+
+def _is_bool(o: Option) -> bool:
+    return o.type is not int and o.type is not float and o.type is not str
+
+
+def _flag_type(o: Option) -> Callable[[str], Any]:
+    if o.field == "log_level":
+        return lambda s: s.upper()
+    return o.type
+
+
+def _coerce(dest: str, value: Any) -> Any:
+    """Converts a YAML value to what the flag would have produced."""
+    o = FLAG_OPTIONS.get(dest)
+    if o is None or value is None:
+        return value
+    if _is_bool(o):
+        return value if isinstance(value, bool) else o.type(str(value))
+    return _flag_type(o)(str(value))
+
+
+class _ConfigFileAction(argparse.Action):
+    """Loads the YAML file into the namespace when argparse reaches `--config-file`."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        try:
+            apply_config_file(str(values), namespace)
+        except (OSError, ValueError, ImportError) as exc:
+            parser.error(str(exc))
+
+
+def apply_config_file(path: str, namespace: argparse.Namespace) -> None:
+    """Sets the namespace fields named by a YAML config file (API.md §4.1 keys).
+
+    Raises:
+        ImportError: PyYAML is not installed.
+        OSError: the file cannot be read.
+        ValueError: unknown keys or values of the wrong type.
+    """
+    try:
+        import yaml  # noqa: PLC0415 - optional dependency, only for --config-file
+    except ImportError as exc:
+        raise ImportError("--config-file needs PyYAML: pip install pyyaml") from exc
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    for section, body in data.items():
+        if section == "controller":
+            mode = str(body).lower()
+            if mode not in ("gloo", "tcp", "mpi"):
+                raise ValueError(f"{path}: controller={body!r}; use gloo, tcp or mpi")
+            namespace.use_mpi = mode == "mpi"
+            namespace.use_gloo = mode != "mpi"
+            continue
+        keys = YAML_KEYS.get(section)
+        if keys is None:
+            raise ValueError(f"{path}: unknown section {section!r}; known: controller, "
+                             f"{', '.join(YAML_KEYS)}")
+        if not isinstance(body, dict):
+            raise ValueError(f"{path}: section {section!r} must be a mapping")
+        for key, value in body.items():
+            dest = keys.get(key)
+            if dest is None:
+                raise ValueError(f"{path}: unknown key {section}.{key}; known: "
+                                 f"{', '.join(keys)}")
+            negate = dest.startswith("!")
+            dest = dest.lstrip("!")
+            try:
+                value = _coerce(dest, value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{path}: {section}.{key}={value!r}: {exc}") from None
+            setattr(namespace, dest, (not value) if negate else value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The hvdrun argument parser (flags per API.md §4.1, tuning flags from the config table)."""
+    p = argparse.ArgumentParser(
+        prog="hvdrun", description="Launch a ringvod (Horovod-compatible) job.",
+        epilog="Each tuning flag sets the HOROVOD_* variable shown in its help.")
+    p.add_argument("-v", "--version", action="store_true", help="print the version and exit")
+    p.add_argument("-np", "--num-proc", dest="num_proc", type=int,
+                   help="total number of processes")
+    p.add_argument("-cb", "--check-build", action="store_true",
+                   help="show which frameworks and engines this installation supports, and exit")
+    p.add_argument("--disable-cache", action="store_true",
+                   help="accepted for compatibility (ringvod caches no ssh/NIC checks)")
+    p.add_argument("--network-interfaces", dest="nics_deprecated", metavar="NICS",
+                   help="comma list of network interfaces (deprecated: repeat "
+                        "--network-interface)")
+    p.add_argument("--network-interface", dest="nics", action="append", default=None,
+                   metavar="NIC",
+                   help="network interface for the job's traffic (repeatable)")
+    p.add_argument("--output-filename",
+                   help="tcp: write DIR/rank.<r>/stdout|stderr (output is also shown); "
+                        "mpi: passed to mpirun")
+    p.add_argument("--verbose", action="store_true", help="print the launch plan")
+    p.add_argument("--config-file", action=_ConfigFileAction,
+                   help="YAML file of parameters; it overrides flags before it, flags after it "
+                        "override it")
+    g = p.add_argument_group("SSH arguments")
+    g.add_argument("-p", "--ssh-port", type=int, help="ssh port on all hosts")
+    g.add_argument("-i", "--ssh-identity-file", help="ssh private key file")
+
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for dest, o in FLAG_OPTIONS.items():
+        title = _GROUPS.get(o.field)
+        if title is None:
+            title = ("autotune arguments" if o.field.startswith("autotune")
+                     else "library arguments")
+        grp = groups.get(title) or groups.setdefault(title, p.add_argument_group(title))
+        scaled = bool(o.cli_scale) and o.cli_scale != 1
+        default = f"{o.default / o.cli_scale:g} MB" if scaled else (
+            f"{o.default!r}{' ' + o.unit if o.unit else ''}")
+        helptext = f"{o.doc} (env {o.env}; default {default})"
+        if o.cli.startswith("--no-") or o.field in _STORE_TRUE:
+            grp.add_argument(o.cli, dest=dest, action="store_true", default=None, help=helptext)
+        elif _is_bool(o):
+            grp.add_argument(o.cli, dest=dest, action=argparse.BooleanOptionalAction,
+                             default=None, help=helptext)
+        else:
+            kwargs: dict[str, Any] = {}
+            if o.field == "log_level":
+                kwargs["choices"] = _LOG_LEVELS
+            else:
+                kwargs["metavar"] = "MB" if scaled else {int: "N", float: "X"}.get(o.type, "VALUE")
+            grp.add_argument(o.cli, dest=dest, type=_flag_type(o), default=None,
+                             help=helptext, **kwargs)
+
+    lib = groups.get("library arguments") or p.add_argument_group("library arguments")
+    lib.add_argument("--mpi-args", help="extra arguments for mpirun (quoted)")
+    lib.add_argument("--tcp", dest="tcp_flag", action="store_true",
+                     help="launch in tcp mode (no MPI); with --mpi: MPI over TCP only "
+                          "(NCCL_IB_DISABLE=1)")
+    lib.add_argument("--binding-args", help="process binding arguments for mpirun")
+    logging = groups.get("logging arguments") or p.add_argument_group("logging arguments")
+    logging.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
+                         dest="prefix_timestamp", action="store_true",
+                         help="prefix each output line with a timestamp")
+
+    el = groups.get("elastic arguments") or p.add_argument_group("elastic arguments")
+    el.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int)
+    el.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int)
+    el.add_argument("--slots-per-host", dest="slots", type=int)
+    el.add_argument("--reset-limit", type=int)
+    el.add_argument("--blacklist-cooldown-range", type=int, nargs=2)
+
+    hg = p.add_argument_group("host arguments").add_mutually_exclusive_group()
+    hg.add_argument("-H", "--hosts", help="host list, e.g. host1:2,host2:4 (default "
+                                          "localhost:<np>)")
+    hg.add_argument("-hostfile", "--hostfile", help="file of 'hostname slots=N' lines")
+    hg.add_argument("--host-discovery-script", help="elastic: script printing host:slots lines")
+
+    cg = p.add_argument_group("controller arguments").add_mutually_exclusive_group()
+    cg.add_argument("--gloo", dest="use_gloo", action="store_true", default=None,
+                    help="tcp mode: spawn the workers here/over ssh with a rendezvous server")
+    cg.add_argument("--mpi", dest="use_mpi", action="store_true", default=None,
+                    help="MPI mode: run through mpirun (the default when mpi4py and mpirun "
+                         "are installed)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="command to run")
+    return p
+
+
+def _fmt(o: Option, value: Any) -> str:
+    if _is_bool(o):
+        return "1" if value else "0"
+    if o.cli_scale and o.cli_scale != 1:
+        return str(int(round(float(value) * o.cli_scale)))
+    return str(value)
+
+
+def env_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """HOROVOD_* variables for the flags that were set (Horovod's `set_env_from_args`).
+
+    Autotune variables are exported only with --autotune, timeline ones only with a filename.
+
+    Raises:
+        ValueError: `<arg>=<v> must be >= 0`, or the Gaussian process noise is outside [0, 1].
+    """
+    env: dict[str, str] = {}
+    autotune = bool(getattr(args, "autotune", None))
+    timeline = bool(getattr(args, "timeline_filename", None))
+    for dest, o in FLAG_OPTIONS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if o.type in (int, float) and value < 0:
+            raise ValueError(f"{dest}={value} must be >= 0")
+        if o.field == "autotune_gaussian_process_noise" and not 0 <= value <= 1:
+            raise ValueError(f"{dest}={value} must be in [0, 1]")
+        if o.field in _AUTOTUNE_ONLY and not autotune:
+            continue
+        if o.field == "timeline_mark_cycles" and not timeline:
+            continue
+        env[o.env] = _fmt(o, value)
+    return env
+
+
+def _hosts(args: argparse.Namespace) -> list[HostInfo]:
+    if args.hosts:
+        return parse_hosts(args.hosts)
+    if args.hostfile:
+        return parse_hostfile(args.hostfile)
+    return [HostInfo("localhost", args.num_proc)]
+
+
+def _mode(args: argparse.Namespace) -> str:
+    if args.use_mpi:
+        return MODE_MPI
+    if args.use_gloo or args.tcp_flag:
+        return MODE_TCP
+    return default_mode()
+
+
+def settings_from_args(args: argparse.Namespace) -> LaunchSettings:
+    """Validates parsed arguments into `LaunchSettings`.
+
+    Raises:
+        ValueError: a missing or invalid value (message says which and how to fix it).
+        OSError: the hostfile cannot be read.
+    """
+    if args.num_proc is None:
+        raise ValueError("the number of processes is required: -np N")
+    if not args.command:
+        raise ValueError("no command to run; usage: hvdrun -np N [options] command ...")
+    for name in ("ssh_port", "num_proc"):
+        v = getattr(args, name)
+        if v is not None and v < 0:
+            raise ValueError(f"{name}={v} must be >= 0")
+    env = env_from_args(args)
+    start_timeout = args.start_timeout
+    if start_timeout is None:
+        raw = environ_snapshot().get("HOROVOD_START_TIMEOUT", "")
+        start_timeout = float(raw) if raw.strip() else 30.0
+    nics: list[str] = []
+    if args.nics_deprecated:
+        nics += [n.strip() for n in args.nics_deprecated.split(",") if n.strip()]
+    nics += args.nics or []
+    mode = _mode(args)
+    return LaunchSettings(
+        num_proc=args.num_proc, hosts=tuple(_hosts(args)), mode=mode,
+        command=tuple(args.command), env_overrides=env, start_timeout=start_timeout,
+        ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
+        network_interfaces=tuple(nics), output_filename=args.output_filename,
+        verbose=args.verbose, prefix_timestamp=args.prefix_timestamp, mpi_args=args.mpi_args,
+        binding_args=args.binding_args, tcp_only=bool(args.tcp_flag and mode == MODE_MPI))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `hvdrun` / `python -m launcher`; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if args.version:
+        print(version())
+        return 0
+    if args.check_build:
+        from .check_build import check_build_text  # noqa: PLC0415
+        print(check_build_text(version()))
+        return 0
+    if args.min_num_proc is not None or args.max_num_proc is not None \
+            or args.host_discovery_script:
+        parser.error("elastic mode (--min-np/--max-np/--host-discovery-script) is not "
+                     "available in this ringvod version yet; run a static job with -np")
+    try:
+        settings = settings_from_args(args)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    return _launch(settings)
+
+
+def _launch(settings: LaunchSettings) -> int:
+    from . import launch  # noqa: PLC0415 - keeps `hvdrun --help` light
+    from .mpirun import MPIUnavailableError  # noqa: PLC0415
+    from .process import failure_summary  # noqa: PLC0415
+    from .ssh import SSHCheckError, StartTimeoutError  # noqa: PLC0415
+
+    try:
+        if settings.mode == MODE_MPI:
+            launch.exec_mpi(settings)  # does not return
+            return 127  # pragma: no cover
+        result = launch.run_tcp(settings)
+    except (StartTimeoutError, SSHCheckError, MPIUnavailableError, ValueError, OSError) as exc:
+        sys.stderr.write(f"hvdrun: error: {exc}\n")
+        return 1
+    if result.failure is not None and result.interrupted_by is None:
+        sys.stderr.write(failure_summary(result.failure))
+    return result.exit_code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""Runs a job's workers: spawn, prefix their output, fail fast, stop them all on a signal.
+
+Every worker (a local process, or the local `ssh` client of a remote one) runs in its own
+session, so a terminal's Ctrl-C reaches only `hvdrun`, which then stops the workers itself.
+
+Threads (all named, owned by `JobRunner.run`, which joins them before it returns):
+
+| thread | what it does | how it stops |
+|---|---|---|
+| `hvdrun-rank<r>-stdout/stderr` | copies one pipe, line by line, prefixed `[<r>]<stdout>:` | EOF on the pipe |
+| `hvdrun-rank<r>-wait` | waits for the process to exit (without reaping it) | the process exits |
+| `hvdrun-rank<r>-stdin` | sends an ssh worker its env and secret | payload written |
+
+Error categories (lesson 14: the first failure is the root cause, the rest is fallout):
+
+| event | reported as |
+|---|---|
+| a worker exits non-zero or dies by a signal | `Process <r> exit with status code <ec>.`, then all others are stopped |
+| a worker cannot be started (e.g. command not found) | the same, exit code 127 |
+| SIGINT/SIGTERM to hvdrun | every worker is stopped; exit code 128 + signal |
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any, Sequence
+
+from ._proc import describe_exit, killpg_quiet, pdeathsig_preexec, wait_no_reap
+
+__all__ = ["WorkerSpec", "Failure", "JobResult", "JobRunner", "failure_summary",
+           "GRACE_PERIOD_S"]
+
+GRACE_PERIOD_S = 5.0  # SIGTERM → SIGKILL
+
+
+@dataclass
+class WorkerSpec:
+    """One process to run for one rank."""
+
+    rank: int
+    hostname: str
+    argv: list[str]
+    env: dict[str, str]
+    # Written to stdin, which then stays open: an ssh worker's remote wrapper reads its env and
+    # the job secret from it, and treats EOF as "stop".
+    stdin_payload: bytes | None = None
+    remote: bool = False
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first worker that exited non-zero."""
+
+    rank: int
+    hostname: str
+    exit_code: int
+    signal_name: str | None = None
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """How a job ended: exit_code 0 means every worker exited 0."""
+
+    exit_code: int
+    failure: Failure | None = None
+    interrupted_by: str | None = None
+    exit_codes: dict[int, int] = field(default_factory=dict)
+
+
+def failure_summary(failure: Failure) -> str:
+    """Horovod's end-of-job text naming the first rank that failed."""
+    return (
+        "Horovod detected that one or more processes exited with non-zero status, thus causing "
+        "the job to be terminated. The first process to do so was:\n"
+        f"Process name: {failure.rank}\n"
+        f"Exit code: {describe_exit(failure.exit_code, failure.signal_name)}\n"
+        f"Host: {failure.hostname}\n")
+
+
+class _Output:
+    """Writes prefixed worker lines to the console and raw lines to per-rank files."""
+
+    def __init__(self, stdout: IO[str], stderr: IO[str], prefix_timestamp: bool,
+                 output_dir: str | None, num_proc: int) -> None:
+        self._console = {"stdout": stdout, "stderr": stderr}
+        self._lock = threading.Lock()  # guards console writes, so lines never interleave
+        self._prefix_timestamp = prefix_timestamp
+        self._files: dict[tuple[int, str], IO[bytes]] = {}
+        self._dir = output_dir
+        self._width = len(str(max(num_proc - 1, 0)))
+
+    def open_rank(self, rank: int) -> None:
+        if self._dir is None:
+            return
+        d = os.path.join(self._dir, f"rank.{rank:0{self._width}d}")
+        os.makedirs(d, exist_ok=True)
+        for stream in ("stdout", "stderr"):
+            self._files[(rank, stream)] = open(os.path.join(d, stream), "wb")
+
+    def line(self, rank: int, stream: str, data: bytes) -> None:
+        if not data.endswith(b"\n"):
+            data += b"\n"
+        f = self._files.get((rank, stream))
+        if f is not None:
+            f.write(data)
+            f.flush()
+        prefix = f"[{rank}]<{stream}>:"
+        if self._prefix_timestamp:
+            prefix = time.strftime("%a %b %d %H:%M:%S %Y") + prefix
+        text = prefix + data.decode("utf-8", errors="replace")
+        with self._lock:
+            out = self._console[stream]
+            out.write(text)
+            out.flush()
+
+    def message(self, text: str) -> None:
+        with self._lock:
+            self._console["stderr"].write(text if text.endswith("\n") else text + "\n")
+            self._console["stderr"].flush()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.exit: tuple[int, str | None] | None = None  # set by the main loop only
+        self.threads: list[threading.Thread] = []
+
+
+class JobRunner:
+    """Runs one static job to completion (not reusable).
+
+    Args:
+        workers: one spec per rank.
+        output_dir: `--output-filename`: raw output also goes to DIR/rank.<r>/{stdout,stderr}.
+        prefix_timestamp: prefix console lines with the time.
+        grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
+        stdout, stderr: console streams (default: sys.stdout / sys.stderr).
+    """
+
+    def __init__(self, workers: Sequence[WorkerSpec], *, output_dir: str | None = None,
+                 prefix_timestamp: bool = False, grace_period: float = GRACE_PERIOD_S,
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> None:
+        self._workers = [_Worker(w) for w in workers]
+        self._out = _Output(stdout or sys.stdout, stderr or sys.stderr, prefix_timestamp,
+                            output_dir, len(workers))
+        self._grace = grace_period
+        self._events: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
+
+    # --- public -------------------------------------------------------------------------------
+
+    def run(self) -> JobResult:
+        """Starts every worker and waits until all have exited.
+
+        Returns:
+            The job's result; `exit_code` is 0, the first failed worker's exit code, or 128 +
+            signal number when hvdrun was interrupted.
+
+        Raises:
+            OSError: an output file cannot be created.
+        """
+        old_handlers = self._install_signal_handlers()
+        try:
+            return self._run()
+        finally:
+            self._stop_all(signal.SIGKILL)  # only does something after an unexpected error
+            self._reap_all()
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+            self._out.close()
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # horovod.run() from a thread: the caller owns signal handling
+        old: dict[int, Any] = {}
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            # SimpleQueue.put is reentrant, so a handler may call it while run() blocks in get.
+            old[sig] = signal.signal(sig, lambda s, _f: self._events.put(("signal", s, None)))
+        return old
+
+    def _run(self) -> JobResult:
+        for w in self._workers:
+            self._out.open_rank(w.spec.rank)
+        # Spawn everything before starting any thread: fork + preexec_fn is safest then.
+        for w in self._workers:
+            self._spawn(w)
+        for w in self._workers:
+            self._start_threads(w)
+
+        failure: Failure | None = None
+        interrupted: str | None = None
+        stopping_since: float | None = None
+        killed = False
+        running = sum(1 for w in self._workers if w.exit is None)
+        while running:
+            timeout = None
+            if stopping_since is not None and not killed:
+                timeout = max(0.0, stopping_since + self._grace - time.monotonic())
+            try:
+                kind, rank, payload = self._events.get(timeout=timeout)
+            except queue.Empty:
+                self._stop_all(signal.SIGKILL)
+                killed = True
+                continue
+            if kind == "signal":
+                name = signal.Signals(rank).name
+                if stopping_since is None:
+                    interrupted = name
+                    self._out.message(f"hvdrun: received {name}; stopping all workers.")
+                    stopping_since = time.monotonic()
+                    self._stop_all(signal.SIGTERM)
+                elif not killed:  # a second Ctrl-C: no more grace
+                    self._stop_all(signal.SIGKILL)
+                    killed = True
+                continue
+            w = self._workers[rank]
+            if w.exit is not None:
+                continue
+            w.exit = payload
+            running -= 1
+            code, sig_name = payload
+            if code != 0 and stopping_since is None:
+                failure = Failure(rank, w.spec.hostname, code, sig_name)
+                self._out.message(f"Process {rank} exit with status code "
+                                  f"{describe_exit(code, sig_name)}.")
+                self._out.message(
+                    f"Terminating remaining workers after failure of Process {rank}.")
+                stopping_since = time.monotonic()
+                self._stop_all(signal.SIGTERM)
+
+        self._kill_leftovers()
+        self._reap_all()
+        self._join_threads()
+        codes = {w.spec.rank: w.exit[0] for w in self._workers if w.exit is not None}
+        if interrupted is not None:
+            return JobResult(128 + int(signal.Signals[interrupted]), failure, interrupted, codes)
+        if failure is not None:
+            return JobResult(failure.exit_code if 0 < failure.exit_code < 256 else 1, failure,
+                             None, codes)
+        return JobResult(0, None, None, codes)
+
+    def _spawn(self, w: _Worker) -> None:
+        spec = w.spec
+        try:
+            w.proc = subprocess.Popen(
+                spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                stdin=subprocess.PIPE if spec.stdin_payload is not None else subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=pdeathsig_preexec, close_fds=True)
+        except OSError as exc:
+            self._out.message(f"hvdrun: cannot start rank {spec.rank} on {spec.hostname}: {exc}")
+            self._events.put(("exit", spec.rank, (127, None)))
+
+    def _start_threads(self, w: _Worker) -> None:
+        proc = w.proc
+        if proc is None:
+            return
+        r = w.spec.rank
+        assert proc.stdout is not None and proc.stderr is not None
+        targets: list[tuple[str, Any, tuple[Any, ...]]] = [
+            (f"hvdrun-rank{r}-stdout", self._pump, (r, "stdout", proc.stdout)),
+            (f"hvdrun-rank{r}-stderr", self._pump, (r, "stderr", proc.stderr)),
+            (f"hvdrun-rank{r}-wait", self._wait, (r, proc.pid)),
+        ]
+        if w.spec.stdin_payload is not None:
+            targets.append((f"hvdrun-rank{r}-stdin", self._feed, (proc, w.spec.stdin_payload)))
+        for name, target, args in targets:
+            # Daemon threads: a worker's orphaned grandchild may keep a pipe open forever; the
+            # join below is bounded and such a thread must not keep hvdrun alive.
+            t = threading.Thread(target=target, args=args, name=name, daemon=True)
+            t.start()
+            w.threads.append(t)
+
+    def _pump(self, rank: int, stream: str, pipe: IO[bytes]) -> None:
+        try:
+            for line in iter(pipe.readline, b""):
+                self._out.line(rank, stream, line)
+        except (OSError, ValueError):
+            pass  # pipe closed under us during shutdown
+
+    def _wait(self, rank: int, pid: int) -> None:
+        self._events.put(("exit", rank, wait_no_reap(pid)))
+
+    @staticmethod
+    def _feed(proc: subprocess.Popen[bytes], payload: bytes) -> None:
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(payload)
+            proc.stdin.flush()
+        except (OSError, ValueError):
+            pass  # the worker died first; its exit is reported by the wait thread
+
+    def _stop_all(self, sig: int) -> None:
+        for w in self._workers:
+            if w.proc is None or w.exit is not None or w.proc.returncode is not None:
+                continue
+            if sig == signal.SIGTERM and w.proc.stdin is not None:
+                try:
+                    w.proc.stdin.close()  # the remote wrapper stops its command on EOF
+                except OSError:
+                    pass
+            killpg_quiet(w.proc.pid, sig)
+
+    def _kill_leftovers(self) -> None:
+        # Every leader has exited but is not reaped yet, so its pid still names its group:
+        # whatever the worker left behind in that group is killed, and nothing else can be.
+        for w in self._workers:
+            if w.proc is not None and w.proc.returncode is None:
+                killpg_quiet(w.proc.pid, signal.SIGKILL)
+
+    def _reap_all(self) -> None:
+        for w in self._workers:
+            if w.proc is None:
+                continue
+            if w.proc.stdin is not None:
+                try:
+                    w.proc.stdin.close()
+                except OSError:
+                    pass
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                killpg_quiet(w.proc.pid, signal.SIGKILL)
+                w.proc.wait()
+
+    def _join_threads(self) -> None:
+        deadline = time.monotonic() + 2.0
+        for w in self._workers:
+            for t in w.threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            for pipe in (w.proc.stdout, w.proc.stderr) if w.proc is not None else ():
+                if pipe is not None:
+                    try:
+                        pipe.close()
+                    except OSError:
+                        pass

@@ -1,0 +1,112 @@
+"""ssh command lines for remote workers, and the pre-launch ssh reachability check.
+
+Remote command (Horovod's form, API.md §4.2):
+`ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=no [-p port] [-i key] <host>
+'cd <cwd> > /dev/null 2>&1 ; <cmd>'`, where <cmd> runs `launcher.remote_exec`, which reads the
+worker's environment and the job secret from stdin (never from the command line).
+"""
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+__all__ = ["ssh_base", "remote_command", "ssh_worker_argv", "check_hosts", "timeout_message",
+           "SSHCheckError", "StartTimeoutError"]
+
+
+class SSHCheckError(RuntimeError):
+    """Raised when some hosts cannot be reached over ssh."""
+
+
+class StartTimeoutError(TimeoutError):
+    """Raised when the job did not start within --start-timeout."""
+
+
+def timeout_message(activity: str) -> str:
+    """Horovod's `--start-timeout` message."""
+    return (f"Timed out waiting for {activity}. Please check connectivity between servers. You "
+            f"may need to increase the --start-timeout parameter if you have too many servers.")
+
+
+def ssh_base(host: str, port: int | None = None, identity_file: str | None = None,
+             connect_timeout: float | None = None) -> list[str]:
+    """`ssh` and its options up to and including the host."""
+    argv = ["ssh", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no"]
+    if connect_timeout is not None:
+        argv += ["-o", f"ConnectTimeout={max(1, math.ceil(connect_timeout))}"]
+    if port is not None:
+        argv += ["-p", str(port)]
+    if identity_file is not None:
+        argv += ["-i", identity_file]
+    argv.append(host)
+    return argv
+
+
+def _launcher_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def remote_command(command: Sequence[str], cwd: str, python: str | None = None,
+                   launcher_root: str | None = None) -> str:
+    """The shell text ssh runs remotely: cd, then the wrapper, then the user's command.
+
+    The wrapper is imported from the launcher's own source root (put first on sys.path), so
+    it works whether ringvod is installed or run from a checkout.
+    """
+    py = python or sys.executable
+    root = launcher_root or _launcher_root()
+    boot = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+            "from launcher.remote_exec import main; sys.exit(main())")
+    return (f"cd {shlex.quote(cwd)} > /dev/null 2>&1 ; exec {shlex.quote(py)} -c "
+            f"{shlex.quote(boot)} {shlex.quote(root)} -- {shlex.join(command)}")
+
+
+def ssh_worker_argv(host: str, command: Sequence[str], cwd: str, port: int | None = None,
+                    identity_file: str | None = None) -> list[str]:
+    """The full local argv that runs `command` on `host` through the remote wrapper."""
+    return ssh_base(host, port, identity_file) + [remote_command(command, cwd)]
+
+
+def check_hosts(hosts: Sequence[str], timeout: float, port: int | None = None,
+                identity_file: str | None = None) -> None:
+    """Runs `ssh <host> true` on every host in parallel, all within `timeout` seconds.
+
+    Raises:
+        StartTimeoutError: some host did not answer in time (Horovod's message).
+        SSHCheckError: ssh failed for some host; its output is printed first.
+    """
+    if not hosts:
+        return
+    deadline = time.monotonic() + timeout
+
+    def probe(host: str) -> tuple[str, int | None, str]:
+        argv = ssh_base(host, port, identity_file, connect_timeout=timeout) + ["true"]
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            out, _ = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            return host, None, ""
+        return host, p.returncode, out.decode(errors="replace")
+
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts)),
+                            thread_name_prefix="hvdrun-ssh-check") as pool:
+        results = list(pool.map(probe, hosts))
+    timed_out = [h for h, rc, _ in results if rc is None]
+    failed = [(h, out) for h, rc, out in results if rc not in (None, 0)]
+    for h, out in failed:
+        sys.stderr.write(f"ssh not successful for host {h}:\n{out}\n")
+    if timed_out:
+        raise StartTimeoutError(timeout_message(f"ssh connection to {', '.join(timed_out)}"))
+    if failed:
+        raise SSHCheckError(
+            f"could not connect to some hosts via ssh ({', '.join(h for h, _ in failed)}); "
+            f"check that passwordless ssh works (e.g. `ssh {failed[0][0]} true`), and -p/-i")
