@@ -170,7 +170,8 @@ def mpi_command(settings: LaunchSettings, extra_env: Mapping[str, str] | None = 
         ssh_identity_file=settings.ssh_identity_file,
         network_interfaces=settings.network_interfaces,
         output_filename=settings.output_filename, binding_args=settings.binding_args,
-        mpi_args=settings.mpi_args, tcp_only=settings.tcp_only)
+        mpi_args=settings.mpi_args, tcp_only=settings.tcp_only,
+        extra_exports=sorted(extra_env or ()))
     return argv, env
 
 

@@ -99,14 +99,15 @@ def build_mpirun_command(impl: MPIImpl, *, num_proc: int, hosts: Sequence[HostIn
                          network_interfaces: Sequence[str] = (),
                          output_filename: str | None = None, binding_args: str | None = None,
                          mpi_args: str | None = None, tcp_only: bool = False,
-                         mpirun: str = "mpirun") -> list[str]:
+                         extra_exports: Sequence[str] = (), mpirun: str = "mpirun") -> list[str]:
     """The argv that runs `command` on `num_proc` ranks through `mpirun`.
 
     `env` is the environment mpirun itself will get: Open MPI receives `-x NAME` for each
-    exportable name in it (values stay off the command line).
+    exportable name in it (values stay off the command line), plus `extra_exports` (names
+    exported even though they are withheld by default, e.g. the job secret for horovod.run).
 
     Raises:
-        ValueError: `--output-filename` with Hydra, or unequal slots that Hydra cannot express.
+        ValueError: `--output-filename` with Hydra.
     """
     argv = [mpirun]
     ssh_args = " ".join(
@@ -138,7 +139,8 @@ def build_mpirun_command(impl: MPIImpl, *, num_proc: int, hosts: Sequence[HostIn
             argv += ["--output-filename", output_filename]
         for name in sorted(env):
             # Open MPI manages its own variables; everything else is forwarded by name.
-            if is_exportable(name) and not re.match(r"^(OMPI_|PMIX_|PRTE_|OPAL_)", name):
+            if name in extra_exports or (
+                    is_exportable(name) and not re.match(r"^(OMPI_|PMIX_|PRTE_|OPAL_)", name)):
                 argv += ["-x", name]
     else:
         if output_filename:

@@ -1,0 +1,163 @@
+"""`horovod.run`: run a Python function on N processes and return each rank's result.
+
+The function travels through the job's authenticated key-value server: the launcher stores the
+(cloud)pickled `(func, args, kwargs)`, each worker (`python -m launcher.run_task <addr>
+<port>`) fetches and runs it and stores its pickled result, and the launcher returns the
+results ordered by rank. Both modes work: tcp (workers spawned here or over ssh) and MPI
+(through mpirun; the secret reaches the ranks by `-x NAME`, never as a value on the command
+line).
+"""
+from __future__ import annotations
+
+import pickle
+import secrets
+import sys
+from typing import Any, Callable, Sequence
+
+from .hosts import HostInfo, parse_hostfile, parse_hosts
+from .run_task import FUNC_KEY, FUNC_SCOPE, RESULT_SCOPE, dumps
+from .settings import MODE_MPI, MODE_TCP, LaunchSettings, default_mode
+
+__all__ = ["run"]
+
+
+def _hosts(num_proc: int, hosts: str | None, hostfile: str | None) -> list[HostInfo]:
+    if hosts and hostfile:
+        raise ValueError("give either hosts or hostfile, not both")
+    if hosts:
+        return parse_hosts(hosts)
+    if hostfile:
+        return parse_hostfile(hostfile)
+    return [HostInfo("localhost", num_proc)]
+
+
+def _mode(use_gloo: bool | None, use_mpi: bool | None) -> str:
+    if use_gloo and use_mpi:
+        raise ValueError("use_gloo and use_mpi are mutually exclusive")
+    if use_mpi:
+        return MODE_MPI
+    if use_gloo:
+        return MODE_TCP
+    return default_mode()
+
+
+def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+        num_proc: int | None = None, min_num_proc: int | None = None,
+        max_num_proc: int | None = None, slots: int | None = None,
+        reset_limit: int | None = None, cooldown_range: tuple[int, int] | None = None,
+        hosts: str | None = None, hostfile: str | None = None,
+        host_discovery_script: str | None = None, start_timeout: float | None = None,
+        ssh_port: int | None = None, ssh_identity_file: str | None = None,
+        disable_cache: bool | None = None, output_filename: str | None = None,
+        verbose: bool | None = None, use_gloo: bool | None = None, use_mpi: bool | None = None,
+        mpi_args: str | None = None, network_interface: str | Sequence[str] | None = None,
+        executable: str | None = None, np: int | None = None, min_np: int | None = None,
+        max_np: int | None = None, network_interfaces: Sequence[str] | None = None,
+        ) -> list[Any]:
+    """Runs `func(*args, **kwargs)` on `num_proc` processes (Horovod's `horovod.run`).
+
+    Each process may call `hvd.init()` and collectives; the function and its arguments must
+    be picklable (cloudpickle is used when installed, so lambdas and closures work).
+
+    Example:
+        >>> import horovod
+        >>> def f():
+        ...     import collective as hvd
+        ...     hvd.init()
+        ...     return hvd.rank()
+        >>> horovod.run(f, num_proc=2, use_gloo=True)
+        [0, 1]
+
+    Returns:
+        The function's return value on each rank, ordered by rank.
+
+    Raises:
+        ValueError: invalid arguments (too few slots, both hosts and hostfile, ...).
+        NotImplementedError: elastic arguments (min/max_num_proc, host_discovery_script).
+        RuntimeError: a rank failed (the message names the first one), or ssh/MPI trouble.
+        TimeoutError: remote hosts did not answer within `start_timeout`.
+    """
+    del slots, reset_limit, cooldown_range, disable_cache  # elastic / cache knobs: no effect
+    num_proc = num_proc if num_proc is not None else (np if np is not None else 1)
+    if any(v is not None for v in (min_num_proc, max_num_proc, min_np, max_np,
+                                   host_discovery_script)):
+        raise NotImplementedError("elastic horovod.run (min/max_num_proc, "
+                                  "host_discovery_script) is not available yet; give num_proc")
+    nics: list[str] = []
+    if isinstance(network_interface, str):
+        nics.append(network_interface)
+    elif network_interface:
+        nics.extend(network_interface)
+    nics.extend(network_interfaces or ())
+    py = executable or sys.executable
+    settings = LaunchSettings(
+        num_proc=num_proc, hosts=tuple(_hosts(num_proc, hosts, hostfile)),
+        mode=_mode(use_gloo, use_mpi), command=(py, "-m", "launcher.run_task"),
+        start_timeout=30.0 if start_timeout is None else float(start_timeout),
+        ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
+        network_interfaces=tuple(nics), output_filename=output_filename,
+        verbose=bool(verbose), mpi_args=mpi_args)
+    blob = dumps((func, tuple(args), dict(kwargs or {})))
+    if settings.mode == MODE_TCP:
+        return _run_tcp(settings, blob)
+    return _run_mpi(settings, blob)
+
+
+def _collect(server: Any, num_proc: int) -> list[Any]:
+    results = []
+    for rank in range(num_proc):
+        raw = server.get(RESULT_SCOPE, str(rank))
+        if raw is None:
+            raise RuntimeError(f"horovod.run: rank {rank} exited 0 but stored no result; did "
+                               f"the function call os._exit or sys.exit?")
+        results.append(pickle.loads(raw))
+    return results
+
+
+def _run_tcp(settings: LaunchSettings, blob: bytes) -> list[Any]:
+    from .launch import run_tcp  # noqa: PLC0415
+    from .process import failure_summary  # noqa: PLC0415
+
+    state: dict[str, Any] = {}
+
+    def started(server: Any, address: tuple[str, int], _secret: bytes) -> None:
+        server.put(FUNC_SCOPE, FUNC_KEY, blob)
+        state["server"], state["address"] = server, address
+
+    def command(_rank: int) -> list[str]:
+        host, port = state["address"]
+        return list(settings.command) + [host, str(port)]
+
+    result = run_tcp(settings, on_server_started=started, command_for_rank=command)
+    if result.interrupted_by is not None:
+        raise KeyboardInterrupt(f"horovod.run interrupted by {result.interrupted_by}")
+    if result.failure is not None:
+        raise RuntimeError(failure_summary(result.failure))
+    # The server is stopped, but its store is still readable in this process.
+    return _collect(state["server"], settings.num_proc)
+
+
+def _run_mpi(settings: LaunchSettings, blob: bytes) -> list[Any]:
+    from collective.rendezvous import KVServer  # noqa: PLC0415
+
+    from . import network  # noqa: PLC0415
+    from .env import SECRET_ENV  # noqa: PLC0415
+    from .launch import run_mpi  # noqa: PLC0415
+
+    local = network.local_addresses()
+    remote = [h.hostname for h in settings.used_hosts
+              if not network.is_local_host(h.hostname, local)]
+    secret = secrets.token_bytes(32)
+    server = KVServer(network.choose_server_address(remote, settings.network_interfaces), 0,
+                      secret)
+    host, port = server.start()
+    try:
+        server.put(FUNC_SCOPE, FUNC_KEY, blob)
+        code = run_mpi(settings, extra_env={SECRET_ENV: secret.hex()},
+                       command=list(settings.command) + [host, str(port)])
+        if code != 0:
+            raise RuntimeError(f"horovod.run: mpirun exited with status {code}; the first "
+                               f"failing rank's traceback is in the output above")
+        return _collect(server, settings.num_proc)
+    finally:
+        server.stop()
