@@ -37,8 +37,86 @@ _log_ = _log.get_logger()
 
 # Status bits of the fast-path vector, stored inverted (set = condition false), as Horovod.
 _NOT_SHUTDOWN, _NOT_UNCACHED, _NOT_INVALID = 1, 2, 4
-# After this many cycles without progress while work is pending, wait the full cycle time.
-_SPIN_CYCLES = 200
+# While tensors are pending but nothing completed, wait at most this long before negotiating
+# again (a submit wakes the thread at once): short enough to meet peers that are about to
+# submit, long enough not to steal the GIL from the training thread.
+_BUSY_WAIT = 0.0002
+
+
+class PendingHits:
+    """Requests found in the response cache, waiting until every rank has them.
+
+    Keeps the bit vector up to date incrementally, so that a cycle that finds nothing new costs
+    O(words), not O(pending tensors).
+    """
+
+    def __init__(self) -> None:
+        self._by_bit: dict[int, tuple[Request, float]] = {}
+        self._words = np.zeros(1, dtype=np.uint64)
+
+    def __bool__(self) -> bool:
+        return bool(self._by_bit)
+
+    def __contains__(self, bit: int) -> bool:
+        return bit in self._by_bit
+
+    def add(self, bit: int, req: Request, now: float) -> None:
+        w = bit // 64
+        if w >= len(self._words):
+            grown = np.zeros(max(w + 1, 2 * len(self._words)), dtype=np.uint64)
+            grown[:len(self._words)] = self._words
+            self._words = grown
+        self._by_bit[bit] = (req, now)
+        self._words[w] |= np.uint64(1 << (bit % 64))
+
+    def pop(self, bit: int) -> Request:
+        req, _ = self._by_bit.pop(bit)
+        self._words[bit // 64] &= ~np.uint64(1 << (bit % 64))
+        return req
+
+    def drain(self) -> list[Request]:
+        reqs = [r for r, _ in self._by_bit.values()]
+        self._by_bit.clear()
+        self._words[:] = 0
+        return reqs
+
+    def older_than(self, deadline: float) -> list[int]:
+        return [b for b, (_, t) in self._by_bit.items() if t < deadline]
+
+    def vector(self, nbits: int) -> np.ndarray:
+        """[status word] + hit bits for `nbits` cache bits (status word left 0)."""
+        n = (nbits + 63) // 64
+        out = np.zeros(1 + n, dtype=np.uint64)
+        m = min(n, len(self._words))
+        out[1:1 + m] = self._words[:m]
+        return out
+
+    def take_common(self, res: np.ndarray) -> list[int]:
+        """Removes and returns (ascending) the bits set in the AND result `res`."""
+        if not self._by_bit:
+            return []
+        n = min(len(res) - 1, len(self._words))
+        both = res[1:1 + n] & self._words[:n]
+        if not both.any():
+            return []
+        bits = _bits(np.concatenate([np.zeros(1, dtype=np.uint64), both]))
+        for b in bits:
+            self.pop(b)
+        return bits
+
+    def remap(self, cache: ResponseCache) -> list[Request]:
+        """Re-keys by the cache's new bit numbers; returns requests that are no longer hits."""
+        items = list(self._by_bit.values())
+        self._by_bit.clear()
+        self._words[:] = 0
+        lost = []
+        for req, t in items:
+            state, bit = cache.lookup(req)
+            if state is CacheState.HIT:
+                self.add(bit, req, t)
+            else:
+                lost.append(req)
+        return lost
 
 
 class ProcessSetState:
@@ -60,7 +138,8 @@ class ProcessSetState:
         self.queue: list[Request] = []  # (lock) requests not yet negotiated
         # coordinator thread only:
         self.cache = ResponseCache(config.cache_capacity)
-        self.hits: dict[int, tuple[Request, float]] = {}  # cache bit -> (request, first seen)
+        self.hits = PendingHits()  # cached requests waiting for the other ranks
+        self.carry: list[Request] = []  # requests that lost their cache entry; sent next cycle
         self.join_active = False  # some rank of the set has joined (cache suspended)
         self.messages = MessageTable(self.size, ranks) if self.is_root else None
         self.stall = StallInspector(config.stall_check_time, config.stall_shutdown_time,
@@ -129,11 +208,11 @@ class Coordinator:
                 self._wake.clear()
                 if not self.run_cycle():
                     break
-                busy = any(ps.pending() for ps in self.rt.member_sets())
-                if busy and self._idle_cycles < _SPIN_CYCLES:
-                    time.sleep(0)  # yield the GIL; peers block us in the next negotiation
+                if self._idle_cycles == 0:  # progress: more is likely ready at once
                     continue
                 remaining = cycle - (time.monotonic() - start)
+                if any(ps.pending() for ps in self.rt.member_sets()):
+                    remaining = min(remaining, _BUSY_WAIT)
                 if remaining > 0:
                     self._wake.wait(remaining)
         except BaseException as exc:  # noqa: BLE001 - everything pending must learn the cause
@@ -170,36 +249,34 @@ class Coordinator:
     def _negotiate(self, ps: ProcessSetState) -> tuple[list[Response], bool]:
         now = time.monotonic()
         new = ps.drain()
-        if new:
-            self._idle_cycles = 0
         cache_on = ps.cache.capacity > 0 and not ps.join_active
-        uncached: list[Request] = []
+        uncached: list[Request] = ps.carry
+        ps.carry = []
         invalid: set[int] = set()
-        if not cache_on and ps.hits:  # cache suspended by a join: re-route waiting hits
-            uncached.extend(req for req, _ in ps.hits.values())
-            ps.hits.clear()
+        hits = ps.hits
+        if not cache_on and hits:  # cache suspended by a join: re-route waiting hits
+            uncached.extend(hits.drain())
         for req in new:
             if req.type in (RequestType.JOIN, RequestType.BARRIER) or not cache_on:
                 uncached.append(req)
                 continue
             state, bit = ps.cache.lookup(req)
             if state is CacheState.HIT:
-                ps.hits[bit] = (req, now)
+                hits.add(bit, req, now)
             else:
                 if state is CacheState.INVALID:
                     invalid.add(bit)
                 uncached.append(req)
         limit = self.config.stall_check_time
-        if ps.hits and not self.config.stall_check_disable and limit > 0:
+        if hits and not self.config.stall_check_disable and limit > 0:
             # Hits waiting longer than the warning time go to the slow path to be reported.
-            for bit in [b for b, (_, t) in ps.hits.items() if now - t > limit]:
-                uncached.append(ps.hits.pop(bit)[0])
+            for bit in hits.older_than(now - limit):
+                uncached.append(hits.pop(bit))
                 invalid.add(bit)
         if ps.is_root and self._check_stall(ps):
             self.shutdown_requested = True  # travels with the next global negotiation
         want_shutdown = self.shutdown_requested and ps.id == 0
-        nbits = ps.cache.num_bits if cache_on else 0
-        words = np.zeros(1 + (nbits + 63) // 64, dtype=np.uint64)
+        words = hits.vector(ps.cache.num_bits if cache_on else 0)
         status = 0
         if not want_shutdown:
             status |= _NOT_SHUTDOWN
@@ -208,8 +285,6 @@ class Coordinator:
         if not invalid:
             status |= _NOT_INVALID
         words[0] = status
-        for bit in ps.hits:
-            words[1 + bit // 64] |= np.uint64(1 << (bit % 64))
         res = ps.control.allreduce_words(words, "and")
         flags = int(res[0])
         any_shutdown = not flags & _NOT_SHUTDOWN
@@ -221,11 +296,9 @@ class Coordinator:
             inv = ps.control.allreduce_words(inv, "or")
             for bit in _bits(inv):
                 ps.cache.erase(bit)
-                if bit in ps.hits:
-                    uncached.append(ps.hits.pop(bit)[0])
-        common = [b for b in sorted(ps.hits) if int(res[1 + b // 64]) >> (b % 64) & 1]
-        for b in common:
-            del ps.hits[b]
+                if bit in hits:
+                    uncached.append(hits.pop(bit))
+        common = hits.take_common(res)
         threshold = self.config.fusion_threshold
         if not any_uncached:
             cached = [ps.cache.get(b) for b in common]
@@ -265,6 +338,7 @@ class Coordinator:
                         self._warned_eviction = True
                         _log_.warning(EVICTION_WARNING)
             ps.cache.renumber()
+            ps.carry.extend(ps.hits.remap(ps.cache))  # bit numbers changed
         return fused, shutdown
 
     def _fuse(self, ps: ProcessSetState, responses: list[Response],
