@@ -324,7 +324,11 @@ class Coordinator:
                         tl.negotiate_end(n)
             responses = [ps.cache.peek(b) for b in common] + constructed
             fused = self._fuse(ps, responses, threshold)
-            payload = encode_responses(fused, any_shutdown, ps.messages.join_active)
+            # Keep the cache suspended through the cycle that completes a join: its responses
+            # ran with zeros on joined ranks, which have no entries to cache.
+            join_flag = ps.messages.join_active or any(
+                r.type == ResponseType.JOIN for r in constructed)
+            payload = encode_responses(fused, any_shutdown, join_flag)
         fused, shutdown, join_active = decode_responses(ps.control.bcast(payload))
         ps.join_active = join_active
         if ps.cache.capacity > 0 and not join_active:
