@@ -20,9 +20,10 @@ File layout (Horovod's, viewable in chrome://tracing and Perfetto)::
     ]
 
 The file is a valid JSON array after every write: it always ends in ``\\n]\\n`` and the next
-chunk overwrites that tail, starting with ``,``. Chunks are record-aligned and small (16 KiB), so
-a process killed with SIGKILL leaves a loadable file (only a kill in the middle of one write
-syscall that crosses a page boundary could tear it).
+write overwrites that tail, starting with ``,``. Linux can cut a write killed by SIGKILL only
+between pages, so writes are record-aligned and cross a 4 KiB page boundary only inside their
+first record. A job killed mid-run therefore leaves a loadable file, except if the kill lands
+in the sub-microsecond window while the kernel copies that one record's head.
 
 Per-tensor state machine (UNKNOWN → NEGOTIATING → TOP_LEVEL → ACTIVITY), run on the writer
 thread and reset for every new file. It tolerates odd call orders instead of asserting as
@@ -60,7 +61,10 @@ ACTIVITIES = (
 QUEUE_CAPACITY = 1 << 20
 
 _BATCH = 2048  # events formatted per drain before the GIL is given back by a write
-_CHUNK = 16 * 1024  # bytes per pwrite; small writes keep the SIGKILL tear window tiny
+# Writes never cross a page boundary unless one record must: a SIGKILL during a write stops
+# the kernel's copy between pages (seen: a torn file at a 4 KiB boundary), never inside one, so
+# single-page writes leave either the old or the new valid file.
+_PAGE = 4096
 _TAIL = b"\n]\n"
 
 # Event kinds (tuple[0]); commands are negative so `kind < 0` separates them cheaply.
@@ -121,10 +125,12 @@ class _FileWriter:
         self.t0 = t0_ns
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.end = 0  # offset of the tail "\n]\n"
-        self.pids: dict[str, int] = {}
+        self.sfx: dict[str, str] = {}  # tensor -> ', "pid": N}' (its pid, pre-formatted)
         self.states: dict[str, int] = {}
         self.parts: list[str] = []
-        self.names: dict[str, str] = {}  # activity/op name -> JSON string literal
+        self.labels: dict[Any, str] = {}  # op/activity (str or enum) -> JSON literal
+        self.neg_labels: dict[Any, str] = {}  # request type -> '"NEGOTIATE_<TYPE>"'
+        self.dtypes: dict[Any, str] = {}  # dtype -> '"float32"'
         head = ('{"name": "process_name", "ph": "M", "pid": 0, "args": '
                 f'{{"start_time_since_epoch_in_micros": {epoch_us}}}}},\n'
                 '{"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}}')
@@ -132,126 +138,135 @@ class _FileWriter:
         os.pwrite(self.fd, data + _TAIL, 0)
         self.end = len(data)
 
-    # --- record formatting --------------------------------------------------------------
-    def _ts(self, ns: int) -> int:
-        return max(0, (ns - self.t0) // 1000)
+    # --- record formatting (the writer's hot path: cached fragments, few calls) -----------
+    def _sfx(self, name: str) -> str:
+        """The record suffix carrying `name`'s pid; emits its metadata on first sight."""
+        sfx = self.sfx.get(name)
+        if sfx is None:
+            pid = len(self.sfx) + 1
+            sfx = self.sfx[name] = f', "pid": {pid}}}'
+            self.parts.append(f'{{"name": "process_name", "ph": "M", "pid": {pid}, "args": '
+                              f'{{"name": {json.dumps(name)}}}}}')
+            self.parts.append(f'{{"name": "process_sort_index", "ph": "M", "pid": {pid}, '
+                              f'"args": {{"sort_index": {pid}}}}}')
+        return sfx
 
-    def _lit(self, text: str) -> str:
-        lit = self.names.get(text)
+    def _label(self, value: Any) -> str:
+        # IntEnums of different types compare equal (DataType.UINT8 == RequestType.ALLREDUCE),
+        # so non-str keys carry their type.
+        key = value if value.__class__ is str else (value.__class__, value)
+        lit = self.labels.get(key)
         if lit is None:
-            lit = self.names[text] = json.dumps(text)
+            lit = self.labels[key] = json.dumps(_type_name(value))
         return lit
 
-    def _pid(self, name: str) -> int:
-        pid = self.pids.get(name)
-        if pid is None:
-            pid = self.pids[name] = len(self.pids) + 1
-            self.parts.append(
-                f'{{"name": "process_name", "ph": "M", "pid": {pid}, "args": '
-                f'{{"name": {json.dumps(name)}}}}}')
-            self.parts.append(
-                f'{{"name": "process_sort_index", "ph": "M", "pid": {pid}, "args": '
-                f'{{"sort_index": {pid}}}}}')
-        return pid
-
-    def _begin(self, name: str, label: str, ns: int) -> None:
-        pid = self._pid(name)
-        self.parts.append(f'{{"ph": "B", "name": {self._lit(label)}, "ts": {self._ts(ns)}, '
-                          f'"pid": {pid}}}')
-
-    def _end(self, name: str, ns: int, args: str = "") -> None:
-        pid = self._pid(name)
-        extra = f', "args": {{{args}}}' if args else ""
-        self.parts.append(f'{{"ph": "E", "ts": {self._ts(ns)}, "pid": {pid}{extra}}}')
-
-    def _close_open(self, name: str, ns: int) -> None:
+    def _close_open(self, name: str, ts: int) -> None:
         """Ends every span open for `name` (innermost first) and forgets its state."""
         state = self.states.pop(name, None)
-        if state == _ACTIVITY:
-            self._end(name, ns)
-            self._end(name, ns)
-        elif state is not None:
-            self._end(name, ns)
+        if state is not None:
+            rec = f'{{"ph": "E", "ts": {ts}{self._sfx(name)}'
+            self.parts.append(rec)
+            if state == _ACTIVITY:
+                self.parts.append(rec)
 
     # --- the state machine ----------------------------------------------------------------
     def event(self, ev: tuple) -> None:
-        kind, states = ev[0], self.states
-        if kind == _MARK:
-            self.parts.append(f'{{"ph": "i", "name": "CYCLE_START", "ts": {self._ts(ev[1])}, '
-                              '"s": "g"}')
-            return
+        kind, states, parts = ev[0], self.states, self.parts
+        ts = (ev[2] if kind != _MARK else ev[1]) - self.t0
+        ts = ts // 1000 if ts > 0 else 0
         if kind == _ACT_START:
-            _, names, ns, activity = ev
-            label = _type_name(activity)
-            for name in names:
+            label = self._label(ev[3])
+            sfxs = self.sfx
+            for name in ev[1]:
                 state = states.get(name)
-                if state == _ACTIVITY:  # a new activity without ending the last: close it
-                    self._end(name, ns)
-                elif state != _TOP_LEVEL:
+                if state == _TOP_LEVEL:
+                    parts.append(f'{{"ph": "B", "name": {label}, "ts": {ts}{sfxs[name]}')
+                elif state == _ACTIVITY:  # a new activity without ending the last: close it
+                    sfx = sfxs[name]
+                    parts.append(f'{{"ph": "E", "ts": {ts}{sfx}')
+                    parts.append(f'{{"ph": "B", "name": {label}, "ts": {ts}{sfx}')
+                else:
                     continue
-                self._begin(name, label, ns)
                 states[name] = _ACTIVITY
             return
         if kind == _ACT_END:
-            _, names, ns = ev
-            for name in names:
+            sfxs = self.sfx
+            for name in ev[1]:
                 if states.get(name) == _ACTIVITY:
-                    self._end(name, ns)
+                    parts.append(f'{{"ph": "E", "ts": {ts}{sfxs[name]}')
                     states[name] = _TOP_LEVEL
             return
-        name, ns = ev[1], ev[2]
+        if kind == _MARK:
+            parts.append(f'{{"ph": "i", "name": "CYCLE_START", "ts": {ts}, "s": "g"}}')
+            return
+        name = ev[1]
         state = states.get(name)
-        if kind == _NEG_START:
-            if state is not None:
-                self._close_open(name, ns)
-            self._begin(name, "NEGOTIATE_" + _type_name(ev[3]), ns)
-            states[name] = _NEGOTIATING
-        elif kind == _RANK_READY:
+        if kind == _RANK_READY:
             if state == _NEGOTIATING:
-                pid = self._pid(name)
-                self.parts.append(f'{{"ph": "X", "name": "{int(ev[3])}", "ts": {self._ts(ns)}, '
-                                  f'"pid": {pid}, "dur": 0}}')
+                parts.append(f'{{"ph": "X", "name": "{int(ev[3])}", "ts": {ts}'
+                             f'{self.sfx[name][:-1]}, "dur": 0}}')
+        elif kind == _NEG_START:
+            if state is not None:
+                self._close_open(name, ts)
+            key = ev[3] if ev[3].__class__ is str else (ev[3].__class__, ev[3])
+            lit = self.neg_labels.get(key)
+            if lit is None:
+                lit = self.neg_labels[key] = json.dumps("NEGOTIATE_" + _type_name(ev[3]))
+            parts.append(f'{{"ph": "B", "name": {lit}, "ts": {ts}{self._sfx(name)}')
+            states[name] = _NEGOTIATING
         elif kind == _NEG_END:
             if state == _NEGOTIATING:
-                self._end(name, ns)
+                parts.append(f'{{"ph": "E", "ts": {ts}{self.sfx[name]}')
                 del states[name]
         elif kind == _START:
             if state is not None:
-                self._close_open(name, ns)
-            self._begin(name, _type_name(ev[3]), ns)
+                self._close_open(name, ts)
+            parts.append(f'{{"ph": "B", "name": {self._label(ev[3])}, "ts": {ts}'
+                         f'{self._sfx(name)}')
             states[name] = _TOP_LEVEL
         elif kind == _END:
             if state == _ACTIVITY:
-                self._end(name, ns)
+                parts.append(f'{{"ph": "E", "ts": {ts}{self.sfx[name]}')
                 state = _TOP_LEVEL
             if state == _TOP_LEVEL:
-                args = (f'"dtype": {self._lit(_dtype_name(ev[3]))}, '
-                        f'"shape": "{_shape_text(ev[4])}"')
-                self._end(name, ns, args)
+                key = ev[3] if ev[3].__class__ is str else (ev[3].__class__, ev[3])
+                dtype = self.dtypes.get(key)
+                if dtype is None:
+                    dtype = self.dtypes[key] = json.dumps(_dtype_name(ev[3]))
+                parts.append(f'{{"ph": "E", "ts": {ts}{self.sfx[name][:-1]}, "args": '
+                             f'{{"dtype": {dtype}, "shape": "{_shape_text(ev[4])}"}}}}')
                 del states[name]
             elif state is not None:
-                self._close_open(name, ns)
+                self._close_open(name, ts)
         elif kind == _END_ERROR:
-            self._close_open(name, ns)
+            self._close_open(name, ts)
 
-    # --- I/O --------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Appends the formatted records, one record-aligned pwrite per ~16 KiB chunk."""
+        """Appends the formatted records; see `_PAGE` for how the writes are cut."""
         parts = self.parts
         if not parts:
             return
         self.parts = []
-        start = 0
-        while start < len(parts):
-            size, stop = 0, start
-            while stop < len(parts) and (stop == start or size + len(parts[stop]) < _CHUNK):
-                size += len(parts[stop]) + 2
-                stop += 1
-            data = (",\n" + ",\n".join(parts[start:stop])).encode()
-            os.pwrite(self.fd, data + _TAIL, self.end)
-            self.end += len(data)
-            start = stop
-
+        fd, start = self.fd, self.end
+        chunk: list[str] = []
+        size = last_page = 0
+        for rec in parts:
+            piece = ",\n" + rec  # every record is ASCII (names go through json.dumps)
+            n = len(piece)
+            if chunk and (start + size + n + 2) // _PAGE == last_page:
+                chunk.append(piece)
+                size += n
+                continue
+            if chunk:
+                os.pwrite(fd, "".join(chunk).encode("ascii") + _TAIL, start)
+                start += size
+            # A write starts with the record that crosses a page boundary (if any) and then
+            # only adds records that end in the page where that one ends, so the part a kill
+            # could cut off is never more than one record's head.
+            chunk, size = [piece], n
+            last_page = (start + n + 2) // _PAGE
+        os.pwrite(fd, "".join(chunk).encode("ascii") + _TAIL, start)
+        self.end = start + size
 
 
 class Timeline:

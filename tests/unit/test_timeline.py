@@ -1,0 +1,464 @@
+"""Timeline writer: file format, metadata, state machine, dynamic start/stop, crash safety."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from collective import _log
+from collective.timeline import Timeline
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load(path) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def events(path) -> list[dict]:
+    return [e for e in load(path) if e["ph"] != "M"]
+
+
+def pid_names(path) -> dict[int, str]:
+    return {e["pid"]: e["args"]["name"] for e in load(path)
+            if e["ph"] == "M" and e["name"] == "process_name" and "name" in e["args"]}
+
+
+@pytest.fixture
+def tl(tmp_path):
+    t = Timeline(str(tmp_path / "tl.json"))
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def records():
+    """Captures the `horovod` logger's records."""
+    got: list[logging.LogRecord] = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            got.append(record)
+
+    h = H(level=1)
+    logger = _log.get_logger()
+    old = logger.level
+    logger.addHandler(h)
+    logger.setLevel(1)
+    yield got
+    logger.removeHandler(h)
+    logger.setLevel(old)
+
+
+def full_op(t: Timeline, name: str, ranks=(0, 1), activity="MPI_ALLREDUCE") -> None:
+    t.negotiate_start(name, "ALLREDUCE")
+    for r in ranks:
+        t.negotiate_rank_ready(name, r)
+    t.negotiate_end(name)
+    t.start(name, "ALLREDUCE")
+    t.activity_start_all([name], activity)
+    t.activity_end_all([name])
+    t.end(name, "float32", (3, 4))
+
+
+def test_header_metadata_and_full_op(tl, tmp_path):
+    before = time.time_ns() // 1000
+    assert tl.enabled
+    full_op(tl, "allreduce.x")
+    tl.flush()
+    recs = load(tmp_path / "tl.json")
+    assert recs[0] == {"name": "process_name", "ph": "M", "pid": 0,
+                       "args": {"start_time_since_epoch_in_micros":
+                                recs[0]["args"]["start_time_since_epoch_in_micros"]}}
+    assert abs(recs[0]["args"]["start_time_since_epoch_in_micros"] - before) < 5_000_000
+    assert recs[1] == {"name": "process_sort_index", "ph": "M", "pid": 0,
+                       "args": {"sort_index": 0}}
+    assert recs[2] == {"name": "process_name", "ph": "M", "pid": 1,
+                       "args": {"name": "allreduce.x"}}
+    assert recs[3] == {"name": "process_sort_index", "ph": "M", "pid": 1,
+                       "args": {"sort_index": 1}}
+    evs = recs[4:]
+    assert [(e["ph"], e.get("name")) for e in evs] == [
+        ("B", "NEGOTIATE_ALLREDUCE"), ("X", "0"), ("X", "1"), ("E", None),
+        ("B", "ALLREDUCE"), ("B", "MPI_ALLREDUCE"), ("E", None), ("E", None)]
+    assert all(e["pid"] == 1 for e in evs)
+    assert evs[1]["dur"] == 0 and evs[2]["dur"] == 0
+    assert evs[-1]["args"] == {"dtype": "float32", "shape": "[3, 4]"}
+    assert "args" not in evs[-2]
+    ts = [e["ts"] for e in evs]
+    assert ts == sorted(ts) and all(isinstance(x, int) and x >= 0 for x in ts)
+    # Horovod's textual layout: one record per line, "[" and "]" on their own lines.
+    text = (tmp_path / "tl.json").read_text()
+    assert text.startswith("[\n{") and text.endswith("}\n]\n")
+
+
+def test_pids_per_tensor_in_order_of_first_sight(tl, tmp_path):
+    for n in ("allreduce.a", "allgather.b", "allreduce.a", "broadcast.c"):
+        full_op(tl, n)
+    tl.flush()
+    assert pid_names(tmp_path / "tl.json") == {1: "allreduce.a", 2: "allgather.b",
+                                               3: "broadcast.c"}
+    sorts = [e for e in load(tmp_path / "tl.json") if e.get("name") == "process_sort_index"]
+    assert [(e["pid"], e["args"]["sort_index"]) for e in sorts] == [(0, 0), (1, 1), (2, 2),
+                                                                    (3, 3)]
+
+
+def test_names_are_json_escaped(tl, tmp_path):
+    weird = 'allreduce.a"b\\c\u00e9\n'
+    full_op(tl, weird)
+    tl.flush()
+    assert pid_names(tmp_path / "tl.json") == {1: weird}
+
+
+def test_fused_activities_and_dtype_shape_variants(tl, tmp_path):
+    names = ["allreduce.a", "allreduce.b"]
+    for n in names:
+        tl.negotiate_start(n, "ALLREDUCE")
+        tl.negotiate_end(n)
+        tl.start(n, "ALLREDUCE")
+    tl.activity_start_all(names, "MEMCPY_IN_FUSION_BUFFER")
+    tl.activity_end_all(names)
+    tl.activity_start_all(tuple(names), "MPI_ALLREDUCE")
+    tl.activity_end_all(names)
+    tl.end("allreduce.a", np.dtype(np.float16), ())
+    tl.end("allreduce.b", "int64", [7])
+    tl.flush()
+    evs = events(tmp_path / "tl.json")
+    acts = [(e["pid"], e["name"]) for e in evs if e["ph"] == "B" and "NEGOTIATE" not in e["name"]
+            and e["name"] != "ALLREDUCE"]
+    assert acts == [(1, "MEMCPY_IN_FUSION_BUFFER"), (2, "MEMCPY_IN_FUSION_BUFFER"),
+                    (1, "MPI_ALLREDUCE"), (2, "MPI_ALLREDUCE")]
+    ends = [e["args"] for e in evs if "args" in e]
+    assert ends == [{"dtype": "float16", "shape": "[]"}, {"dtype": "int64", "shape": "[7]"}]
+
+
+def test_enum_types_are_named(tl, tmp_path):
+    from collective.types import DataType, RequestType, ResponseType
+    tl.negotiate_start("b.x", RequestType.BROADCAST)
+    tl.negotiate_end("b.x")
+    tl.start("b.x", ResponseType.BROADCAST)
+    tl.end("b.x", DataType.FLOAT32, (2,))
+    tl.flush()
+    evs = events(tmp_path / "tl.json")
+    assert [e.get("name") for e in evs if e["ph"] == "B"] == ["NEGOTIATE_BROADCAST", "BROADCAST"]
+    assert evs[-1]["args"] == {"dtype": "float32", "shape": "[2]"}
+
+
+def test_mark_cycles(tmp_path):
+    t = Timeline(str(tmp_path / "m.json"), mark_cycles=True)
+    t.mark_cycle()
+    t.mark_cycle()
+    t.close()
+    marks = [e for e in events(tmp_path / "m.json") if e["ph"] == "i"]
+    assert len(marks) == 2
+    assert marks[0] == {"ph": "i", "name": "CYCLE_START", "ts": marks[0]["ts"], "s": "g"}
+    t = Timeline(str(tmp_path / "n.json"), mark_cycles=False)
+    t.mark_cycle()
+    t.close()
+    assert events(tmp_path / "n.json") == []
+
+
+def test_valid_json_after_every_event(tl, tmp_path):
+    path = tmp_path / "tl.json"
+    calls = [
+        lambda: tl.negotiate_start("t", "ALLREDUCE"), lambda: tl.negotiate_rank_ready("t", 0),
+        lambda: tl.negotiate_end("t"), lambda: tl.start("t", "ALLREDUCE"),
+        lambda: tl.activity_start_all(["t"], "QUEUE"), lambda: tl.activity_end_all(["t"]),
+        lambda: tl.end("t", "float32", (1,)),
+    ]
+    n = len(load(path))
+    for call in calls:
+        call()
+        tl.flush()
+        recs = load(path)
+        assert len(recs) > n
+        n = len(recs)
+
+
+# --- state machine tolerance ----------------------------------------------------------------
+def _balanced(evs: list[dict]) -> bool:
+    depth: dict[int, int] = {}
+    for e in evs:
+        if e["ph"] == "B":
+            depth[e["pid"]] = depth.get(e["pid"], 0) + 1
+        elif e["ph"] == "E":
+            depth[e["pid"]] = depth.get(e["pid"], 0) - 1
+            if depth[e["pid"]] < 0:
+                return False
+    return all(v == 0 for v in depth.values())
+
+
+def test_odd_orders_do_not_crash_and_stay_balanced(tl, tmp_path):
+    tl.end("a", "float32", (1,))  # end without start: dropped
+    tl.negotiate_end("a")  # end of a negotiation that never started
+    tl.negotiate_rank_ready("a", 3)  # rank ready outside a negotiation
+    tl.activity_start_all(["a"], "QUEUE")  # activity outside an op
+    tl.activity_end_all(["a"])
+    tl.end_error("a")
+    tl.start("b", "ALLREDUCE")  # op without negotiation: fine
+    tl.activity_start_all(["b"], "QUEUE")
+    tl.activity_start_all(["b"], "MPI_ALLREDUCE")  # activity switch without end: closes QUEUE
+    tl.end("b", "float32", (2,))  # end during an activity: closes it, then the op
+    tl.negotiate_start("c", "ALLREDUCE")
+    tl.start("c", "ALLREDUCE")  # start during negotiation: negotiation closed first
+    tl.negotiate_start("c", "ALLREDUCE")  # re-negotiation while the op is open: op closed
+    tl.end("c", "float32", (1,))  # end while negotiating: just closes the negotiation
+    tl.negotiate_start("d", "ALLGATHER")
+    tl.negotiate_start("d", "ALLGATHER")  # duplicate start: old span closed, new one opened
+    tl.end_error("d")
+    tl.start("e", "ALLREDUCE")
+    tl.activity_start_all(["e"], "MPI_ALLREDUCE")
+    tl.end_error("e")  # closes activity and op
+    tl.start("f", "BROADCAST")
+    tl.end_error("f")
+    tl.start(None, "ALLREDUCE")  # garbage in: no crash
+    tl.end_error(None)
+    tl.start("g", "ALLREDUCE")
+    tl.end("g", object(), 5)  # odd dtype and a shape that is not iterable
+    tl.flush()
+    evs = events(tmp_path / "tl.json")
+    assert _balanced(evs)
+    names = pid_names(tmp_path / "tl.json")
+    assert "a" not in names.values()  # nothing was ever opened for it
+    b_pid = next(p for p, n in names.items() if n == "b")
+    b = [(e["ph"], e.get("name")) for e in evs if e["pid"] == b_pid]
+    assert b == [("B", "ALLREDUCE"), ("B", "QUEUE"), ("E", None), ("B", "MPI_ALLREDUCE"),
+                 ("E", None), ("E", None)]
+    assert tl.enabled  # the writer survived
+
+
+# --- dynamic start / stop / restart ----------------------------------------------------------
+def test_dynamic_not_started(tmp_path):
+    for path in ("", "DYNAMIC"):
+        t = Timeline(path)
+        assert not t.enabled and t.path == ""
+        full_op(t, "x")  # dropped silently
+        t.mark_cycle()
+        t.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_start_stop_restart(tmp_path, records):
+    a, b = str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    t = Timeline("")
+    t.stop_file()  # stopping while stopped: an info line
+    assert any(r.levelno == logging.INFO and "already stopped" in r.getMessage() for r in records)
+    t.start_file(a, mark_cycles=False)
+    assert t.enabled and t.path == a
+    full_op(t, "x")
+    t.stop_file()  # blocks until flushed
+    assert not t.enabled
+    assert len(events(a)) == 8
+    full_op(t, "dropped")  # while stopped
+    with open(b, "w") as f:
+        f.write("old junk that must be truncated" * 100)
+    t.start_file(b, mark_cycles=True)
+    t.mark_cycle()
+    full_op(t, "y")
+    t.flush()
+    assert "dropped" not in pid_names(b).values()
+    assert pid_names(b) == {1: "y"}
+    assert [e["name"] for e in events(b) if e["ph"] == "i"] == ["CYCLE_START"]
+    # Switching files while running: the old one is complete, the new one starts fresh.
+    t.start_file(a, mark_cycles=False)
+    full_op(t, "z")
+    t.close()
+    assert pid_names(b) == {1: "y"} and _balanced(events(b))
+    assert pid_names(a) == {1: "z"}  # truncated again
+    assert load(a)[0]["args"]["start_time_since_epoch_in_micros"] >= \
+        load(b)[0]["args"]["start_time_since_epoch_in_micros"]
+
+
+def test_same_path_is_noop(tmp_path, records):
+    a = str(tmp_path / "a.json")
+    t = Timeline(a)
+    full_op(t, "x")
+    t.flush()
+    first = load(a)
+    t.start_file(a, mark_cycles=True)  # no truncation, no new header; mark_cycles applies
+    assert t.mark_cycles
+    t.mark_cycle()
+    full_op(t, "x")
+    t.close()
+    recs = load(a)
+    assert recs[:len(first)] == first
+    assert sum(1 for r in recs if r.get("name") == "process_name") == 2  # pid 0 and "x"
+    assert [r["name"] for r in recs if r["ph"] == "i"] == ["CYCLE_START"]
+    assert any("same as new filename" in r.getMessage() for r in records)
+
+
+def test_restart_after_stop_same_path_truncates(tmp_path):
+    a = str(tmp_path / "a.json")
+    t = Timeline(a)
+    full_op(t, "x")
+    t.stop_file()
+    t.start_file(a, mark_cycles=False)
+    full_op(t, "y")
+    t.close()
+    assert pid_names(a) == {1: "y"}
+
+
+def test_mid_op_restart_keeps_files_balanced(tmp_path):
+    a, b = str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    t = Timeline(a)
+    t.negotiate_start("x", "ALLREDUCE")
+    t.negotiate_end("x")
+    t.start("x", "ALLREDUCE")
+    t.activity_start_all(["x"], "MPI_ALLREDUCE")
+    t.start_file(b, mark_cycles=False)
+    t.activity_end_all(["x"])  # belongs to an op that started in a.json: dropped in b.json
+    t.end("x", "float32", (1,))
+    full_op(t, "y")
+    t.close()
+    assert pid_names(b) == {1: "y"} and _balanced(events(b))
+    assert not _balanced(events(a))  # a.json was cut mid-op, as Horovod's would be
+
+
+def test_bad_path(tmp_path, records):
+    bad = str(tmp_path / "no" / "such" / "dir.json")
+    t = Timeline(bad)  # at init: an error line, timeline off
+    assert not t.enabled
+    assert any(r.levelno == logging.ERROR and bad in r.getMessage() for r in records)
+    with pytest.raises(OSError, match="directory exists"):
+        t.start_file(bad, mark_cycles=False)
+    assert not t.enabled
+    with pytest.raises(ValueError):
+        t.start_file("", mark_cycles=False)
+    good = str(tmp_path / "ok.json")
+    t.start_file(good, mark_cycles=False)
+    full_op(t, "x")
+    t.close()
+    assert pid_names(good) == {1: "x"}
+
+
+def test_close_is_idempotent_and_joins(tmp_path):
+    t = Timeline(str(tmp_path / "a.json"))
+    thread = t._thread
+    assert thread.name == "hvd-timeline-writer"
+    t.close()
+    t.close()
+    assert not thread.is_alive() and not t.enabled
+    t.flush()  # no thread: no-op
+    t.start_file(str(tmp_path / "b.json"), mark_cycles=False)  # usable again
+    assert t.enabled
+    t.close()
+
+
+def test_many_events_large_batches(tl, tmp_path):
+    names = [f"allreduce.grad_{i}" for i in range(300)]
+    for step in range(20):
+        tl.mark_cycle()
+        for n in names:
+            tl.negotiate_start(n, "ALLREDUCE")
+            tl.negotiate_rank_ready(n, 0)
+            tl.negotiate_end(n)
+            tl.start(n, "ALLREDUCE")
+        tl.activity_start_all(names, "MPI_ALLREDUCE")
+        tl.activity_end_all(names)
+        for n in names:
+            tl.end(n, "float32", (10,))
+    tl.flush()
+    evs = events(tmp_path / "tl.json")
+    assert len(evs) == 20 * 300 * 7
+    assert _balanced(evs)
+
+
+def test_abandoned_timeline_thread_exits(tmp_path):
+    import gc
+    t = Timeline(str(tmp_path / "a.json"))
+    thread = t._thread
+    full_op(t, "x")
+    del t
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert pid_names(tmp_path / "a.json") == {1: "x"}
+
+
+# --- crash safety -----------------------------------------------------------------------------
+CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {repo!r})
+    from collective.timeline import Timeline
+    t = Timeline(sys.argv[1], mark_cycles=True)
+    names = ["allreduce.w%d" % i for i in range(50)]
+    print("started", flush=True)
+    while True:
+        t.mark_cycle()
+        for n in names:
+            t.negotiate_start(n, "ALLREDUCE")
+            t.negotiate_rank_ready(n, 0)
+            t.negotiate_rank_ready(n, 1)
+            t.negotiate_end(n)
+            t.start(n, "ALLREDUCE")
+        t.activity_start_all(names, "MEMCPY_IN_FUSION_BUFFER")
+        t.activity_end_all(names)
+        t.activity_start_all(names, "MPI_ALLREDUCE")
+        t.activity_end_all(names)
+        for n in names:
+            t.end(n, "float32", (1024,))
+""")
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.55, 0.8])
+def test_json_valid_after_sigkill(tmp_path, delay):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(repo=REPO))
+    path = tmp_path / "killed.json"
+    proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started", proc.stderr.read()
+        deadline = time.monotonic() + 20
+        while (not path.exists() or path.stat().st_size < 200_000) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    recs = load(path)  # must parse
+    assert len(recs) > 1000, f"only {len(recs)} records; child stderr: {proc.stderr.read()}"
+    assert recs[0]["args"]["start_time_since_epoch_in_micros"] > 0
+
+
+def test_writes_cross_a_page_only_in_their_first_record(tmp_path, monkeypatch):
+    """A SIGKILL can cut a write only between pages; the cut-off part must be one record head."""
+    import collective.timeline as tlmod
+    writes: list[tuple[int, bytes]] = []
+    real = os.pwrite
+
+    def spy(fd, data, offset):
+        writes.append((offset, bytes(data)))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(tlmod.os, "pwrite", spy)
+    t = Timeline(str(tmp_path / "p.json"))
+    for i in range(400):
+        full_op(t, f"allreduce.tensor_with_a_longish_name_{i % 37}" + "x" * (i % 50))
+    t.close()
+    page = tlmod._PAGE
+    assert len(writes) > 20
+    for offset, data in writes[1:]:
+        first_page, last_page = offset // page, (offset + len(data) - 1) // page
+        if first_page != last_page:
+            head = data.split(b",\n", 2)
+            # Everything before the last boundary is the first record (or its tail's width).
+            boundary = last_page * page
+            assert boundary - offset <= 2 + len(head[1]) + 3, (offset, len(data))
+    load(tmp_path / "p.json")
