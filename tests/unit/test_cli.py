@@ -1,0 +1,391 @@
+"""hvdrun's pure parts: flag -> env mapping, config files, worker env, ssh and mpirun commands."""
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from collective.config import OPTIONS
+from launcher import cli
+from launcher.env import exportable_env, is_exportable, redact, worker_env
+from launcher.hosts import HostInfo, SlotInfo
+from launcher.mpirun import (MPIImpl, MPIUnavailableError, build_mpirun_command,
+                             parse_mpi_version)
+from launcher.settings import LaunchSettings
+from launcher.ssh import remote_command, ssh_base, timeout_message
+
+
+def parse(*argv: str):
+    return cli.build_parser().parse_args(list(argv) + ["python", "x.py"])
+
+
+def env_of(*argv: str) -> dict[str, str]:
+    return cli.env_from_args(parse(*argv))
+
+
+def _sample(o) -> tuple[list[str], str]:
+    """A command-line value for an option and the env value it must produce."""
+    if o.cli.startswith("--no-") or o.field in ("log_hide_time", "mpi_threads_disable"):
+        return [o.cli], "1"
+    if o.type is int:
+        return [o.cli, "3"], str(int(3 * o.cli_scale))
+    if o.type is float:
+        return [o.cli, "0.5"], "0.5"
+    if o.type is str:
+        if o.field == "log_level":
+            return [o.cli, "debug"], "DEBUG"
+        return [o.cli, "some-value"], "some-value"
+    return [o.cli], "1"  # --flag of a --[no-]flag pair
+
+
+FLAGGED = [o for o in OPTIONS if o.cli]
+
+
+def test_every_table_flag_exists():
+    names = {s for a in cli.build_parser()._actions for s in a.option_strings}
+    missing = [o.cli for o in FLAGGED if o.cli not in names]
+    assert not missing
+    for flag in ("--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity",
+                 "--hierarchical-allreduce", "--no-hierarchical-allreduce", "--autotune",
+                 "--timeline-filename", "--no-stall-check", "--log-level",
+                 "--log-without-timestamp", "--gloo-timeout-seconds", "--start-timeout",
+                 "-np", "-H", "-hostfile", "--hostfile", "-p", "-i", "-cb", "-v",
+                 "--output-filename", "--config-file", "--mpi-args", "--binding-args", "--tcp",
+                 "--gloo", "--mpi", "-prefix-timestamp", "--network-interface",
+                 "--network-interfaces", "--verbose"):
+        assert flag in names, flag
+
+
+@pytest.mark.parametrize("o", FLAGGED, ids=[o.cli for o in FLAGGED])
+def test_flag_sets_its_env_var(o):
+    argv, expected = _sample(o)
+    extra = []
+    if o.field.startswith("autotune") and o.field != "autotune":
+        extra = ["--autotune"]  # autotune env is exported only with --autotune
+    if o.field == "timeline_mark_cycles":
+        extra = ["--timeline-filename", "/tmp/t.json"]
+    env = env_of(*extra, *argv)
+    assert env[o.env] == expected
+
+
+def test_unset_flags_export_nothing():
+    assert env_of() == {}
+
+
+def test_fusion_threshold_scale_and_no_bool_forms():
+    assert env_of("--fusion-threshold-mb", "64")["HOROVOD_FUSION_THRESHOLD"] == str(64 << 20)
+    assert env_of("--no-hierarchical-allreduce")["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "0"
+    assert env_of("--hierarchical-allgather")["HOROVOD_HIERARCHICAL_ALLGATHER"] == "1"
+    assert env_of("--no-stall-check")["HOROVOD_STALL_CHECK_DISABLE"] == "1"
+    assert env_of("--log-without-timestamp")["HOROVOD_LOG_HIDE_TIME"] == "1"
+
+
+def test_autotune_and_timeline_gating():
+    env = env_of("--autotune-warmup-samples", "5", "--timeline-mark-cycles")
+    assert "HOROVOD_AUTOTUNE_WARMUP_SAMPLES" not in env
+    assert "HOROVOD_TIMELINE_MARK_CYCLES" not in env
+    env = env_of("--autotune", "--autotune-warmup-samples", "5", "--timeline-filename", "t.json",
+                 "--timeline-mark-cycles")
+    assert env["HOROVOD_AUTOTUNE"] == "1"
+    assert env["HOROVOD_AUTOTUNE_WARMUP_SAMPLES"] == "5"
+    assert env["HOROVOD_TIMELINE"] == "t.json"
+    assert env["HOROVOD_TIMELINE_MARK_CYCLES"] == "1"
+
+
+@pytest.mark.parametrize("flag,dest", [("--fusion-threshold-mb", "fusion_threshold_mb"),
+                                       ("--cycle-time-ms", "cycle_time_ms"),
+                                       ("--cache-capacity", "cache_capacity"),
+                                       ("--stall-check-warning-time-seconds",
+                                        "stall_check_warning_time_seconds"),
+                                       ("--gloo-timeout-seconds", "gloo_timeout_seconds"),
+                                       ("--start-timeout", "start_timeout")])
+def test_negative_values_rejected(flag, dest):
+    with pytest.raises(ValueError, match=f"^{dest}=-1(.0)? must be >= 0$"):
+        env_of(flag, "-1")
+
+
+def test_gaussian_noise_range():
+    with pytest.raises(ValueError, match="must be in \\[0, 1\\]"):
+        env_of("--autotune", "--autotune-gaussian-process-noise", "1.5")
+
+
+def test_cli_main_reports_errors_as_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["-np", "2", "--cycle-time-ms", "-3", "true"])
+    assert e.value.code == 2
+    assert "cycle_time_ms=-3.0 must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["true"])
+    assert "-np" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["-np", "2", "--min-np", "1", "true"])
+    assert "elastic" in capsys.readouterr().err
+
+
+def test_version_and_settings(capsys):
+    assert cli.main(["-v"]) == 0
+    assert capsys.readouterr().out.strip() == cli.version()
+    s = cli.settings_from_args(parse("-np", "3", "-H", "a:2,b:2", "--gloo", "-p", "2222"))
+    assert s.mode == "tcp" and s.num_proc == 3 and s.ssh_port == 2222
+    assert s.used_hosts == (HostInfo("a", 2), HostInfo("b", 1))
+    assert cli.settings_from_args(parse("-np", "1", "--mpi")).mode == "mpi"
+    s = cli.settings_from_args(parse("-np", "1", "--mpi", "--tcp"))
+    assert s.mode == "mpi" and s.tcp_only
+    s = cli.settings_from_args(parse("-np", "1", "--tcp", "--network-interfaces", "eth0,eth1",
+                                     "--network-interface", "ib0"))
+    assert s.mode == "tcp" and not s.tcp_only
+    assert s.network_interfaces == ("eth0", "eth1", "ib0")
+    with pytest.raises(ValueError, match="available slots"):
+        cli.settings_from_args(parse("-np", "5", "-H", "a:2"))
+
+
+def test_mutually_exclusive_groups():
+    for argv in (["--gloo", "--mpi"], ["-H", "a:1", "--hostfile", "f"]):
+        with pytest.raises(SystemExit):
+            parse("-np", "1", *argv)
+
+
+def test_command_remainder_keeps_its_flags():
+    a = cli.build_parser().parse_args(["-np", "2", "python", "train.py", "--lr", "0.1", "-v"])
+    assert a.command == ["python", "train.py", "--lr", "0.1", "-v"]
+    assert a.version is False
+
+
+# --- config file ---------------------------------------------------------------------------
+
+YAML = """\
+controller: gloo
+params:
+  fusion_threshold_mb: 8
+  cycle_time_ms: 3
+  cache_capacity: 16
+  hierarchical_allreduce: true
+  hierarchical_allgather: false
+  torus_allreduce: false
+autotune:
+  enabled: true
+  log_file: /tmp/at.csv
+  warmup_samples: 2
+  steps_per_sample: 4
+  bayes_opt_max_samples: 6
+  gaussian_process_noise: 0.5
+timeline:
+  filename: /tmp/tl.json
+  mark_cycles: true
+stall_check:
+  enabled: false
+  warning_time_seconds: 11
+  shutdown_time_seconds: 22
+library_options:
+  mpi_threads_disable: true
+  num_nccl_streams: 2
+  thread_affinity: "0,1"
+  gloo_timeout_seconds: 45
+logging:
+  level: debug
+  with_timestamp: false
+"""
+
+
+def test_config_file_sets_every_key(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(YAML)
+    args = parse("-np", "1", "--config-file", str(f))
+    env = cli.env_from_args(args)
+    assert env == {
+        "HOROVOD_FUSION_THRESHOLD": str(8 << 20), "HOROVOD_CYCLE_TIME": "3.0",
+        "HOROVOD_CACHE_CAPACITY": "16", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+        "HOROVOD_HIERARCHICAL_ALLGATHER": "0", "HOROVOD_TORUS_ALLREDUCE": "0",
+        "HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "/tmp/at.csv",
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "2", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "4",
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "6",
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5",
+        "HOROVOD_TIMELINE": "/tmp/tl.json", "HOROVOD_TIMELINE_MARK_CYCLES": "1",
+        "HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "11.0",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "22.0", "HOROVOD_MPI_THREADS_DISABLE": "1",
+        "HOROVOD_NUM_NCCL_STREAMS": "2", "HOROVOD_THREAD_AFFINITY": "0,1",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": "45.0", "HOROVOD_LOG_LEVEL": "DEBUG",
+        "HOROVOD_LOG_HIDE_TIME": "1"}
+    assert cli.settings_from_args(args).mode == "tcp"
+
+
+def test_config_file_precedence_is_positional(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 3\n")
+    env = env_of("--fusion-threshold-mb", "1", "--config-file", str(f), "--cycle-time-ms", "7")
+    assert env["HOROVOD_FUSION_THRESHOLD"] == str(8 << 20)  # file overrides earlier flag
+    assert env["HOROVOD_CYCLE_TIME"] == "7.0"  # later flag overrides the file
+
+
+def test_yaml_table_names_real_dests():
+    dests = {a.dest for a in cli.build_parser()._actions}
+    for section in cli.YAML_KEYS.values():
+        for dest in section.values():
+            assert dest.lstrip("!") in dests
+
+
+@pytest.mark.parametrize("text,match", [("params:\n  fusion_mb: 1\n", "unknown key params.fusion_mb"),
+                                        ("nope: {}\n", "unknown section 'nope'"),
+                                        ("controller: jsrun\n", "controller"),
+                                        ("params:\n  cache_capacity: lots\n", "cache_capacity")])
+def test_config_file_errors(tmp_path, capsys, text, match):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(SystemExit):
+        parse("-np", "1", "--config-file", str(f))
+    assert match in capsys.readouterr().err
+
+
+# --- worker environment --------------------------------------------------------------------
+
+SLOT = SlotInfo("hostA", rank=3, local_rank=1, cross_rank=1, size=4, local_size=2, cross_size=2)
+PARENT = {"PATH": "/bin", "BASH_FUNC_foo%%": "() { :; }", "OLDPWD": "/x",
+          "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_NVLS_ENABLE": "0", "_HOROVOD_SECRET_KEY": "old",
+          "HOROVOD_SECRET_KEY": "stale", "OMPI_COMM_WORLD_RANK": "7", "MY_VAR": "a b'c"}
+
+
+def test_exportable_env():
+    assert exportable_env(PARENT) == {"PATH": "/bin", "NCCL_NVLS_ENABLE": "0",
+                                      "OMPI_COMM_WORLD_RANK": "7", "MY_VAR": "a b'c"}
+    assert not is_exportable("MY_CUDA_VISIBLE_DEVICES")
+    assert is_exportable("NCCL_SOCKET_IFNAME")
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_worker_env(remote):
+    env = worker_env(PARENT, SLOT, remote=remote, overrides={"HOROVOD_CYCLE_TIME": "2"},
+                     rendezvous=("10.0.0.1", 1234), secret_hex="ab" * 32, oversubscribed=True)
+    assert env["HOROVOD_RANK"] == "3" and env["HOROVOD_SIZE"] == "4"
+    assert env["HOROVOD_LOCAL_RANK"] == "1" and env["HOROVOD_LOCAL_SIZE"] == "2"
+    assert env["HOROVOD_CROSS_RANK"] == "1" and env["HOROVOD_CROSS_SIZE"] == "2"
+    assert env["HOROVOD_HOSTNAME"] == "hostA"
+    assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1"
+    assert env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "1234"
+    assert env["HOROVOD_CONTROLLER"] == "gloo" and env["HOROVOD_CPU_OPERATIONS"] == "gloo"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["HOROVOD_SECRET_KEY"] == "ab" * 32
+    assert "_HOROVOD_SECRET_KEY" not in env
+    assert env["HOROVOD_CYCLE_TIME"] == "2"
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["MY_VAR"] == "a b'c"
+    assert env["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    assert "OMPI_COMM_WORLD_RANK" not in env  # a foreign launcher's rank must not leak
+    # Local workers keep this machine's GPU mask; remote ones must not get it.
+    assert ("CUDA_VISIBLE_DEVICES" in env) is (not remote)
+    assert ("BASH_FUNC_foo%%" in env) is (not remote)
+
+
+def test_worker_env_not_oversubscribed_and_redact():
+    env = worker_env({}, SLOT, remote=False, overrides={}, rendezvous=None, secret_hex=None,
+                     oversubscribed=False)
+    assert "OMPI_MCA_mpi_yield_when_idle" not in env and "HOROVOD_SECRET_KEY" not in env
+    assert redact({"HOROVOD_SECRET_KEY": "x", "A": "b"}) == {"HOROVOD_SECRET_KEY": "<redacted>",
+                                                            "A": "b"}
+
+
+# --- ssh -----------------------------------------------------------------------------------
+
+def test_ssh_commands():
+    assert ssh_base("h", 2222, "/k") == ["ssh", "-o", "PasswordAuthentication=no", "-o",
+                                         "StrictHostKeyChecking=no", "-p", "2222", "-i", "/k", "h"]
+    assert ssh_base("h") == ["ssh", "-o", "PasswordAuthentication=no", "-o",
+                             "StrictHostKeyChecking=no", "h"]
+    text = remote_command(["python", "my script.py", "--x=$HOME"], "/work dir", python="/py",
+                          launcher_root="/src")
+    assert text.startswith("cd '/work dir' > /dev/null 2>&1 ; exec /py -c ")
+    words = shlex.split(text.split(";", 1)[1])
+    assert words[0] == "exec" and words[1] == "/py" and words[2] == "-c"
+    assert words[4:] == ["/src", "--", "python", "my script.py", "--x=$HOME"]
+    assert "Timed out waiting for ssh" in timeout_message("ssh")
+    assert "--start-timeout" in timeout_message("x")
+
+
+# --- mpirun --------------------------------------------------------------------------------
+
+OMPI4 = parse_mpi_version("mpirun (Open MPI) 4.1.5\n\nReport bugs to http://www.open-mpi.org/")
+OMPI5 = parse_mpi_version("mpirun (Open MPI) 5.0.11\n")
+MPICH = parse_mpi_version("HYDRA build details:\n    Version:                                 4.1.2\n")
+INTEL = parse_mpi_version("Intel(R) MPI Library for Linux* OS, Version 2021.9 Build 2023\n")
+SPECTRUM = parse_mpi_version("mpirun (IBM Spectrum MPI) 10.4.0.0\n")
+HOSTS = [HostInfo("a", 2), HostInfo("b", 2)]
+ENV = {"PATH": "/bin", "HOROVOD_CYCLE_TIME": "2", "OMPI_MCA_x": "1", "HOROVOD_SECRET_KEY": "s",
+       "CUDA_VISIBLE_DEVICES": "0", "BASH_FUNC_f%%": "x"}
+
+
+def test_parse_mpi_version():
+    assert OMPI4 == MPIImpl("openmpi", (4, 1, 5), "mpirun (Open MPI) 4.1.5")
+    assert OMPI5.version == (5, 0, 11)
+    assert MPICH.name == "mpich" and MPICH.version == (4, 1, 2)
+    assert INTEL.name == "intel" and SPECTRUM.name == "spectrum"
+    with pytest.raises(MPIUnavailableError, match="unrecognised"):
+        parse_mpi_version("some other mpi 1.0")
+
+
+def test_openmpi4_command():
+    argv = build_mpirun_command(OMPI4, num_proc=4, hosts=HOSTS, command=["python", "t.py"],
+                                env=ENV, is_root=True, ssh_port=22, ssh_identity_file="/k",
+                                network_interfaces=["eth0"], output_filename="/out",
+                                mpi_args="--report-bindings -v")
+    assert argv == [
+        "mpirun", "--allow-run-as-root", "--tag-output", "-np", "4", "-H", "a:2,b:2",
+        "--bind-to", "none", "--map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib",
+        "-mca", "plm_rsh_args", "-p 22 -i /k", "-mca", "btl_tcp_if_include", "eth0",
+        "--output-filename", "/out", "-x", "HOROVOD_CYCLE_TIME", "-x", "PATH",
+        "--report-bindings", "-v", "python", "t.py"]
+
+
+def test_openmpi5_command_not_root_oversubscribed():
+    argv = build_mpirun_command(OMPI5, num_proc=3, hosts=[HostInfo("localhost", 3)],
+                                command=["x"], env={"A": "1"}, is_root=False,
+                                oversubscribe=True, ssh_port=2222)
+    assert "--allow-run-as-root" not in argv
+    assert "--oversubscribe" in argv
+    assert ["-mca", "btl", "^openib"] != argv[argv.index("ob1") + 1:argv.index("ob1") + 4]
+    assert argv[argv.index("--prtemca"):argv.index("--prtemca") + 3] == [
+        "--prtemca", "plm_ssh_args", "-p 2222"]
+    assert argv[-3:] == ["-x", "A", "x"]
+
+
+def test_openmpi_secret_and_values_stay_off_the_command_line():
+    argv = build_mpirun_command(OMPI5, num_proc=1, hosts=[HostInfo("a", 1)], command=["x"],
+                                env={"HOROVOD_SECRET_KEY": "topsecret", "B": "value"})
+    assert "HOROVOD_SECRET_KEY" not in argv and "topsecret" not in argv and "value" not in argv
+    argv = build_mpirun_command(OMPI5, num_proc=1, hosts=[HostInfo("a", 1)], command=["x"],
+                                env={"HOROVOD_SECRET_KEY": "topsecret"},
+                                extra_exports=["HOROVOD_SECRET_KEY"])
+    assert ["-x", "HOROVOD_SECRET_KEY"] == argv[-3:-1] and "topsecret" not in argv
+
+
+def test_binding_args_override_and_spectrum():
+    argv = build_mpirun_command(OMPI5, num_proc=2, hosts=HOSTS, command=["x"], env={},
+                                binding_args="--bind-to core")
+    assert "--bind-to" in argv and argv[argv.index("--bind-to") + 1] == "core"
+    assert "slot" not in argv
+    argv = build_mpirun_command(SPECTRUM, num_proc=2, hosts=HOSTS, command=["x"], env={},
+                                tcp_only=True)
+    assert "--tag-output" in argv and "-tcp" in argv and "socket" in argv
+    assert "pml" not in argv
+
+
+@pytest.mark.parametrize("impl", [MPICH, INTEL])
+def test_hydra_commands(impl):
+    argv = build_mpirun_command(impl, num_proc=4, hosts=HOSTS, command=["python", "t.py"],
+                                env=ENV, is_root=True, ssh_port=22,
+                                network_interfaces=["ib0", "eth0"])
+    assert argv == ["mpirun", "-l", "-np", "4", "-hosts", "a,b", "-ppn", "2", "-bind-to", "none",
+                    "-map-by", "slot", "-genvall", "-bootstrap-exec-args", "-p 22", "-iface",
+                    "ib0", "python", "t.py"]
+    uneven = build_mpirun_command(impl, num_proc=3, hosts=[HostInfo("a", 2), HostInfo("b", 1)],
+                                  command=["x"], env={})
+    assert uneven[uneven.index("-hosts") + 1] == "a:2,b:1" and "-ppn" not in uneven
+    with pytest.raises(ValueError, match="output-filename"):
+        build_mpirun_command(impl, num_proc=1, hosts=HOSTS, command=["x"], env={},
+                             output_filename="/o")
+
+
+def test_launch_settings_validation():
+    with pytest.raises(ValueError, match="available slots"):
+        LaunchSettings(num_proc=3, hosts=(HostInfo("a", 2),), mode="tcp", command=("x",))
+    with pytest.raises(ValueError, match="mode"):
+        LaunchSettings(num_proc=1, hosts=(HostInfo("a", 2),), mode="jsrun", command=("x",))
+    with pytest.raises(ValueError, match="no command"):
+        LaunchSettings(num_proc=1, hosts=(HostInfo("a", 2),), mode="tcp", command=())
