@@ -1,0 +1,238 @@
+"""Timeline, dynamic timeline and stall reports in real 2-rank jobs (mpirun).
+
+Driver tests (outside ranks) launch this file under `tests/_spmd.run_spmd` with one scenario
+selected by `-k`; the rank-side tests (marked `spmd`) run inside the ranks. Rank 0 checks the
+timeline file after `hvd.shutdown()`; the drivers check what rank 0 logged.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from tests._spmd import run_spmd
+
+ENV_DIR = "RINGVOD_TIMELINE_TEST_DIR"  # test protocol: where rank 0 writes its timelines
+NP = 2
+
+
+# --- helpers (rank side) -----------------------------------------------------------------------
+def _load(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)  # must be strict JSON
+
+
+def _by_tensor(recs: list[dict]) -> dict[str, list[dict]]:
+    names = {r["pid"]: r["args"]["name"] for r in recs
+             if r.get("ph") == "M" and r.get("name") == "process_name" and "name" in r["args"]}
+    out: dict[str, list[dict]] = {n: [] for n in names.values()}
+    for r in recs:
+        if r.get("ph") in ("B", "E", "X"):
+            out[names[r["pid"]]].append(r)
+    return out
+
+
+def _span_names(evs: list[dict]) -> list[str]:
+    return [e["name"] for e in evs if e["ph"] == "B"]
+
+
+def _barrier() -> None:
+    # Orders the ranks around timeline switches without an op that would itself be recorded.
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Barrier()
+
+
+# --- rank-side scenarios -------------------------------------------------------------------------
+@pytest.mark.spmd
+@pytest.mark.timeout(60)
+def test_rank_static_timeline():
+    import collective as hvd
+    path = os.path.join(os.environ[ENV_DIR], "static.json")
+    before = time.time_ns() // 1000
+    hvd.init()
+    assert hvd.size() == NP
+    x = hvd.allreduce(np.full(4, hvd.rank() + 1, np.float32), name="x", op=hvd.Sum)
+    assert x.tolist() == [3.0] * 4
+    hvd.allreduce(np.ones(3, np.float32), op=hvd.Sum)  # unnamed: allreduce.noname.<n>
+    g = hvd.allgather(np.ones((2, 3), np.float32), name="g")
+    assert g.shape == (4, 3)
+    hvd.broadcast(np.arange(3.0), root_rank=0, name="b")
+    handles = [hvd.allreduce_async(np.ones(5, np.float32), name=f"f{i}") for i in range(4)]
+    for h in handles:
+        hvd.synchronize(h)
+    rank = hvd.rank()
+    hvd.shutdown()
+    if rank != 0:
+        return
+    after = time.time_ns() // 1000
+    recs = _load(path)
+    assert recs[0]["name"] == "process_name" and recs[0]["pid"] == 0
+    assert before <= recs[0]["args"]["start_time_since_epoch_in_micros"] <= after
+    assert recs[1] == {"name": "process_sort_index", "ph": "M", "pid": 0,
+                       "args": {"sort_index": 0}}
+    tensors = _by_tensor(recs)
+    assert {"allreduce.x", "allgather.g", "broadcast.b"} <= set(tensors), sorted(tensors)
+    assert any(n.startswith("allreduce.noname.") for n in tensors), sorted(tensors)
+    assert {f"allreduce.f{i}" for i in range(4)} <= set(tensors)
+    for name, op, activity, dtype, shape in (
+            ("allreduce.x", "ALLREDUCE", "MPI_ALLREDUCE", "float32", "[4]"),
+            ("allgather.g", "ALLGATHER", "MPI_ALLGATHER", "float32", "[4, 3]"),
+            ("broadcast.b", "BROADCAST", "MPI_BCAST", "float64", "[3]")):
+        evs = tensors[name]
+        spans = _span_names(evs)
+        assert spans[:2] == [f"NEGOTIATE_{op}", op], (name, spans)
+        assert activity in spans, (name, spans)
+        assert sorted(e["name"] for e in evs if e["ph"] == "X") == [str(r) for r in range(NP)]
+        assert evs[-1]["ph"] == "E" and evs[-1]["args"] == {"dtype": dtype, "shape": shape}
+        assert sum(1 for e in evs if e["ph"] == "B") == sum(1 for e in evs if e["ph"] == "E")
+        ts = [e["ts"] for e in evs]
+        assert ts == sorted(ts)
+    assert any(r.get("ph") == "i" and r["name"] == "CYCLE_START" and r["s"] == "g"
+               for r in recs)
+    from collective.timeline_cli import format_summary, summarize
+    summary = summarize(recs)
+    assert summary.open_spans == 0
+    assert "MPI_ALLREDUCE" in {r.name for r in summary.activities}
+    assert "allreduce.x" in format_summary(summary)
+
+
+@pytest.mark.spmd
+@pytest.mark.timeout(60)
+def test_rank_dynamic_timeline():
+    import collective as hvd
+    a = os.path.join(os.environ[ENV_DIR], "a.json")
+    b = os.path.join(os.environ[ENV_DIR], "b.json")
+    hvd.init()
+    root = hvd.rank() == 0
+
+    def op(name: str) -> None:
+        hvd.allreduce(np.ones(2, np.float32), name=name, op=hvd.Sum)
+
+    op("before")
+    _barrier()
+    hvd.start_timeline(a)
+    _barrier()
+    op("during1")
+    hvd.stop_timeline()  # blocks until a.json holds everything
+    if root:
+        assert set(_by_tensor(_load(a))) == {"allreduce.during1"}
+    _barrier()
+    op("between")
+    hvd.stop_timeline()  # stopping while stopped: an info line, no error
+    _barrier()
+    hvd.start_timeline(b, mark_cycles=True)
+    _barrier()
+    op("during2")
+    hvd.start_timeline(b, mark_cycles=True)  # same file: a no-op
+    op("during2b")
+    _barrier()
+    hvd.start_timeline(a)  # restart on a.json: truncated
+    _barrier()
+    op("during3")
+    hvd.shutdown()
+    if not root:
+        return
+    ta, tb = _by_tensor(_load(a)), _by_tensor(_load(b))
+    assert set(ta) == {"allreduce.during3"}, sorted(ta)
+    assert set(tb) == {"allreduce.during2", "allreduce.during2b"}, sorted(tb)
+    assert _span_names(ta["allreduce.during3"])[:2] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"]
+    recs_b = _load(b)
+    assert sum(1 for r in recs_b if r.get("pid") == 0 and r.get("name") == "process_name") == 1
+    assert any(r.get("name") == "CYCLE_START" for r in recs_b)
+    assert not any(r.get("name") == "CYCLE_START" for r in _load(a))
+
+
+@pytest.mark.spmd
+@pytest.mark.timeout(60)
+def test_rank_stall_warning():
+    import collective as hvd
+    with pytest.raises(ValueError, match=r"Horovod has not been initialized; use hvd.init\(\)"):
+        hvd.start_timeline("/nonexistent/never.json")
+    hvd.init()
+    with pytest.raises(ValueError, match="Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic "
+                                         "timeline usage."):
+        hvd.start_timeline("/nonexistent/never.json")
+    names = [f"stuck_{i}" for i in range(7)]
+    if hvd.rank() == 1:  # rank 0 holds back for 2.5 stall periods
+        handles = [hvd.allreduce_async(np.ones(2, np.float32), name=n, op=hvd.Sum)
+                   for n in names]
+        _barrier()
+    else:
+        time.sleep(2.5)
+        _barrier()
+        handles = [hvd.allreduce_async(np.ones(2, np.float32), name=n, op=hvd.Sum)
+                   for n in names]
+    for h in handles:
+        assert hvd.synchronize(h).tolist() == [2.0, 2.0]
+    hvd.shutdown()
+
+
+@pytest.mark.spmd
+@pytest.mark.timeout(60)
+def test_rank_stall_shutdown():
+    import collective as hvd
+    hvd.init()
+    if hvd.rank() == 1:
+        h = hvd.allreduce_async(np.ones(2, np.float32), name="lonely", op=hvd.Sum)
+        with pytest.raises(hvd.HorovodInternalError):
+            hvd.synchronize(h)
+    else:
+        # Rank 0 never submits "lonely"; the stall inspector shuts the job down after 2-3 s.
+        time.sleep(4)
+        with pytest.raises(hvd.HorovodInternalError):
+            hvd.allreduce(np.ones(1, np.float32), name="after_shutdown")
+    hvd.shutdown()
+
+
+# --- drivers ---------------------------------------------------------------------------------------
+def _run(scenario: str, tmp_path, **env) -> str:
+    """Runs one rank-side scenario on NP ranks; returns rank 0's log."""
+    env = {ENV_DIR: str(tmp_path), "HOROVOD_LOG_HIDE_TIME": "1", **env}
+    result = run_spmd(__file__, NP, timeout=90, env=env, args=["-k", scenario, "-s"])
+    return result.ranks[0].log
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_static_timeline(tmp_path):
+    _run("test_rank_static_timeline", tmp_path,
+         HOROVOD_TIMELINE=str(tmp_path / "static.json"), HOROVOD_TIMELINE_MARK_CYCLES="1")
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_dynamic_timeline(tmp_path):
+    log = _run("test_rank_dynamic_timeline", tmp_path, HOROVOD_TIMELINE="DYNAMIC",
+               HOROVOD_LOG_LEVEL="info")
+    assert "Timeline is already stopped" in log, log[-3000:]
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_stall_warning_lists_missing_ranks(tmp_path):
+    log = _run("test_rank_stall_warning", tmp_path, HOROVOD_STALL_CHECK_TIME_SECONDS="1")
+    expected = ("Missing ranks:\n0: [allreduce.stuck_0, allreduce.stuck_1, allreduce.stuck_2, "
+                "allreduce.stuck_3, allreduce.stuck_4, allreduce.stuck_5 ...]")
+    assert expected in log, log[-3000:]
+    assert ("waiting for remainder of ranks for more than 1 seconds. This may indicate that "
+            "different ranks are trying to submit different tensors") in log
+    assert "[0][W " in log  # rank prefix, level letter, no timestamp (HOROVOD_LOG_HIDE_TIME)
+    assert "Will shutdown" not in log
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_stall_shutdown_marks_ranks(tmp_path):
+    log = _run("test_rank_stall_shutdown", tmp_path, HOROVOD_STALL_CHECK_TIME_SECONDS="1",
+               HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="2")
+    assert "0!: [allreduce.lonely]" in log, log[-3000:]
+    assert ('One or more rank (marked by "!") is stalled for longer than 2 seconds. '
+            "Will shutdown.") in log
+    assert "[0][E " in log
