@@ -58,28 +58,32 @@ def load_events(path: str) -> list[dict]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        data = None
-        for candidate in (text.rstrip().rstrip(",") + "]", text.rstrip().rstrip(",") + "\n]"):
-            try:
-                data = json.loads(candidate)
-                break
-            except json.JSONDecodeError:
-                pass
-        if data is None:  # one record per line, as ringvod and Horovod write them
-            data = []
-            for line in text.splitlines():
-                line = line.strip().rstrip(",")
-                if line.startswith("{"):
-                    try:
-                        data.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass
+        data = _salvage(text)
     if isinstance(data, dict):  # the object form of the trace-event format
         data = data.get("traceEvents", [])
     if not isinstance(data, list) or not data:
         raise ValueError(f"{path} holds no trace events; is it a timeline written with "
                          "HOROVOD_TIMELINE or hvd.start_timeline()?")
     return [e for e in data if isinstance(e, dict)]
+
+
+def _salvage(text: str) -> list:
+    """The complete records of a cut-short array (Chrome's viewer accepts those files too)."""
+    dec = json.JSONDecoder()
+    out: list = []
+    i, n = text.find("[") + 1, len(text)
+    if i == 0:
+        return out
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return out
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return out
+        out.append(obj)
 
 
 @dataclass
