@@ -136,7 +136,10 @@ def build_mpirun_command(impl: MPIImpl, *, num_proc: int, hosts: Sequence[HostIn
         if network_interfaces:
             argv += ["-mca", "btl_tcp_if_include", ",".join(network_interfaces)]
         if output_filename:
-            argv += ["--output-filename", output_filename]
+            # Open MPI 5's --output-filename is a file-name prefix; `--output dir=D` gives
+            # Horovod's layout (D/<job>/rank.N/stdout).
+            argv += ["--output", f"dir={output_filename}"] if new_rte else [
+                "--output-filename", output_filename]
         for name in sorted(env):
             # Open MPI manages its own variables; everything else is forwarded by name.
             if name in extra_exports or (

@@ -336,8 +336,9 @@ def test_openmpi4_command():
 def test_openmpi5_command_not_root_oversubscribed():
     argv = build_mpirun_command(OMPI5, num_proc=3, hosts=[HostInfo("localhost", 3)],
                                 command=["x"], env={"A": "1"}, is_root=False,
-                                oversubscribe=True, ssh_port=2222)
+                                oversubscribe=True, ssh_port=2222, output_filename="/o")
     assert "--allow-run-as-root" not in argv
+    assert argv[argv.index("--output") + 1] == "dir=/o"
     assert "--oversubscribe" in argv
     assert ["-mca", "btl", "^openib"] != argv[argv.index("ob1") + 1:argv.index("ob1") + 4]
     assert argv[argv.index("--prtemca"):argv.index("--prtemca") + 3] == [

