@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def describe_plan(settings: LaunchSettings, local: set[str],
         lines.append(f"  rendezvous server: {rendezvous[0]}:{rendezvous[1]}")
     for k, v in sorted(settings.env_overrides.items()):
         lines.append(f"  env {k}={v}")
-    lines.append(f"  command: {' '.join(settings.command)}")
+    lines.append(f"  command: {shlex.join(settings.command)}")
     return "\n".join(lines)
 
 
@@ -184,7 +185,7 @@ def exec_mpi(settings: LaunchSettings) -> None:
     argv, env = mpi_command(settings)
     if settings.verbose:
         sys.stderr.write(describe_plan(settings, network.local_addresses()) + "\n")
-        sys.stderr.write("hvdrun: " + " ".join(argv) + "\n")  # names only, never values
+        sys.stderr.write("hvdrun: " + shlex.join(argv) + "\n")  # names only, never values
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(argv[0], argv, env)
@@ -199,7 +200,7 @@ def run_mpi(settings: LaunchSettings, extra_env: Mapping[str, str] | None = None
     """
     argv, env = mpi_command(settings, extra_env, command)
     if settings.verbose:
-        sys.stderr.write("hvdrun: " + " ".join(argv) + "\n")
+        sys.stderr.write("hvdrun: " + shlex.join(argv) + "\n")
     proc = subprocess.Popen(argv, env=env)
     try:
         return proc.wait()

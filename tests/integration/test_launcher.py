@@ -30,9 +30,11 @@ env = os.environ
 rank = int(env.get("HOROVOD_RANK") or env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or 0)
 size = int(env.get("HOROVOD_SIZE") or env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE") or 1)
 action = sys.argv[1]
-if action == "env":
-    print("ENV " + json.dumps(dict(env)), flush=True)
+if action in ("env", "envsleep"):
+    print("ENV " + json.dumps(dict(env, __cwd__=os.getcwd())), flush=True)
     print(f"to stderr from {rank}", file=sys.stderr, flush=True)
+    if action == "envsleep":
+        time.sleep(float(sys.argv[2]))
 elif action == "exit":
     code, bad = int(sys.argv[2]), int(sys.argv[3])
     print(f"rank {rank} exiting", flush=True)
