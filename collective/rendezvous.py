@@ -192,11 +192,16 @@ def _family(host: str) -> socket.AddressFamily:
 class KVServer:
     """Threaded key-value store; one named thread accepts, one serves each connection.
 
+    Attributes:
+        handshake_timeout: seconds an unauthenticated connection may take to authenticate.
+
     Example:
         >>> server = KVServer("127.0.0.1", 0, secret)
         >>> host, port = server.start()
         >>> KVClient(host, port, secret).put("global", "0", b"10.0.0.1:4000")
     """
+
+    handshake_timeout = HANDSHAKE_TIMEOUT
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: bytes = b"") -> None:
         self.host, self.port, self._secret = host, port, secret
@@ -343,7 +348,7 @@ class KVServer:
             sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            got = handshake_server(sock, self._secret, KV_MAGIC)
+            got = handshake_server(sock, self._secret, KV_MAGIC, self.handshake_timeout)
             if got is None:
                 if not self._stopping:
                     get_logger().warning(
@@ -412,7 +417,7 @@ class KVClient:
     def _connect(self, deadline: float) -> _Channel:
         delay = 0.01
         last: BaseException | None = None
-        while True:
+        while not self._closed:
             sock = None
             try:
                 left = max(deadline - time.monotonic(), 0.05)
@@ -437,6 +442,7 @@ class KVClient:
                     "HOROVOD_GLOO_TIMEOUT_SECONDS if startup is slow.") from last
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
+        raise HorovodInternalError(f"KVClient for {self._where()} is closed")
 
     def _request(self, body: bytes, wait: float, deadline: float,
                  what: Callable[[], str]) -> bytes:
@@ -456,6 +462,9 @@ class KVClient:
                 except OSError as exc:
                     chan.sock.close()
                     self._chan = None
+                    if self._closed:
+                        raise HorovodInternalError(
+                            f"{what()}: the KVClient was closed") from exc
                     if time.monotonic() >= deadline:
                         raise CollectiveTimeoutError(
                             f"{what()}: lost {self._where()} ({exc}) and could not reconnect "
@@ -513,9 +522,15 @@ class KVClient:
                       lambda: f"delete of {scope}/{key}")
 
     def close(self) -> None:
-        """Closes the connection; later calls raise."""
+        """Closes the connection (a get waiting in another thread fails); later calls raise."""
+        self._closed = True
+        chan = self._chan
+        if chan is not None:
+            try:
+                chan.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         with self._lock:
-            self._closed = True
             if self._chan is not None:
                 self._chan.sock.close()
                 self._chan = None

@@ -1,0 +1,228 @@
+"""Host data engine of the tcp mode: ring algorithms over the plane's links.
+
+Large ops stream in chunks of `CHUNK` bytes: each rank receives a chunk from its left
+neighbour, reduces it into place (numpy, no Python loop over elements) and hands it to the
+sender thread of its right link at once, so receiving, reducing and sending overlap.
+
+* allreduce: reduce-scatter then allgather around the ring (each rank sends and receives
+  2(n-1)/n of the buffer); small buffers (<= DIRECT_MAX) take one exchange at two ranks or a
+  reduce at rank 0 in rank order, so every rank gets the same bits.
+* reduce-scatter: the first half of the ring allreduce, ending with each rank's own block.
+* allgatherv: the ring, forwarding each block as it arrives.
+* broadcast: a pipelined chain from the root around the ring (a star for small buffers).
+* alltoallv: n-1 pairwise steps (send to rank+k, receive from rank-k).
+
+Each op starts with a header (op, sequence number, byte count) per link so ranks that are out
+of step fail with a clear error instead of reading each other's data.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..types import ReduceOp
+from .base import HostEngine
+from .tcp import TcpControlPlane, small_allreduce
+from .tcp_net import DIRECT_MAX
+
+__all__ = ["TcpEngine", "CHUNK"]
+
+# 1 MiB: past the point where per-chunk overhead (a queue hand-off, two syscalls) matters, and
+# small enough for the reduce of one chunk to overlap the transfer of the next.
+CHUNK = 1 << 20
+
+OP_ALLREDUCE, OP_ALLREDUCE_OUT, OP_RS, OP_AG, OP_BCAST, OP_A2A = 16, 17, 18, 19, 20, 21
+
+_REDUCE = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+           ReduceOp.PRODUCT: np.multiply}
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + int(c))
+    return out
+
+
+def _ranges(start: int, end: int, step: int):
+    for a in range(start, end, step):
+        yield a, min(a + step, end)
+
+
+class TcpEngine(HostEngine):
+    """Ring collectives over TCP / Unix sockets for one group."""
+
+    name = "tcp"
+    prefix = "GLOO"  # timeline activities GLOO_ALLREDUCE, ... as Horovod's Gloo ops
+    reduces_float16 = True  # numpy reduces float16 natively (rounding once per step)
+
+    def __init__(self, control: TcpControlPlane, fusion_threshold: int) -> None:
+        super().__init__(control, fusion_threshold)
+        self.plane = control
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    def _tmp(self, nbytes: int) -> np.ndarray:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, dtype=np.uint8)
+        return self._scratch[:nbytes]
+
+    def _neighbours(self):
+        n, r = self.size, self.rank
+        return self.plane.link((r + 1) % n), self.plane.link((r - 1) % n)
+
+    # -- allreduce ----------------------------------------------------------------------------
+    def _allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
+        if self.size == 1 or buf.size == 0:
+            return
+        ufunc = _REDUCE[op]
+        if buf.nbytes <= DIRECT_MAX:
+            small_allreduce(self.plane, buf, ufunc, OP_ALLREDUCE, OP_ALLREDUCE_OUT)
+            return
+        n, r = self.size, self.rank
+        right, left = self._neighbours()
+        item = buf.itemsize
+        raw = buf.view(np.uint8)
+        bounds = _offsets([(buf.size // n) + (1 if i < buf.size % n else 0) for i in range(n)])
+        step = max(CHUNK // item, 1)
+        tmp = self._tmp(step * item).view(buf.dtype)
+        right.send_msg(OP_ALLREDUCE, nbytes=buf.nbytes)
+        left.recv_hdr(OP_ALLREDUCE, buf.nbytes)
+
+        def seg(i: int):
+            return _ranges(bounds[i], bounds[i + 1], step)
+
+        for a, b in seg(r):
+            right.post(memoryview(raw[a * item:b * item]), direct=False)
+        for s in range(n - 1):  # reduce-scatter; the last step yields block r+1, sent at once
+            for a, b in seg((r - s - 1) % n):
+                t = tmp[:b - a]
+                left.recv_into(memoryview(t.view(np.uint8)))
+                dst = buf[a:b]
+                ufunc(dst, t, out=dst)
+                right.post(memoryview(raw[a * item:b * item]), direct=False)
+        for s in range(n - 1):  # allgather: forward every block but the last one received
+            for a, b in seg((r - s) % n):
+                view = memoryview(raw[a * item:b * item])
+                left.recv_into(view)
+                if s < n - 2:
+                    right.post(view, direct=False)
+        right.flush()
+
+    # -- reduce-scatter -----------------------------------------------------------------------
+    def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int],
+                        op: ReduceOp) -> None:
+        """Ring reduce-scatter; reduces in place in `send` (a scratch buffer of the caller)."""
+        n, r = self.size, self.rank
+        bounds = _offsets(counts)
+        if n == 1:
+            recv[...] = send[:counts[0]]
+            return
+        ufunc = _REDUCE[op]
+        item = send.itemsize
+        raw = send.view(np.uint8)
+        direct = send.nbytes <= DIRECT_MAX
+        step = max(CHUNK // item, 1)
+        tmp = self._tmp(step * item).view(send.dtype)
+        right, left = self._neighbours()
+        right.send_msg(OP_RS, nbytes=send.nbytes)
+        left.recv_hdr(OP_RS, send.nbytes)
+        first = (r - 1) % n
+        for a, b in _ranges(bounds[first], bounds[first + 1], step):
+            right.post(memoryview(raw[a * item:b * item]), direct=direct)
+        mine = bounds[r]
+        for s in range(n - 1):
+            blk = (r - s - 2) % n
+            last = s == n - 2
+            for a, b in _ranges(bounds[blk], bounds[blk + 1], step):
+                t = tmp[:b - a]
+                left.recv_into(memoryview(t.view(np.uint8)))
+                if last:
+                    ufunc(send[a:b], t, out=recv[a - mine:b - mine])
+                else:
+                    dst = send[a:b]
+                    ufunc(dst, t, out=dst)
+                    right.post(memoryview(raw[a * item:b * item]), direct=direct)
+        right.flush()
+
+    # -- allgather ----------------------------------------------------------------------------
+    def _allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
+        n, r = self.size, self.rank
+        offs = _offsets(counts)
+        mine = recv[offs[r]:offs[r + 1]]
+        if mine.nbytes and not np.shares_memory(mine, send):
+            mine[...] = send[:counts[r]]
+        if n == 1:
+            return
+        total = offs[-1]
+        direct = total <= DIRECT_MAX
+        right, left = self._neighbours()
+        right.send_msg(OP_AG, nbytes=total)
+        left.recv_hdr(OP_AG, total)
+        for a, b in _ranges(offs[r], offs[r + 1], CHUNK):
+            right.post(memoryview(recv[a:b]), direct=direct)
+        for s in range(n - 1):
+            blk = (r - s - 1) % n
+            for a, b in _ranges(offs[blk], offs[blk + 1], CHUNK):
+                view = memoryview(recv[a:b])
+                left.recv_into(view)
+                if s < n - 2:
+                    right.post(view, direct=direct)
+        right.flush()
+
+    # -- broadcast ----------------------------------------------------------------------------
+    def _broadcast(self, buf: np.ndarray, root: int) -> None:
+        n, r = self.size, self.rank
+        if n == 1:
+            return
+        nb = buf.nbytes
+        raw = memoryview(buf)
+        if nb <= DIRECT_MAX and n > 2:  # one hop from the root to each rank
+            if r == root:
+                links = [self.plane.link(p) for p in range(n) if p != root]
+                for link in links:
+                    link.send_msg(OP_BCAST, raw)
+                for link in links:
+                    link.flush()
+            else:
+                self.plane.link(root).recv_msg(OP_BCAST, nb, into=raw)
+            return
+        pos = (r - root) % n
+        right, left = self._neighbours()
+        direct = nb <= DIRECT_MAX
+        if pos < n - 1:
+            right.send_msg(OP_BCAST, nbytes=nb)
+        if pos:
+            left.recv_hdr(OP_BCAST, nb)
+        for a, b in _ranges(0, nb, CHUNK):
+            if pos:
+                left.recv_into(raw[a:b])
+            if pos < n - 1:
+                right.post(raw[a:b], direct=direct)
+        if pos < n - 1:
+            right.flush()
+
+    # -- alltoall -----------------------------------------------------------------------------
+    def _alltoallv(self, send: np.ndarray, sendcounts: list[int], recv: np.ndarray,
+                   recvcounts: list[int]) -> None:
+        n, r = self.size, self.rank
+        soff, roff = _offsets(sendcounts), _offsets(recvcounts)
+        recv[roff[r]:roff[r + 1]] = send[soff[r]:soff[r + 1]]
+        used = []
+        for k in range(1, n):
+            dst, src = (r + k) % n, (r - k) % n
+            out, inp = self.plane.link(dst), self.plane.link(src)
+            nb_out, nb_in = sendcounts[dst], recvcounts[src]
+            out.send_msg(OP_A2A, nbytes=nb_out)
+            for a, b in _ranges(soff[dst], soff[dst + 1], CHUNK):
+                out.post(memoryview(send[a:b]), direct=nb_out <= DIRECT_MAX)
+            inp.recv_hdr(OP_A2A, nb_in)
+            if nb_in:
+                inp.recv_into(memoryview(recv[roff[src]:roff[src + 1]]))
+            used.append(out)
+        for link in used:
+            link.flush()
+
+    def _barrier(self) -> None:
+        self.plane.barrier()
+
+    def abort(self) -> None:
+        self.plane.abort("engine aborted")

@@ -1,0 +1,364 @@
+"""The tcp control plane and data engine directly, in real processes over real sockets.
+
+The test process plays hvdrun: it runs a `KVServer` and starts each rank as a subprocess that
+runs a scenario of this file (`python test_tcp_plane.py --worker <scenario> <rank> <size>
+<port>`). Every run has a hard timeout; on failure or timeout every rank's output (with a
+faulthandler dump for hung ranks) is printed.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from collective.config import read_env  # noqa: E402
+from collective.errors import CollectiveTimeoutError, HorovodInternalError  # noqa: E402
+from collective.rendezvous import KVServer  # noqa: E402
+from collective.types import ReduceOp  # noqa: E402
+
+SECRET = "5ec12e7" + "0" * 57
+
+
+# -- driver ------------------------------------------------------------------------------------
+def run_ranks(scenario: str, n: int, timeout: float = 60.0, gloo_timeout: float = 10.0,
+              expect_rc: dict[int, int] | None = None,
+              env: dict[str, str] | None = None) -> list[str]:
+    """Runs `scenario` on `n` ranks; returns each rank's output. Fails (printing every rank's
+    output) on a timeout or an unexpected exit code."""
+    server = KVServer("127.0.0.1", 0, bytes.fromhex(SECRET))
+    _, port = server.start()
+    procs, outs = [], []
+    try:
+        for r in range(n):
+            e = dict(os.environ, PYTHONPATH=REPO, GLOO_TEST_TIMEOUT=str(gloo_timeout),
+                     WORKER_DEADLINE=str(timeout - 5), **(env or {}))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-u", os.path.abspath(__file__), "--worker", scenario, str(r),
+                 str(n), str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            outs.append(p.stdout.read().decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        server.stop()
+    want = expect_rc or {}
+    bad = [r for r, p in enumerate(procs) if p.returncode != want.get(r, 0)]
+    if timed_out or bad:
+        report = "\n".join(f"----- rank {r} (rc {p.returncode}) -----\n{outs[r]}"
+                           for r, p in enumerate(procs))
+        pytest.fail(f"scenario {scenario} at {n} ranks "
+                    f"{'timed out' if timed_out else f'failed on ranks {bad}'}:\n{report}",
+                    pytrace=False)
+    return outs
+
+
+def _plane(rank: int, size: int, port: int, secret: str = SECRET):
+    from collective.engines import tcp
+    cfg = read_env({}, rank=rank, size=size, rendezvous_addr="127.0.0.1",
+                   rendezvous_port=port, secret_key=secret,
+                   gloo_timeout=float(os.environ["GLOO_TEST_TIMEOUT"]))
+    plane = tcp.create_backend(cfg)
+    return plane, tcp.create_engine(plane, cfg)
+
+
+# -- scenarios (run inside the ranks) ----------------------------------------------------------
+def scenario_ops(rank: int, size: int, port: int) -> None:
+    plane, eng = _plane(rank, size, port)
+    assert (plane.rank, plane.size) == (rank, size)
+    g = plane.gather(b"r%d" % rank)
+    assert g == ([b"r%d" % i for i in range(size)] if rank == 0 else None), g
+    assert plane.bcast(b"hi" * 40000 if rank == 0 else None) == b"hi" * 40000
+    w = plane.allreduce_words(np.array([1 << rank, 0xFF, 1 << 63], np.uint64), "or")
+    assert w.tolist() == [(1 << size) - 1, 0xFF, 1 << 63]
+    w = plane.allreduce_words(np.array([(1 << rank) | 1, 0xFF], np.uint64), "and")
+    assert w.tolist() == [1 if size > 1 else 1 | (1 << rank), 0xFF]
+    assert plane.allgather(b"x" * (rank * 100000)) == [b"x" * (i * 100000) for i in range(size)]
+    plane.barrier()
+    rng = np.random.default_rng(7)
+    for n in (1, 5, 4096, 100_003, 1_500_001):
+        for dt in (np.float32, np.float64, np.int32, np.int64, np.float16, np.uint8):
+            base = rng.integers(0, 5, size=(size, n)).astype(dt)
+            for op, ref in ((ReduceOp.SUM, base.sum(0, dtype=dt)), (ReduceOp.MIN, base.min(0)),
+                            (ReduceOp.MAX, base.max(0)), (ReduceOp.PRODUCT,
+                                                          base.prod(0, dtype=dt))):
+                if n > 5000 and op in (ReduceOp.MIN, ReduceOp.PRODUCT):
+                    continue  # large sizes exercise the ring once per dtype is enough
+                a = base[rank].copy()
+                eng._allreduce(a, op)
+                assert np.array_equal(a, ref.astype(dt)), (n, dt, op)
+    for total in (3, 70_000, 3_000_000):
+        counts = [total // size + (r % 2) * 13 for r in range(size)]
+        send = np.full(counts[rank], rank + 1, np.uint8)
+        recv = np.zeros(sum(counts), np.uint8)
+        eng._allgatherv(send, recv, counts)
+        assert np.array_equal(recv, np.repeat(np.arange(1, size + 1, dtype=np.uint8), counts))
+    for nb in (0, 10, 100_000, 5_000_000):
+        for root in range(size):
+            b = np.full(nb, rank, np.uint8)
+            eng._broadcast(b, root)
+            assert (b == root).all(), (nb, root)
+    for n in (7, 1_000_003):
+        counts = [n // size + (1 if r < n % size else 0) for r in range(size)]
+        full = np.stack([np.arange(n, dtype=np.float64) * (r + 1) for r in range(size)])
+        recv = np.empty(counts[rank])
+        eng._reduce_scatter(full[rank].copy(), recv, counts, ReduceOp.SUM)
+        off = sum(counts[:rank])
+        assert np.allclose(recv, full.sum(0)[off:off + counts[rank]]), n
+    for m in (0, 3, 300_000):
+        sc = [m * (rank + 1) + d for d in range(size)]
+        send = np.concatenate([np.full(c, 10 * rank + d, np.uint8) for d, c in enumerate(sc)]
+                              ) if sum(sc) else np.zeros(0, np.uint8)
+        rc = [m * (s + 1) + rank for s in range(size)]
+        recv = np.empty(sum(rc), np.uint8)
+        eng._alltoallv(send, sc, recv, rc)
+        exp = np.concatenate([np.full(c, 10 * s + rank, np.uint8) for s, c in enumerate(rc)])
+        assert np.array_equal(recv, exp), m
+    eng._barrier()
+    eng.close()
+    plane.close()
+
+
+def scenario_split(rank: int, size: int, port: int) -> None:
+    from collective.engines import tcp
+    plane, _ = _plane(rank, size, port)
+    evens = [r for r in range(size) if r % 2 == 0]
+    odds_rev = [r for r in reversed(range(size)) if r % 2 == 1]
+    subs = [plane.split(evens), plane.split(odds_rev), plane.split(list(range(size)))]
+    for ranks, sub in zip((evens, odds_rev, list(range(size))), subs):
+        if rank not in ranks:
+            assert sub is None
+            continue
+        assert sub.size == len(ranks) and sub.global_ranks == ranks
+        assert sub.rank == ranks.index(rank)
+        got = sub.allgather(str(rank).encode())
+        assert got == [str(r).encode() for r in ranks], got
+        eng = tcp.create_engine(sub, _cfg_stub())
+        a = np.full(300_000, rank, np.int64)
+        eng._allreduce(a, ReduceOp.SUM)
+        assert (a == sum(ranks)).all()
+    plane.barrier()  # the world plane still works after the splits
+    for sub in subs:
+        if sub is not None:
+            sub.close()
+    plane.close()
+
+
+def _cfg_stub():
+    return read_env({}, fusion_threshold=1 << 20)
+
+
+def scenario_kill(rank: int, size: int, port: int) -> None:
+    """The last rank SIGKILLs itself in the middle of a stream of large allreduces."""
+    plane, eng = _plane(rank, size, port)
+    victim = size - 1
+    if rank == victim:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    a = np.ones(8 << 20, np.float32)
+    t_kill = time.monotonic() + 0.5
+    try:
+        for _ in range(100_000):
+            eng._allreduce(a, ReduceOp.SUM)
+    except HorovodInternalError as exc:
+        waited = time.monotonic() - t_kill
+        print(f"rank {rank}: got {type(exc).__name__} after {waited:.2f} s: {exc}", flush=True)
+        assert not isinstance(exc, CollectiveTimeoutError), exc  # EOF, not the 30 s timeout
+        assert waited < 10, waited
+        with pytest.raises(HorovodInternalError):  # the plane stays failed
+            plane.barrier()
+        plane.close()
+        return
+    raise AssertionError("the allreduces kept working after a peer died")
+
+
+def scenario_stop(rank: int, size: int, port: int) -> None:
+    """Rank 1 freezes (SIGSTOP): rank 0 gets CollectiveTimeoutError after the gloo timeout."""
+    plane, _ = _plane(rank, size, port)
+    pids = [int(p) for p in plane.allgather(str(os.getpid()).encode())]
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        plane.allreduce_words(np.zeros(2, np.uint64), "and")
+    waited = time.monotonic() - t0
+    print(f"rank 0: timed out after {waited:.2f} s: {info.value}", flush=True)
+    assert 1.5 < waited < 6, waited
+    assert "rank 1" in str(info.value) and "HOROVOD_GLOO_TIMEOUT_SECONDS" in str(info.value)
+    plane.close()
+    os.kill(pids[1], signal.SIGKILL)
+
+
+def scenario_abort_idle(rank: int, size: int, port: int) -> None:
+    """A rank blocked on a slow peer burns no CPU, and abort() from another thread frees it."""
+    plane, _ = _plane(rank, size, port)
+    if rank == 1:
+        time.sleep(3.0)  # rank 0 waits for us, then aborts
+        with pytest.raises(HorovodInternalError):
+            plane.allreduce_words(np.zeros(2, np.uint64), "and")
+        plane.close()
+        return
+    threading.Timer(1.5, plane.abort, ("test abort",)).start()
+    cpu0, t0 = time.process_time(), time.monotonic()
+    with pytest.raises(HorovodInternalError, match="test abort"):
+        plane.allreduce_words(np.zeros(2, np.uint64), "and")
+    waited, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    print(f"rank 0: aborted after {waited:.2f} s, {cpu:.3f} s CPU", flush=True)
+    assert 1.2 < waited < 3.0, waited
+    assert cpu < 0.3, cpu  # blocked in the kernel, not spinning
+    with pytest.raises(HorovodInternalError):
+        plane.barrier()  # fails fast after abort
+    plane.close()
+
+
+def scenario_wrong_secret(rank: int, size: int, port: int) -> None:
+    """Rank 1 has a different secret: the rendezvous server refuses it."""
+    if rank == 1:
+        with pytest.raises(HorovodInternalError, match="refused authentication"):
+            _plane(rank, size, port, secret="ff" * 32)
+        return
+    with pytest.raises(CollectiveTimeoutError, match="addr.1"):
+        _plane(rank, size, port)
+
+
+def scenario_reinit(rank: int, size: int, port: int) -> None:
+    for i in range(3):
+        plane, eng = _plane(rank, size, port)
+        a = np.full(200_000, rank + i, np.float64)
+        eng._allreduce(a, ReduceOp.SUM)
+        assert (a == sum(range(size)) + i * size).all()
+        eng.close()
+        plane.close()
+
+
+def scenario_torchrun(rank: int, size: int, port: int) -> None:
+    """torchrun-style variables; rank 0 serves the store on MASTER_PORT + 1."""
+    from collective.engines import tcp
+    cfg = read_env({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": os.environ["TORCHRUN_PORT"], "LOCAL_RANK": str(rank),
+                    "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"})
+    for _ in range(2):  # init -> shutdown -> init
+        plane = tcp.create_backend(cfg)
+        eng = tcp.create_engine(plane, cfg)
+        a = np.full(100_000, rank, np.int32)
+        eng._allreduce(a, ReduceOp.SUM)
+        assert (a == sum(range(size))).all()
+        plane.close()
+
+
+# -- tests (pytest side) -----------------------------------------------------------------------
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_primitives_match_numpy(n: int) -> None:
+    run_ranks("ops", n, timeout=200)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_split(n: int) -> None:
+    run_ranks("split", n, timeout=90)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_sigkill_mid_allreduce_raises_on_survivors(n: int) -> None:
+    outs = run_ranks("kill", n, timeout=90, gloo_timeout=30.0,
+                     expect_rc={n - 1: -signal.SIGKILL})
+    for r in range(n - 1):
+        assert "HorovodInternalError" in outs[r], outs[r]
+    # The dead rank's neighbours name it; the others may see the cascade first.
+    assert any(f"connection to rank {n - 1} " in o for o in outs[:-1]), outs
+
+
+@pytest.mark.timeout(60)
+def test_frozen_peer_times_out() -> None:
+    outs = run_ranks("stop", 2, timeout=30, gloo_timeout=2.0, expect_rc={1: -signal.SIGKILL})
+    assert "timed out" in outs[0]
+
+
+@pytest.mark.timeout(60)
+def test_abort_unblocks_without_spinning() -> None:
+    run_ranks("abort_idle", 2, timeout=40, gloo_timeout=20.0)
+
+
+@pytest.mark.timeout(60)
+def test_wrong_secret_is_refused() -> None:
+    run_ranks("wrong_secret", 2, timeout=40, gloo_timeout=3.0)
+
+
+@pytest.mark.timeout(90)
+def test_reinit() -> None:
+    run_ranks("reinit", 2, timeout=60)
+
+
+@pytest.mark.timeout(90)
+def test_torchrun_style_env() -> None:
+    with socket.socket() as s:  # a free pair of ports: MASTER_PORT (unused) and +1
+        s.bind(("127.0.0.1", 0))
+        p = s.getsockname()[1]
+    run_ranks("torchrun", 2, timeout=60, env={"TORCHRUN_PORT": str(p - 1 if p > 1025 else p)})
+
+
+def test_unauthenticated_peer_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A connection to a rank's listener without the secret is logged and dropped."""
+    from collective.engines.tcp_net import Fabric
+    from collective.rendezvous import handshake_client
+    import logging
+    fab = Fabric(0, b"right", 5.0, "127.0.0.1", use_unix=False)
+    me = fab.start("localhost")
+    logger = logging.getLogger("horovod")
+    logger.addHandler(caplog.handler)
+    try:
+        with socket.create_connection(("127.0.0.1", me.port), timeout=5) as s:
+            with pytest.raises(HorovodInternalError, match="refused"):
+                handshake_client(s, b"wrong", b"RVODPR01", b"x/w/1", 5.0, "rank 0")
+        with socket.create_connection(("127.0.0.1", me.port), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"A" * 5000)  # garbage: dropped, no crash
+            s.settimeout(5)
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and caplog.text.count("refused a connection") < 2:
+            time.sleep(0.05)
+    finally:
+        logger.removeHandler(caplog.handler)
+        fab.close()
+    assert caplog.text.count("refused a connection from 127.0.0.1") == 2, caplog.text
+
+
+# -- worker entry point ------------------------------------------------------------------------
+def _worker(argv: list[str]) -> None:
+    scenario, rank, size, port = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    faulthandler.dump_traceback_later(float(os.environ.get("WORKER_DEADLINE", "60")),
+                                      exit=True)
+    globals()[f"scenario_{scenario}"](rank, size, port)
+    print(f"rank {rank}: scenario {scenario} passed", flush=True)
+
+
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--worker":
+    _worker(sys.argv[2:])
