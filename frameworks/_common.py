@@ -1,0 +1,92 @@
+"""Framework-agnostic helpers shared by the adapters: parameter naming rules, list splitting and
+object (de)serialisation for `broadcast_object` / `allgather_object`.
+
+Nothing here imports a framework; adapters pass plain Python values in.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Hashable, Iterable, Sequence, TypeVar
+
+__all__ = ["find_duplicates", "check_named_parameters", "default_parameter_name", "split_list",
+           "dumps", "loads"]
+
+T = TypeVar("T")
+
+
+def default_parameter_name(group_index: int, param_index: int) -> str:
+    """Name of an unnamed parameter's gradient: `allreduce.noname.<group>.<index>`.
+
+    Horovod numbered parameters per group only, so two groups produced the same names; the group
+    index keeps them unique.
+    """
+    return f"allreduce.noname.{group_index}.{param_index}"
+
+
+def find_duplicates(items: Iterable[Hashable]) -> list[Hashable]:
+    """The items that occur more than once, in first-seen order."""
+    seen: set = set()
+    dups: list = []
+    for x in items:
+        if x in seen and x not in dups:
+            dups.append(x)
+        seen.add(x)
+    return dups
+
+
+def check_named_parameters(named: Sequence[Any], all_param_ids: set[int]) -> dict[int, str]:
+    """Validates `named_parameters` and returns {id(param): name}.
+
+    Args:
+        named: the user's `named_parameters` list.
+        all_param_ids: ids of every parameter the optimizer updates.
+
+    Raises:
+        ValueError: an entry is not a (name, parameter) tuple, names repeat, or a parameter of
+            the optimizer has no name.
+    """
+    if any(not isinstance(p, tuple) for p in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    dups = find_duplicates(k for k, _ in named)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(str(d) for d in dups))
+    names = {id(v): str(k) for k, v in named}
+    unnamed = all_param_ids - set(names)
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were "
+                         "not named. Python object ids: "
+                         + ", ".join(str(i) for i in sorted(unnamed)))
+    return names
+
+
+def split_list(items: Sequence[T], n: int) -> list[list[T]]:
+    """Splits `items` into `n` contiguous chunks whose lengths differ by at most one."""
+    if n <= 0:
+        raise ValueError(f"cannot split into {n} groups; use a positive number")
+    n = min(n, len(items)) or 1
+    base, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
+def dumps(obj: Any) -> bytes:
+    """Serialises with cloudpickle (lambdas, local classes), falling back to pickle."""
+    try:
+        import cloudpickle
+    except ImportError:  # pragma: no cover - cloudpickle is in the torch extra
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    buf = io.BytesIO()
+    cloudpickle.dump(obj, buf)
+    return buf.getvalue()
+
+
+def loads(data: bytes | memoryview) -> Any:
+    """Inverse of `dumps`. Only call on bytes received from members of this job."""
+    return pickle.loads(data)

@@ -1,0 +1,148 @@
+"""The one place where torch tensors become `collective.enqueue` arguments and results become
+torch tensors again.
+
+Host (CPU) tensors travel as numpy views that share the tensor's memory, so in-place ops write
+straight into the user's tensor and results wrap engine-allocated numpy arrays without a copy.
+bfloat16 has no numpy dtype: it travels as a uint16 view tagged `DataType.BFLOAT16` (the host
+engines upcast to float32 to reduce). CUDA tensors are handed to `frameworks.torch._cuda`, which
+the NCCL engine's owner fills in; nothing else in the adapter knows about devices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+import collective
+from collective import DataType, Handle, RequestType
+
+__all__ = ["CollectiveArgs", "dtype_of", "check_tensor", "to_collective", "from_collective",
+           "enqueue", "CPU_DEVICE"]
+
+CPU_DEVICE = -1
+
+_DTYPES: dict[torch.dtype, DataType] = {
+    torch.uint8: DataType.UINT8, torch.int8: DataType.INT8, torch.int16: DataType.INT16,
+    torch.int32: DataType.INT32, torch.int64: DataType.INT64,
+    torch.float16: DataType.FLOAT16, torch.bfloat16: DataType.BFLOAT16,
+    torch.float32: DataType.FLOAT32, torch.float64: DataType.FLOAT64, torch.bool: DataType.BOOL,
+}
+
+
+@dataclass(slots=True)
+class CollectiveArgs:
+    """What `collective.enqueue` needs for one tensor.
+
+    Attributes:
+        tensor: the engine's view of the input (numpy array on the host; the CUDA engine's
+            device-tensor object otherwise).
+        dtype: wire dtype.
+        shape: the tensor's shape.
+        device: -1 for host memory, else the local CUDA ordinal.
+        ready_event: device ops: an event recorded on the producer's stream (None on the host).
+        allocate: `allocate(shape, like)` for outputs whose shape negotiation decides; None =
+            collective's numpy default.
+        output: the engine's view of a preallocated output (None = allocate).
+    """
+
+    tensor: Any
+    dtype: DataType
+    shape: tuple[int, ...]
+    device: int
+    ready_event: Any = None
+    allocate: Callable[[tuple, Any], Any] | None = None
+    output: Any = None
+
+
+def dtype_of(tensor: torch.Tensor) -> DataType:
+    """The wire dtype of a torch tensor.
+
+    Raises:
+        ValueError: the dtype has no ringvod equivalent (complex, uint16/32/64, float8, ...).
+    """
+    try:
+        return _DTYPES[tensor.dtype]
+    except KeyError:
+        raise ValueError(f"Tensor type {tensor.type()} is not supported.") from None
+
+
+def check_tensor(tensor: Any) -> None:
+    """Checks what every op requires of its tensor arguments.
+
+    Raises:
+        TypeError: not a torch.Tensor.
+        ValueError: sparse, not contiguous, or an unsupported dtype.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{tensor.layout} tensors are not supported here; use "
+                         "sparse_allreduce_async for sparse tensors, or .to_dense().")
+    if not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+    dtype_of(tensor)
+
+
+def _host_view(tensor: torch.Tensor) -> np.ndarray:
+    t = tensor.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None) -> CollectiveArgs:
+    """Turns a torch tensor (and an optional preallocated output) into enqueue arguments.
+
+    Raises:
+        TypeError / ValueError: see `check_tensor`; the output's device differs from the input's.
+        NotImplementedError: CUDA tensors without the NCCL engine's adapter half.
+    """
+    check_tensor(tensor)
+    kind = tensor.device.type
+    if kind == "cpu":
+        if output is not None and output.device.type != "cpu":
+            raise ValueError(f"output on {output.device} for an input on the CPU")
+        return CollectiveArgs(_host_view(tensor), _DTYPES[tensor.dtype], tuple(tensor.shape),
+                              CPU_DEVICE, output=None if output is None else _host_view(output))
+    if kind == "cuda":
+        from . import _cuda
+        return _cuda.to_collective(tensor, _DTYPES[tensor.dtype], output)
+    raise ValueError(f"tensors on {tensor.device} are not supported; use CPU or CUDA tensors")
+
+
+def from_collective(result: Any, like: torch.Tensor) -> torch.Tensor:
+    """Wraps an engine result (numpy array or device tensor) as a torch tensor of `like`'s
+    dtype and device. Host results are wrapped without a copy."""
+    if isinstance(result, torch.Tensor):
+        return result
+    if like.device.type == "cuda":
+        from . import _cuda
+        return _cuda.from_collective(result, like)
+    out = torch.from_numpy(result)
+    if like.dtype == torch.bfloat16:
+        out = out.view(torch.bfloat16)
+    return out
+
+
+def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
+            outputs: Sequence[torch.Tensor] | None = None, **kwargs: Any) -> Handle:
+    """`collective.enqueue` for torch tensors (all on one device).
+
+    Raises:
+        ValueError: tensors on different devices, or any `to_collective`/`enqueue` error.
+    """
+    args = [to_collective(t, outputs[i] if outputs is not None else None)
+            for i, t in enumerate(tensors)]
+    device = args[0].device if args else CPU_DEVICE
+    if any(a.device != device for a in args):
+        raise ValueError("all tensors of one grouped op must be on the same device; got "
+                         + ", ".join(str(t.device) for t in tensors))
+    return collective.enqueue(
+        kind, [a.tensor for a in args],
+        dtypes=[a.dtype for a in args], shapes=[a.shape for a in args], device=device,
+        ready_events=None if device == CPU_DEVICE else [a.ready_event for a in args],
+        allocate=args[0].allocate if args else None,
+        outputs=None if outputs is None else [a.output for a in args],
+        **kwargs)

@@ -1,0 +1,199 @@
+"""Helpers that make ranks agree: `broadcast_parameters`, `broadcast_optimizer_state`,
+`broadcast_object`, `allgather_object`.
+
+`broadcast_optimizer_state` sends rank root's whole optimizer state: every scalar (lr, betas,
+step counts, flags) travels pickled in one object, so it keeps its type; every state tensor is
+broadcast in place (allocated first on ranks that have no state yet, so no dummy `step()` runs).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+import collective
+from collective import ProcessSet, global_process_set
+
+from .._common import dumps, loads
+from .ops import allgather_async, broadcast_async_, process_set_size, synchronize
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+           "allgather_object"]
+
+
+def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], root_rank: int,
+                       process_set: ProcessSet = global_process_set) -> None:
+    """Broadcasts tensors in place: all ops are started first, then waited for."""
+    pending = []
+    for name, t in named:
+        send = t if t.is_contiguous() else t.contiguous()
+        pending.append((t, send, broadcast_async_(send, root_rank, name, process_set)))
+    for t, send, h in pending:
+        synchronize(h)
+        if send is not t:
+            with torch.no_grad():
+                t.copy_(send)
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Overwrites every rank's tensors with rank `root_rank`'s, in place.
+
+    Args:
+        params: a `state_dict()` (broadcast sorted by key, named by key), or a list of tensors or
+            of (name, tensor) pairs such as `list(model.named_parameters())`.
+        root_rank: global rank whose values win.
+
+    Raises:
+        ValueError: `params` is neither a dict nor an iterable of tensors / (name, tensor).
+        HorovodInternalError: ranks passed different shapes or dtypes for a name.
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, (str, bytes, torch.Tensor)):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"invalid params of type: {type(params)}")
+    named = []
+    for i, (name, t) in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"invalid params of type: {type(t)} (entry {name or i})")
+        named.append((str(name) if name is not None else f"broadcast_parameters.{i}", t))
+    _broadcast_tensors(named, root_rank)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Returns rank `root_rank`'s `obj` (cloudpickled) on every rank of the process set.
+
+    The size travels as `<name>.sz`, the bytes as `<name>.t`. `name` defaults to
+    "broadcast_object" (Horovod used `type(obj).__name__`, which differs between the root's object
+    and the placeholders other ranks pass, and then never matched).
+
+    Raises:
+        HorovodInternalError: the broadcast failed on some rank.
+    """
+    name = name or "broadcast_object"
+    is_root = collective.rank() == root_rank
+    if is_root:
+        data = dumps(obj)
+        sz = torch.tensor([len(data)], dtype=torch.int64)
+    else:
+        sz = torch.zeros(1, dtype=torch.int64)
+    synchronize(broadcast_async_(sz, root_rank, f"{name}.sz", process_set))
+    if is_root:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buf = torch.empty(int(sz[0]), dtype=torch.uint8)
+    synchronize(broadcast_async_(buf, root_rank, f"{name}.t", process_set))
+    return obj if is_root else loads(buf.numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Returns the list of every rank's `obj`, indexed by rank in the process set.
+
+    `name` defaults to "allgather_object" (see `broadcast_object` for why not the type name).
+
+    Raises:
+        HorovodInternalError: the allgather failed on some rank.
+    """
+    name = name or "allgather_object"
+    data = dumps(obj)
+    sizes = synchronize(allgather_async(torch.tensor([len(data)], dtype=torch.int64),
+                                        f"{name}.sz", process_set))
+    gathered = synchronize(allgather_async(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                           f"{name}.t", process_set))
+    raw = gathered.numpy().tobytes()
+    out, off = [], 0
+    for n in sizes.tolist()[:process_set_size(process_set)]:
+        out.append(loads(raw[off:off + n]))
+        off += n
+    return out
+
+
+# -- optimizer state -------------------------------------------------------------------------------
+def _state_layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict:
+    """Root side: group options, and per parameter index its state (tensor specs or values)."""
+    state = {}
+    for i, p in enumerate(params):
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        entry = {}
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                if v.layout != torch.strided:
+                    raise ValueError(f"cannot broadcast {v.layout} optimizer state {k!r}")
+                entry[k] = ("tensor", tuple(v.shape), v.dtype, v.device == p.device)
+            else:
+                entry[k] = ("value", v)
+        state[i] = entry
+    options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"options": options, "state": state, "nparams": len(params),
+            "ngroups": len(optimizer.param_groups)}
+
+
+def _apply_layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                  layout: dict) -> None:
+    """Non-root side: match root's options and state structure (tensors allocated, not set)."""
+    me = collective.rank()
+    if layout["ngroups"] != len(optimizer.param_groups) or layout["nparams"] != len(params):
+        raise ValueError(
+            f"broadcast_optimizer_state: rank {me}'s optimizer has {len(optimizer.param_groups)} "
+            f"param groups and {len(params)} parameters, the root's has {layout['ngroups']} and "
+            f"{layout['nparams']}; build the optimizer identically on every rank")
+    for group, options in zip(optimizer.param_groups, layout["options"]):
+        for k in [k for k in group if k != "params" and k not in options]:
+            del group[k]
+        group.update(options)
+    for i, p in enumerate(params):
+        spec = layout["state"].get(i)
+        if spec is None:
+            optimizer.state.pop(p, None)
+            continue
+        old = optimizer.state.get(p) or {}
+        new = {}
+        for k, item in spec.items():
+            if item[0] == "value":
+                new[k] = item[1]
+                continue
+            _, shape, dtype, on_param_device = item
+            device = p.device if on_param_device else torch.device("cpu")
+            cur = old.get(k)
+            if (torch.is_tensor(cur) and tuple(cur.shape) == shape and cur.dtype == dtype
+                    and cur.device == device and cur.layout == torch.strided):
+                new[k] = cur
+            else:
+                new[k] = torch.empty(shape, dtype=dtype, device=device)
+        optimizer.state[p] = new
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: Any = None) -> None:
+    """Makes every rank's optimizer state (options and per-parameter state) equal to the root's.
+
+    Works for every optimizer whose state is a dict of tensors and scalars per parameter (all of
+    `torch.optim` except LBFGS). `model` is accepted for Horovod compatibility and unused.
+
+    Raises:
+        ValueError: LBFGS, or the optimizers differ in their number of groups or parameters.
+        HorovodInternalError: a broadcast failed.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    is_root = collective.rank() == root_rank
+    layout = broadcast_object(_state_layout(optimizer, params) if is_root else None, root_rank,
+                              name="broadcast_optimizer_state")
+    if not is_root:
+        _apply_layout(optimizer, params, layout)
+    named, occurrences = [], {}
+    for i in sorted(layout["state"]):
+        st = optimizer.state[params[i]]
+        for k, item in layout["state"][i].items():
+            if item[0] != "tensor":
+                continue
+            occurrences[k] = occurrences.get(k, 0) + 1
+            named.append((f"{k}.{occurrences[k]}", st[k]))
+    _broadcast_tensors(named, root_rank)

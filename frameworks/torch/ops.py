@@ -1,0 +1,349 @@
+"""Collectives on torch tensors: the async, in-place and control functions of `horovod.torch`.
+
+Async functions return an int handle (as Horovod); `poll(handle)` never blocks and
+`synchronize(handle)` waits and returns torch tensors. `_` variants write into their input.
+The differentiable out-of-place functions (`allreduce`, `allgather`, ...) are in `autograd.py`.
+
+Dtypes: ringvod accepts uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64 and
+bool for every op (Horovod refuses bfloat16, bool, and 8-bit allreduce); Average of bool raises.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+import collective
+from collective import (Handle, HorovodInternalError, ProcessSet, ReduceOp, RequestType,
+                        global_process_set, resolve_op)
+
+from ._buffers import enqueue, from_collective
+from ._handles import handles
+
+__all__ = [
+    "init", "shutdown", "allreduce_async", "allreduce_async_", "allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allreduce_",
+    "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_",
+    "broadcast_", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
+    "sparse_allreduce_async", "barrier", "join", "poll", "synchronize", "process_set_size",
+    "process_set_rank",
+]
+
+Tensors = Sequence[torch.Tensor]
+
+
+# -- lifecycle ----------------------------------------------------------------------------------
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
+    """Starts ringvod (idempotent) and forgets int handles of an earlier run.
+
+    Args:
+        comm: None (whole job), a list of world ranks, or an mpi4py communicator.
+        process_sets: None, a list of `ProcessSet`, or "dynamic".
+
+    Raises:
+        ValueError: invalid process sets.
+        EngineUnavailableError: the detected mode needs a package that is not installed.
+    """
+    collective.init(comm=comm, process_sets=process_sets)
+    handles.clear()
+
+
+def shutdown() -> None:
+    """Stops ringvod on this rank; `init()` may be called again."""
+    collective.shutdown()
+    handles.clear()
+
+
+def process_set_size(process_set: ProcessSet = global_process_set) -> int:
+    """Size of a process set this rank belongs to (the global set's size is `size()`)."""
+    if process_set is global_process_set or process_set.process_set_id == 0:
+        return collective.size()
+    n = process_set.size()
+    if n is None:
+        raise ValueError(f"{process_set} is not registered; pass it to hvd.init(process_sets=...) "
+                         "or hvd.add_process_set()")
+    return n
+
+
+def process_set_rank(process_set: ProcessSet = global_process_set) -> int:
+    """This rank's index inside a process set it belongs to.
+
+    Raises:
+        ValueError: the set is unregistered or this rank is not a member.
+    """
+    if process_set is global_process_set or process_set.process_set_id == 0:
+        return collective.rank()
+    r = process_set.rank()
+    if r is None:
+        raise ValueError(f"rank {collective.rank()} is not a member of {process_set}")
+    return r
+
+
+def _add(handle: Handle, finish: Callable[[Any], Any], *keep: Any) -> int:
+    return handles.add(handle, finish, *keep)
+
+
+# -- allreduce ----------------------------------------------------------------------------------
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Starts reducing `tensor` across the process set into a new tensor; returns a handle.
+
+    Raises:
+        ValueError: not initialised, unsupported dtype, non-contiguous tensor, duplicate pending
+            name, or both `op` and `average` given.
+    """
+    op = resolve_op(op, average)
+    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    h = enqueue(RequestType.ALLREDUCE, [tensor], outputs=[output], name=name,
+                process_set=process_set, op=op, prescale=prescale_factor,
+                postscale=postscale_factor)
+    return _add(h, lambda _: output, tensor, output)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """In-place `allreduce_async`: the result overwrites `tensor` (see its Raises)."""
+    op = resolve_op(op, average)
+    h = enqueue(RequestType.ALLREDUCE, [tensor], outputs=[tensor], name=name,
+                process_set=process_set, op=op, prescale=prescale_factor,
+                postscale=postscale_factor)
+    return _add(h, lambda _: tensor, tensor)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: ReduceOp | None = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place allreduce; returns `tensor`.
+
+    Raises:
+        HorovodInternalError: the op failed on some rank (plus `allreduce_async`'s errors).
+    """
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+def grouped_allreduce_async(tensors: Tensors, average: bool | None = None,
+                            name: str | None = None, op: ReduceOp | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Starts an atomic allreduce of a list (negotiated and fused together); returns a handle.
+
+    Raises:
+        ValueError: as `allreduce_async`, or tensors on different devices.
+    """
+    op = resolve_op(op, average)
+    outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    h = enqueue(RequestType.ALLREDUCE, list(tensors), outputs=outputs, name=name,
+                process_set=process_set, op=op, prescale=prescale_factor,
+                postscale=postscale_factor, grouped=True)
+    return _add(h, lambda _: outputs, tuple(tensors), outputs)
+
+
+def grouped_allreduce_async_(tensors: Tensors, average: bool | None = None,
+                             name: str | None = None, op: ReduceOp | None = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
+    """In-place `grouped_allreduce_async`."""
+    op = resolve_op(op, average)
+    ts = list(tensors)
+    h = enqueue(RequestType.ALLREDUCE, ts, outputs=ts, name=name, process_set=process_set,
+                op=op, prescale=prescale_factor, postscale=postscale_factor, grouped=True)
+    return _add(h, lambda _: ts, ts)
+
+
+def grouped_allreduce_(tensors: Tensors, average: bool | None = None, name: str | None = None,
+                       op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """In-place grouped allreduce; returns the tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+# -- allgather / broadcast / alltoall / reducescatter ---------------------------------------------
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Starts concatenating every rank's tensor along dim 0 (dim-0 sizes may differ)."""
+    h = enqueue(RequestType.ALLGATHER, [tensor], name=name, process_set=process_set)
+    return _add(h, lambda r: from_collective(r, tensor), tensor)
+
+
+def grouped_allgather_async(tensors: Tensors, name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """List form of `allgather_async`; the result is a list."""
+    ts = list(tensors)
+    h = enqueue(RequestType.ALLGATHER, ts, name=name, process_set=process_set, grouped=True)
+    return _add(h, lambda rs: [from_collective(r, t) for r, t in zip(rs, ts)], ts)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Starts copying global rank `root_rank`'s tensor into a new tensor on every rank.
+
+    Raises:
+        ValueError: root not in the process set (plus the common errors).
+    """
+    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    h = enqueue(RequestType.BROADCAST, [tensor], outputs=[output], name=name,
+                process_set=process_set, root=root_rank)
+    return _add(h, lambda _: output, tensor, output)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """In-place `broadcast_async`: non-root ranks' tensors are overwritten."""
+    h = enqueue(RequestType.BROADCAST, [tensor], outputs=[tensor], name=name,
+                process_set=process_set, root=root_rank)
+    return _add(h, lambda _: tensor, tensor)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place broadcast; returns `tensor`."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def _splits_array(splits: Any) -> np.ndarray | None:
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        if splits.device.type != "cpu":
+            splits = splits.cpu()
+        if splits.dtype.is_floating_point:
+            raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
+        return splits.numpy().astype(np.int32)
+    return np.asarray(splits, dtype=np.int32)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
+    """Starts sending `splits[r]` dim-0 slices to rank r (even split when None).
+
+    `synchronize` returns `(output, received_splits)`.
+
+    Raises:
+        ValueError: bad splits (wrong length, negative, more rows than the tensor has).
+    """
+    h = enqueue(RequestType.ALLTOALL, [tensor], name=name, process_set=process_set,
+                splits=_splits_array(splits))
+
+    def finish(result: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out, received = result
+        return from_collective(out, tensor), torch.from_numpy(np.asarray(received,
+                                                                         dtype=np.int32))
+    return _add(h, finish, tensor)
+
+
+def _check_reducescatter_op(op: Any) -> ReduceOp:
+    op = ReduceOp(int(op))
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
+    return op
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
+                        op: ReduceOp = ReduceOp.AVERAGE,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Starts reducing, then giving rank r its share of dim 0 (the first dim0 % size ranks get
+    one row more).
+
+    Raises:
+        HorovodInternalError: op other than Sum or Average.
+    """
+    op = _check_reducescatter_op(op)
+    h = enqueue(RequestType.REDUCESCATTER, [tensor], name=name, process_set=process_set,
+                op=op, prescale=prescale_factor, postscale=postscale_factor)
+    return _add(h, lambda r: from_collective(r, tensor), tensor)
+
+
+def grouped_reducescatter_async(tensors: Tensors, name: str | None = None,
+                                op: ReduceOp = ReduceOp.AVERAGE,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    """List form of `reducescatter_async`."""
+    op = _check_reducescatter_op(op)
+    ts = list(tensors)
+    h = enqueue(RequestType.REDUCESCATTER, ts, name=name, process_set=process_set, op=op,
+                prescale=prescale_factor, postscale=postscale_factor, grouped=True)
+    return _add(h, lambda rs: [from_collective(r, t) for r, t in zip(rs, ts)], ts)
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp,
+                           process_set: ProcessSet = global_process_set
+                           ) -> Callable[[], torch.Tensor]:
+    """Reduces a sparse COO tensor by allgathering its indices and values.
+
+    Returns a function; calling it waits and returns the summed (coalesced) sparse tensor,
+    divided by the set's size for Average.
+
+    Raises:
+        ValueError: `tensor` is not a sparse COO tensor, or `op` is not Sum/Average.
+    """
+    if tensor.layout != torch.sparse_coo:
+        raise ValueError(f"sparse_allreduce_async needs a sparse COO tensor, got {tensor.layout}")
+    op = ReduceOp(int(op))
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError("sparse_allreduce_async supports only Sum and Average")
+    t = tensor
+    # Allgather concatenates along dim 0, so indices travel transposed (nnz x ndim).
+    indices = t._indices().transpose(0, 1).contiguous()
+    values = t._values().contiguous()
+    prefix = f"{name}." if name is not None else ""
+    vh = allgather_async(values, name=f"{prefix}values" if name is not None else None,
+                         process_set=process_set)
+    ih = allgather_async(indices, name=f"{prefix}indices" if name is not None else None,
+                         process_set=process_set)
+
+    def result() -> torch.Tensor:
+        vals = synchronize(vh)
+        idx = synchronize(ih)
+        if op == ReduceOp.AVERAGE:
+            vals = vals / process_set_size(process_set)
+        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size()).coalesce()
+    return result
+
+
+# -- barrier / join / handles ---------------------------------------------------------------------
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Blocks until every member of the process set has called `barrier`."""
+    collective.barrier(process_set=process_set)
+
+
+def join(device: int = -1) -> int:
+    """Signals that this rank has no more data; joined ranks contribute zeros to allreduces.
+
+    Blocks until every rank has joined; returns the last rank to join (the same on all ranks).
+    """
+    return collective.join(device)
+
+
+def poll(handle: int) -> bool:
+    """True when the op behind `handle` finished. Never blocks.
+
+    Raises:
+        ValueError: unknown (already synchronized) handle.
+    """
+    if isinstance(handle, Handle):
+        return handle.done()
+    return handles.poll(handle)
+
+
+def synchronize(handle: int) -> Any:
+    """Waits for the op behind `handle` and returns its output (for alltoall the tuple
+    `(output, received_splits)`; for grouped ops a list).
+
+    Raises:
+        ValueError: unknown handle (ringvod raises where Horovod returned None).
+        HorovodInternalError: the op failed on this or another rank.
+    """
+    if isinstance(handle, Handle):
+        return handle.wait()
+    return handles.synchronize(handle)

@@ -1,0 +1,433 @@
+"""`DistributedOptimizer`: averages gradients across ranks while backward is still running.
+
+Each parameter gets a `register_post_accumulate_grad_hook`; when its gradient is final for the
+step (after `backward_passes_per_step` passes), the hook enqueues an in-place allreduce of it, so
+communication overlaps the rest of backward (the runtime fuses small ones). `step()` waits for
+them (`synchronize()`), then runs the wrapped optimizer's own step.
+
+Wrapping: the returned object's class is an explicit subclass of the optimizer's class with
+`_DistributedOptimizer` mixed in front (one class per optimizer class, created once and cached),
+so `isinstance(opt, torch.optim.SGD)` holds and every method reaches the base class through
+ordinary `super()`; user subclasses of it work too. The instance shares the wrapped optimizer's
+`param_groups`, `state` and hooks, and is not re-initialised.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+import weakref
+from typing import Any, Iterator
+
+import torch
+
+import collective
+from collective import ProcessSet, ReduceOp, RequestType, global_process_set
+
+from .._common import check_named_parameters, default_parameter_name, split_list
+from ._buffers import enqueue
+from .compression import Compression, check_compressor
+from .functions import broadcast_object
+from .ops import sparse_allreduce_async
+
+__all__ = ["DistributedOptimizer", "_DistributedOptimizer"]
+
+_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+_ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before "
+                   "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                   "cause a race condition.")
+_STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                    "consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.")
+
+
+class _Slot:
+    """One parameter's gradient and its in-flight allreduce."""
+
+    __slots__ = ("param", "name", "delay", "handle", "send", "cctx", "sparse", "group")
+
+    def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
+        self.param = param
+        self.name = name
+        self.delay = delay  # backward passes left before this step's allreduce starts
+        self.handle: Any = None  # Handle, or a callable for sparse gradients
+        self.send: torch.Tensor | None = None  # the tensor being reduced in place
+        self.cctx: Any = None  # compression context
+        self.sparse = False  # the gradient was sparse and went through sparse_as_dense
+        self.group: _Group | None = None
+
+
+class _Group:
+    """Parameters whose gradients are reduced as one grouped allreduce."""
+
+    __slots__ = ("slots", "name", "ready", "handle")
+
+    def __init__(self, slots: list[_Slot], name: str) -> None:
+        self.slots = slots
+        self.name = name
+        self.ready = 0  # members whose hook has fired this step
+        self.handle: Any = None
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixin placed before a torch optimizer class; see the module docstring.
+
+    Constructing a subclass directly also works (`cls(params, lr=..., named_parameters=...)`):
+    the Horovod options are keyword-only and the rest goes to the base optimizer.
+    """
+
+    def __init__(self, params: Any, *args: Any, named_parameters: Any = None,
+                 compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                 op: ReduceOp = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                 process_set: ProcessSet = global_process_set, **kwargs: Any) -> None:
+        super().__init__(params, *args, **kwargs)
+        self._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
+                        gradient_predivide_factor, num_groups, groups, sparse_as_dense,
+                        process_set)
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _hvd_setup(self, named_parameters: Any, compression: Any, backward_passes_per_step: int,
+                   op: Any, gradient_predivide_factor: float, num_groups: int, groups: Any,
+                   sparse_as_dense: bool, process_set: ProcessSet) -> None:
+        self._compression = check_compressor(compression)
+        if backward_passes_per_step <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        op = ReduceOp(int(op))
+        if op == ReduceOp.ADASUM:
+            raise NotImplementedError("op=hvd.Adasum is not supported by ringvod; use "
+                                      "op=hvd.Average (the default) or hvd.Sum")
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if num_groups:
+            warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
+                          "removed in v0.23.0.", DeprecationWarning, stacklevel=4)
+            if groups is None:
+                groups = num_groups
+        _check_groups(groups)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        if op == ReduceOp.AVERAGE:
+            # The runtime applies the remaining 1/size of Average after the reduction.
+            self._hvd_scale = (1.0 / gradient_predivide_factor, gradient_predivide_factor)
+        else:
+            self._hvd_scale = (1.0, 1.0)
+
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is not None:
+            by_id = check_named_parameters(list(named_parameters), {id(p) for p in all_params})
+        else:
+            by_id = {id(p): default_parameter_name(gi, pi)
+                     for gi, g in enumerate(self.param_groups)
+                     for pi, p in enumerate(g["params"])}
+        self._parameter_names = {p: by_id[id(p)] for p in all_params}
+        self._hvd_lock = threading.Lock()  # guards group counters (hooks may run on any thread)
+        self._hvd_dirty = False  # a hook fired since the last synchronize
+        self._hvd_synchronized = False
+        self._hvd_should_synchronize = True
+        self._hvd_slots: list[_Slot] = []
+        self._hvd_groups: list[_Group] = []
+        self._hvd_hooks: list[Any] = []
+        ps = process_set
+        included = ps is global_process_set or ps.process_set_id == 0 or bool(ps.included())
+        self._hvd_active = included and collective.size() > 1
+        if self._hvd_active:
+            self._hvd_register(groups)
+
+    def _hvd_register(self, groups: Any) -> None:
+        seen: set[int] = set()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self._hvd_slots.append(_Slot(p, self._parameter_names[p],
+                                                 self.backward_passes_per_step))
+        if groups is not None:
+            self._hvd_form_groups(groups)
+        ref = weakref.ref(self)
+        for slot in self._hvd_slots:
+            # A weak reference: hooks of a dropped optimizer must not keep reducing gradients.
+            def hook(p: torch.Tensor, slot: _Slot = slot) -> None:
+                opt = ref()
+                if opt is not None:
+                    opt._hvd_on_grad(slot)
+            self._hvd_hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
+
+    def _hvd_form_groups(self, groups: Any) -> None:
+        # Every rank must form the same groups: order parameters as the set's first rank does.
+        slots = self._hvd_slots
+        root = 0 if self.process_set is global_process_set else self.process_set.ranks[0]
+        order = broadcast_object([s.name for s in slots], root_rank=root,
+                                 name="DistributedOptimizer.groups",
+                                 process_set=self.process_set)
+        pos = {n: i for i, n in enumerate(order)}
+        slots = sorted(slots, key=lambda s: pos.get(s.name, len(pos)))
+        if isinstance(groups, int):
+            chunks = split_list(slots, groups)
+        else:
+            by_id = {id(s.param): s for s in slots}
+            chunks, used = [], set()
+            for members in groups:
+                chunk = [by_id[id(p)] for p in members if id(p) in by_id]
+                used.update(id(s.param) for s in chunk)
+                if chunk:
+                    chunks.append(chunk)
+            chunks += [[s] for s in slots if id(s.param) not in used]
+        for chunk in chunks:
+            if len(chunk) < 2:
+                continue
+            group = _Group(chunk, chunk[0].name)
+            for s in chunk:
+                s.group = group
+            self._hvd_groups.append(group)
+
+    # -- per-gradient path (hooks) ----------------------------------------------------------------
+    def _hvd_on_grad(self, slot: _Slot) -> None:
+        if slot.delay <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        if slot.param.grad is not None and slot.param.grad.requires_grad:
+            raise AssertionError("DistributedOptimizer does not support gradients that require "
+                                 "grad (backward(create_graph=True))")
+        self._hvd_dirty = True
+        slot.delay -= 1
+        if slot.delay:
+            return
+        group = slot.group
+        if group is None:
+            self._hvd_launch(slot)
+            return
+        with self._hvd_lock:
+            group.ready += 1
+            complete = group.ready == len(group.slots)
+        if complete:
+            self._hvd_launch_group(group)
+
+    def _hvd_prepare(self, slot: _Slot) -> torch.Tensor | None:
+        """Returns the dense tensor to reduce in place (None: launched as sparse)."""
+        p = slot.param
+        if p.grad is None:
+            # Another rank may have a gradient for it: contribute zeros rather than hang.
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        grad = p.grad
+        slot.sparse = False
+        if grad.is_sparse:
+            if not self.sparse_as_dense and slot.group is None:
+                return None
+            grad, slot.sparse = grad.to_dense(), True
+        send, slot.cctx = self._compression.compress(grad)
+        if not send.is_contiguous():
+            send = send.contiguous()
+        slot.send = send
+        return send
+
+    def _hvd_launch(self, slot: _Slot) -> None:
+        send = self._hvd_prepare(slot)
+        if send is None:
+            slot.handle = sparse_allreduce_async(slot.param.grad, slot.name, self.op,
+                                                 self.process_set)
+            return
+        pre, post = self._hvd_scale
+        slot.handle = enqueue(RequestType.ALLREDUCE, [send], outputs=[send], name=slot.name,
+                              process_set=self.process_set, op=self.op, prescale=pre,
+                              postscale=post)
+
+    def _hvd_launch_group(self, group: _Group) -> None:
+        sends = [self._hvd_prepare(s) for s in group.slots]
+        pre, post = self._hvd_scale
+        group.handle = enqueue(RequestType.ALLREDUCE, sends, outputs=sends, name=group.name,
+                               process_set=self.process_set, op=self.op, prescale=pre,
+                               postscale=post, grouped=True)
+
+    def _hvd_write_back(self, slot: _Slot, sparse_result: Any = None) -> None:
+        p = slot.param
+        if sparse_result is not None:
+            p.grad = sparse_result
+            return
+        send = slot.send
+        assert send is not None
+        out = self._compression.decompress(send, slot.cctx)
+        if slot.sparse:
+            p.grad = out.to_sparse()
+        elif out is not p.grad:
+            p.grad.copy_(out)
+
+    # -- public API -------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Starts the allreduce of every gradient not started yet (zeros for parameters without
+        a gradient), waits for all of them and writes the averages into `p.grad`.
+
+        Raises:
+            HorovodInternalError: an allreduce failed (e.g. a rank died or shapes differ).
+        """
+        if not self._hvd_active:
+            self._hvd_synchronized = True
+            return
+        try:
+            for slot in self._hvd_slots:
+                if slot.group is None and slot.handle is None:
+                    self._hvd_launch(slot)
+            for group in self._hvd_groups:
+                if group.handle is None:
+                    self._hvd_launch_group(group)
+            for slot in self._hvd_slots:
+                if slot.group is not None:
+                    continue
+                if isinstance(slot.handle, collective.Handle):
+                    slot.handle.wait()
+                    self._hvd_write_back(slot)
+                else:  # sparse: a function that waits and builds the summed tensor
+                    self._hvd_write_back(slot, slot.handle())
+            for group in self._hvd_groups:
+                group.handle.wait()
+                for slot in group.slots:
+                    self._hvd_write_back(slot)
+        finally:
+            self._hvd_reset()
+        self._hvd_synchronized = True
+
+    def _hvd_reset(self) -> None:
+        for slot in self._hvd_slots:
+            slot.delay = self.backward_passes_per_step
+            slot.handle = slot.send = slot.cctx = None
+        for group in self._hvd_groups:
+            group.ready = 0
+            group.handle = None
+        self._hvd_dirty = False
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this context `step()` does not synchronize (call `synchronize()` yourself
+        first, e.g. to unscale or clip the averaged gradients)."""
+        self._hvd_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._hvd_should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Synchronizes (unless inside `skip_synchronize()`), then runs the optimizer's step."""
+        if self._hvd_should_synchronize:
+            if self._hvd_synchronized:
+                warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
+            self.synchronize()
+        self._hvd_synchronized = False
+        return super().step(closure)
+
+    # torch's Optimizer.__init__ wraps an unmarked `step` in its profiling/hook wrapper; the base
+    # class's step already runs inside that wrapper, so mark ours to avoid running hooks twice.
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        """Raises:
+            AssertionError: gradients are still being reduced (backward ran, step did not).
+        """
+        if self._hvd_dirty:
+            raise AssertionError(_ZERO_GRAD_RACE)
+        return super().zero_grad(*args, **kwargs)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Changes how many backward passes accumulate locally before each allreduce.
+
+        Raises:
+            ValueError: passes <= 0.
+        """
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self.backward_passes_per_step = passes
+        self._hvd_reset()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads the wrapped optimizer's state and forgets in-flight gradient reductions."""
+        super().load_state_dict(state_dict)
+        self._hvd_reset()
+        self._hvd_synchronized = False
+
+
+def _check_groups(groups: Any) -> None:
+    if groups is None:
+        return
+    if isinstance(groups, bool) or not (isinstance(groups, list) or
+                                        (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a non-negative integer or a list of list of "
+                         "torch.Tensor.")
+    if isinstance(groups, list):
+        seen: set[int] = set()
+        for members in groups:
+            for p in members:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+
+
+_CLASSES: dict[type, type] = {}
+_CLASSES_LOCK = threading.Lock()  # guards _CLASSES
+
+
+def _distributed_class(base: type) -> type:
+    """The cached subclass `(_DistributedOptimizer, base)`, named like `base`."""
+    with _CLASSES_LOCK:
+        cls = _CLASSES.get(base)
+        if cls is None:
+            class Distributed(_DistributedOptimizer, base):  # type: ignore[misc, valid-type]
+                __doc__ = (f"{base.__name__} whose gradients are averaged across ringvod ranks "
+                           "(see frameworks.torch.optimizer).")
+            Distributed.__name__ = base.__name__
+            Distributed.__qualname__ = base.__qualname__
+            cls = _CLASSES[base] = Distributed
+        return cls
+
+
+# Instance attributes of the wrapped optimizer that must not shadow the wrapper's methods (an LR
+# scheduler built on the plain optimizer patches `step` on the instance).
+_NOT_COPIED = frozenset({"step", "zero_grad", "_opt_called"})
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         op: ReduceOp = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """Wraps `optimizer` so that `step()` applies gradients averaged over all ranks.
+
+    Args:
+        optimizer: any `torch.optim.Optimizer`; its param_groups and state are shared.
+        named_parameters: (name, parameter) pairs, e.g. `model.named_parameters()`; names key
+            the allreduces (default `allreduce.noname.<group>.<index>`).
+        compression: `hvd.Compression.none`, `.fp16` or `.bf16`.
+        backward_passes_per_step: backward passes accumulated locally before each allreduce.
+        op: `hvd.Average` or `hvd.Sum` (`Adasum` is not supported).
+        gradient_predivide_factor: Average only: scale by 1/f before and f/size after the sum.
+        num_groups: deprecated alias of an int `groups`.
+        groups: an int (split parameters into that many grouped allreduces) or a list of lists
+            of parameters; each group is reduced atomically once all its gradients are ready.
+        sparse_as_dense: densify sparse gradients instead of allgathering them.
+        process_set: the ranks that average; other ranks' `step()` is a plain step.
+
+    Returns:
+        An instance of a subclass of `type(optimizer)` with the same class name.
+
+    Raises:
+        ValueError: invalid names, groups, backward_passes_per_step or factor; `optimizer` is
+            already distributed.
+        NotImplementedError: op=Adasum.
+    """
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer "
+                         "once")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    cls = _distributed_class(type(optimizer))
+    opt = cls.__new__(cls)
+    opt.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in _NOT_COPIED})
+    opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
+    return opt
+
