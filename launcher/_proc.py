@@ -15,7 +15,8 @@ _PR_SET_PDEATHSIG = 1
 def _load_prctl() -> Callable[..., int] | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        return libc.prctl  # type: ignore[no-any-return]
+        prctl: Callable[..., int] = libc.prctl
+        return prctl
     except (OSError, AttributeError):
         return None
 

@@ -13,7 +13,6 @@ before it, and flags after it override the file.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -213,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
             if o.field == "log_level":
                 kwargs["choices"] = _LOG_LEVELS
             else:
-                kwargs["metavar"] = "MB" if scaled else {int: "N", float: "X"}.get(o.type, "VALUE")
+                kwargs["metavar"] = "MB" if scaled else (
+                    "N" if o.type is int else "X" if o.type is float else "VALUE")
             grp.add_argument(o.cli, dest=dest, type=_flag_type(o), default=None,
                              help=helptext, **kwargs)
 
@@ -374,6 +374,9 @@ def _launch(settings: LaunchSettings) -> int:
     except (StartTimeoutError, SSHCheckError, MPIUnavailableError, ValueError, OSError) as exc:
         sys.stderr.write(f"hvdrun: error: {exc}\n")
         return 1
+    except KeyboardInterrupt:  # before any worker started (ssh check, mpirun detection)
+        sys.stderr.write("hvdrun: interrupted\n")
+        return 130
     if result.failure is not None and result.interrupted_by is None:
         sys.stderr.write(failure_summary(result.failure))
     return result.exit_code

@@ -14,6 +14,7 @@ Command building is pure (`build_mpirun_command`); `detect_mpi` runs `mpirun --v
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -136,10 +137,11 @@ def build_mpirun_command(impl: MPIImpl, *, num_proc: int, hosts: Sequence[HostIn
         if network_interfaces:
             argv += ["-mca", "btl_tcp_if_include", ",".join(network_interfaces)]
         if output_filename:
-            # Open MPI 5's --output-filename is a file-name prefix; `--output dir=D` gives
-            # Horovod's layout (D/<job>/rank.N/stdout).
-            argv += ["--output", f"dir={output_filename}"] if new_rte else [
-                "--output-filename", output_filename]
+            # Open MPI 5 treats it as a file-name prefix: D/rank.<job>.<rank>.out|err. (Its
+            # `--output dir=D` would give Horovod's D/<job>/rank.N/stdout, but 5.0.x loses
+            # files there: PMIX_ERR_EXISTS races between the ranks.)
+            argv += ["--output-filename",
+                     os.path.join(output_filename, "rank") if new_rte else output_filename]
         for name in sorted(env):
             # Open MPI manages its own variables; everything else is forwarded by name.
             if name in extra_exports or (

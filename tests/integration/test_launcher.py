@@ -39,6 +39,20 @@ elif action == "exit":
     code, bad = int(sys.argv[2]), int(sys.argv[3])
     print(f"rank {rank} exiting", flush=True)
     sys.exit(code if rank == bad else 0)
+elif action == "suicide":  # suicide <rank>: that rank dies by SIGKILL, the others exit 0
+    if rank == int(sys.argv[2]):
+        time.sleep(0.3)
+        os.kill(os.getpid(), 9)
+    time.sleep(30)
+elif action == "stubborn":  # stubborn <piddir>: ignore SIGTERM; the last rank fails
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(os.path.join(sys.argv[2], f"{rank}.pids"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == size - 1:
+        time.sleep(0.5)
+        sys.exit(2)
+    time.sleep(60)
 elif action == "hang":
     # Record this rank's pid and a grandchild's, then (one rank) fail or (others) sleep.
     piddir, fail, code = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -181,6 +195,24 @@ def test_exit_codes(mode, worker):
         assert ("Horovod detected that one or more processes exited with non-zero status, thus "
                 "causing the job to be terminated. The first process to do so was:\n"
                 "Process name: 1\nExit code: 3\nHost: localhost\n") in r.stderr, explain(r)
+
+
+@pytest.mark.timeout(60)
+def test_death_by_signal_is_a_failure(worker):
+    r = run_hvdrun("-np", "2", "--tcp", sys.executable, str(worker), "suicide", "1")
+    assert r.returncode == 137, explain(r)
+    assert "Process 1 exit with status code 137 (killed by SIGKILL)." in r.stderr
+    assert "Process name: 1\nExit code: 137 (killed by SIGKILL)\nHost: localhost" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_ignoring_worker_is_killed_after_grace(worker, tmp_path):
+    t = time.monotonic()
+    r = run_hvdrun("-np", "2", "--tcp", sys.executable, str(worker), "stubborn", str(tmp_path))
+    elapsed = time.monotonic() - t
+    assert r.returncode == 2, explain(r)
+    assert 4.5 < elapsed < 15, elapsed  # SIGTERM ignored -> SIGKILL after the 5 s grace
+    assert not wait_gone([int((tmp_path / "0.pids").read_text())], 5)
 
 
 @pytest.mark.timeout(60)
@@ -349,7 +381,10 @@ def test_output_filename_mpi(worker, tmp_path):
                    str(worker), "env")
     assert r.returncode == 0, explain(r)
     files = [p for p in out.rglob("*") if p.is_file()]
-    assert files and any("ENV {" in p.read_text() for p in files), [str(p) for p in files]
+    outs = [p for p in files if "ENV {" in p.read_text()]
+    assert len(outs) == 2, [str(p) for p in files]
+    assert {json.loads(p.read_text().split("ENV ", 1)[1])["OMPI_COMM_WORLD_RANK"]
+            for p in outs} == {"0", "1"}
 
 
 @pytest.mark.timeout(60)

@@ -21,8 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from test_launcher import (REPO, WORKER, _env, alive, explain, hvdrun_argv, rank_envs,
-                           read_pids, run_hvdrun, wait_gone)
+try:  # tests/integration as a package, or as a plain directory on sys.path
+    from .test_launcher import (REPO, WORKER, _env, explain, hvdrun_argv, rank_envs,
+                                read_pids, run_hvdrun, wait_gone)
+except ImportError:
+    from test_launcher import (REPO, WORKER, _env, explain, hvdrun_argv, rank_envs,
+                               read_pids, run_hvdrun, wait_gone)
 
 REQUIRE = os.environ.get("RINGVOD_TEST_REQUIRE", "")
 REMOTE = "127.0.0.2"

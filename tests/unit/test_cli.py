@@ -338,7 +338,7 @@ def test_openmpi5_command_not_root_oversubscribed():
                                 command=["x"], env={"A": "1"}, is_root=False,
                                 oversubscribe=True, ssh_port=2222, output_filename="/o")
     assert "--allow-run-as-root" not in argv
-    assert argv[argv.index("--output") + 1] == "dir=/o"
+    assert argv[argv.index("--output-filename") + 1] == "/o/rank"
     assert "--oversubscribe" in argv
     assert ["-mca", "btl", "^openib"] != argv[argv.index("ob1") + 1:argv.index("ob1") + 4]
     assert argv[argv.index("--prtemca"):argv.index("--prtemca") + 3] == [
