@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any, Sequence
 
 import collective as _collective
+from launcher.api import run  # horovod.run(func, num_proc=...): launcher/api.py
 
 # Horovod's API version this package follows, with ringvod's own version as the local label
 # (so `Version(horovod.__version__) >= Version("0.21")` checks keep passing).
