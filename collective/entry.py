@@ -1,7 +1,10 @@
 """`Entry`: one submitted tensor waiting in a process set's tensor table.
 
-Host tensors are numpy arrays. Device tensors are opaque objects that only the matching device
-engine understands (see `collective/engines/base.py`, `DeviceTensor`).
+Host tensors are numpy arrays. Device tensors are `collective.engines.device.DeviceBuffer`s
+(pointer, bytes, shape, owner) or objects exposing `__cuda_array_interface__` (CuPy arrays).
+`ready_event` (device ops) is a CUDA event recorded on the producer's stream after the tensor was
+written: a raw `cudaEvent_t` int, a `torch.cuda.Event` (`.cuda_event`) or a `cupy.cuda.Event`
+(`.ptr`); the NCCL engine's stream waits on it. See `collective/engines/device.py`.
 """
 from __future__ import annotations
 

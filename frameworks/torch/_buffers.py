@@ -139,10 +139,14 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
     if any(a.device != device for a in args):
         raise ValueError("all tensors of one grouped op must be on the same device; got "
                          + ", ".join(str(t.device) for t in tensors))
-    return collective.enqueue(
+    h = collective.enqueue(
         kind, [a.tensor for a in args],
         dtypes=[a.dtype for a in args], shapes=[a.shape for a in args], device=device,
         ready_events=None if device == CPU_DEVICE else [a.ready_event for a in args],
         allocate=args[0].allocate if args else None,
         outputs=None if outputs is None else [a.output for a in args],
         **kwargs)
+    if device != CPU_DEVICE:  # wait() must order the caller's stream after the op
+        from . import _cuda
+        h = _cuda.wrap_handle(h)
+    return h

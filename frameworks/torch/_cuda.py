@@ -1,33 +1,144 @@
-"""CUDA half of the torch tensor seam (owned by the NCCL engine's engineer; this is a stub).
+"""CUDA half of the torch tensor seam: CUDA tensors to NCCL-engine arguments and back.
 
-`frameworks.torch._buffers` calls exactly these two functions for tensors on a CUDA device:
+`frameworks.torch._buffers` calls these for tensors on a CUDA device:
 
-* `to_collective(tensor, dtype, output) -> _buffers.CollectiveArgs`: the device-tensor object
-  the NCCL engine reads (e.g. something exposing `__cuda_array_interface__`), `dtype`, shape,
-  `device=tensor.device.index`, a CUDA event recorded on the current stream as `ready_event`,
-  an `allocate(shape, like)` that allocates through torch's caching allocator, and the output's
-  device view when `output` is given.
-* `from_collective(result, like) -> torch.Tensor`: the engine's result as a torch tensor on
-  `like`'s device with `like`'s dtype, ordered after the collective on the current stream.
+* `to_collective(tensor, dtype, output) -> CollectiveArgs`: a `DeviceBuffer` (pointer, bytes,
+  shape, the tensor) for the input and the optional output, `device=tensor.device.index`, a
+  `torch.cuda.Event` recorded on the tensor device's current stream as `ready_event` (the
+  engine's stream waits on it, so work queued on any producer stream before the call is seen),
+  and `allocate(shape, like)`, which allocates through torch's caching allocator on the stream
+  the engine names (`collective.engines.device.allocation_stream()`), so that memory the
+  allocator recycles is never written by the engine while older work still uses it.
+* `wrap_handle(handle) -> Handle`: the handle `_buffers.enqueue` returns for CUDA ops. Its
+  `wait()` makes the caller's current stream wait on the op's completion event (no host block)
+  and returns torch tensors (for alltoall `(output, received_splits)`, for grouped ops a list).
+  Outputs the engine allocated get `record_stream` for the caller's stream.
+* `from_collective(result, like) -> torch.Tensor`: a result (already a tensor after
+  `wrap_handle`, or a `DeviceResult`/`DeviceBuffer`) as a torch tensor.
+
+Nothing here imports CuPy: the engine owns every CUDA call except torch's own.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["to_collective", "from_collective"]
+import torch
 
-_MESSAGE = "CUDA tensors need the NCCL engine"
+from collective import DataType, Handle
+from collective.engines.device import DeviceBuffer, DeviceResult, allocation_stream
+
+__all__ = ["to_collective", "from_collective", "wrap_handle", "settle"]
+
+_streams: dict[tuple[int, int], Any] = {}  # (stream handle, device) -> torch ExternalStream
 
 
-def to_collective(tensor: Any, dtype: Any, output: Any = None) -> Any:
-    """Raises:
-        NotImplementedError: until the NCCL engine's torch seam lands.
+def _buffer(t: torch.Tensor) -> DeviceBuffer:
+    return DeviceBuffer(t.data_ptr(), t.numel() * t.element_size(), tuple(t.shape), t)
+
+
+def _allocate(shape: tuple, like: Any) -> DeviceBuffer:
+    """Output allocation for the engine (coordinator thread), on the engine's stream."""
+    ref = like.obj if type(like) is DeviceBuffer else like
+    sp = allocation_stream()
+    if not sp:
+        return _buffer(torch.empty(shape, dtype=ref.dtype, device=ref.device))
+    key = (sp, ref.device.index)
+    ext = _streams.get(key)
+    if ext is None:
+        ext = _streams[key] = torch.cuda.ExternalStream(sp, device=ref.device)
+    with torch.cuda.stream(ext):
+        return _buffer(torch.empty(shape, dtype=ref.dtype, device=ref.device))
+
+
+def to_collective(tensor: torch.Tensor, dtype: DataType, output: torch.Tensor | None = None
+                  ) -> Any:
+    """Enqueue arguments for a contiguous CUDA tensor (see the module docstring).
+
+    Raises:
+        ValueError: `output` is on another device than `tensor`.
     """
-    raise NotImplementedError(_MESSAGE)
+    from ._buffers import CollectiveArgs  # _buffers imports this module lazily, too
+
+    dev = tensor.get_device()
+    buf = _buffer(tensor)
+    out = None
+    if output is not None:
+        if output is tensor:
+            out = buf
+        elif output.get_device() != dev:
+            raise ValueError(f"output on {output.device} for an input on {tensor.device}")
+        else:
+            out = _buffer(output)
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(dev))
+    return CollectiveArgs(buf, dtype, buf.shape, dev, ev, _allocate, out)
 
 
-def from_collective(result: Any, like: Any) -> Any:
-    """Raises:
-        NotImplementedError: until the NCCL engine's torch seam lands.
-    """
-    raise NotImplementedError(_MESSAGE)
+def settle(result: Any) -> Any:
+    """Orders the caller's current stream after the op and unwraps torch tensors."""
+    if type(result) is DeviceResult:
+        out = result.output
+        t = out.obj if type(out) is DeviceBuffer else out
+        if isinstance(t, torch.Tensor):
+            stream = torch.cuda.current_stream(t.get_device())
+            result.wait(stream.cuda_stream)
+            if result.allocated:
+                t.record_stream(stream)
+        else:  # a CuPy array (zeros of a joined rank): order on the device's current stream
+            result.synchronize()
+        if result.kind == "alltoall":
+            return t, result.received_splits
+        return t
+    if type(result) is list:
+        return [settle(r) for r in result]
+    return result
+
+
+def from_collective(result: Any, like: torch.Tensor) -> torch.Tensor:
+    """A device result as a torch tensor of `like`'s dtype on `like`'s device."""
+    t = settle(result)
+    if type(t) is DeviceBuffer:
+        t = t.obj
+    if not isinstance(t, torch.Tensor):  # e.g. a CuPy array from a joined rank's zeros
+        t = torch.as_tensor(t, device=like.device)
+        if like.dtype == torch.bfloat16:
+            t = t.view(torch.bfloat16)
+    return t
+
+
+class _OrderedHandle(Handle):
+    """A CUDA op's handle: `wait()` orders the caller's stream and returns torch tensors."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Handle) -> None:  # noqa: D107 - shares the inner handle's state
+        self._inner = inner
+        self.name = inner.name
+
+    def __repr__(self) -> str:
+        return repr(self._inner)
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return settle(self._inner.wait(timeout))
+
+    result = wait
+
+    def exception(self) -> BaseException | None:
+        return self._inner.exception()
+
+    def add_done_callback(self, fn: Any) -> None:
+        self._inner.add_done_callback(lambda _h: fn(self))
+
+    def _set_result(self, result: Any) -> None:
+        self._inner._set_result(result)
+
+    def _set_exception(self, exc: BaseException) -> None:
+        self._inner._set_exception(exc)
+
+
+def wrap_handle(handle: Handle) -> Handle:
+    """The handle of a CUDA op, as returned to adapter code (see the module docstring)."""
+    return _OrderedHandle(handle)

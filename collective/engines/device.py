@@ -1,0 +1,130 @@
+"""Device tensors as the NCCL engine sees them, and what a device op's handle yields.
+
+No CuPy here: adapters import this module to build `DeviceBuffer`s and to unwrap
+`DeviceResult`s, whether or not a GPU engine was ever created.
+
+The protocol between an adapter and the NCCL engine (`collective/engines/nccl.py`):
+
+* a device tensor is a `DeviceBuffer` (pointer, byte count, shape, the framework's object) or
+  any C-contiguous object exposing `__cuda_array_interface__` (a CuPy array);
+* `Entry.ready_event` is a CUDA event recorded on the producer's stream after the tensor was
+  written: a raw `cudaEvent_t` (int), an object with `.cuda_event` (`torch.cuda.Event`) or with
+  `.ptr` (`cupy.cuda.Event`); None when the tensor needs no ordering;
+* `Entry.allocate(shape, like)` makes an output on the tensor's device. The engine calls it with
+  its own stream made the *allocation stream* (`allocation_stream()`), so that an allocator with
+  per-stream pools (PyTorch's caching allocator) hands out memory that is safe to write on the
+  engine's stream;
+* the handle's result is a `DeviceResult`: the output object plus a completion event on the
+  engine's stream. `wait(stream)` makes the caller's stream wait on it (no host block);
+  `value()` is what the numpy API would return (the output, or (output, received_splits)).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["DeviceBuffer", "DeviceResult", "allocation_stream", "set_allocation_stream",
+           "pointer_of"]
+
+_tls = threading.local()
+
+
+class DeviceBuffer:
+    """A contiguous device tensor: `ptr` (int), `nbytes`, `shape` and the owning object `obj`.
+
+    `obj` keeps the memory alive while the engine uses it; adapters get it back in results.
+    """
+
+    __slots__ = ("ptr", "nbytes", "shape", "obj")
+
+    def __init__(self, ptr: int, nbytes: int, shape: tuple[int, ...], obj: Any) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.shape = shape
+        self.obj = obj
+
+    def __repr__(self) -> str:
+        return f"DeviceBuffer(ptr=0x{self.ptr:x}, nbytes={self.nbytes}, shape={self.shape})"
+
+
+def pointer_of(t: Any) -> tuple[int, int]:
+    """(device pointer, byte count) of a `DeviceBuffer` or a `__cuda_array_interface__` object.
+
+    Raises:
+        ValueError: the object is not a device tensor, or it is not C-contiguous.
+    """
+    if type(t) is DeviceBuffer:
+        return t.ptr, t.nbytes
+    try:
+        cai = t.__cuda_array_interface__
+    except AttributeError:
+        raise ValueError(f"{type(t).__name__} is not a device tensor (it has neither a "
+                         "DeviceBuffer wrapper nor __cuda_array_interface__)") from None
+    shape = tuple(cai["shape"])
+    item = int(cai["typestr"][2:])
+    n = 1
+    for d in shape:
+        n *= d
+    strides = cai.get("strides")
+    if strides is not None and n > 1:
+        expect, ok = item, True
+        for d, s in zip(reversed(shape), reversed(strides)):
+            if d != 1 and s != expect:
+                ok = False
+                break
+            expect *= d
+        if not ok:
+            raise ValueError("Tensor is required to be contiguous.")
+    return int(cai["data"][0]), n * item
+
+
+class DeviceResult:
+    """The result of a device op. Only the engine builds it; adapters unwrap it.
+
+    Attributes:
+        output: the output object (what `Entry.allocate` returned, the preallocated output, or
+            a CuPy array).
+        received_splits: alltoall only: rows received from each rank (np.int32), else None.
+        allocated: True when the engine allocated the output (on its own stream).
+    """
+
+    __slots__ = ("output", "received_splits", "allocated", "kind", "_done")
+
+    def __init__(self, output: Any, done: Any, kind: str | None = None,
+                 received_splits: Any = None, allocated: bool = False) -> None:
+        self.output = output
+        self.received_splits = received_splits
+        self.allocated = allocated
+        self.kind = kind
+        self._done = done
+
+    def wait(self, stream: int) -> None:
+        """Makes the CUDA stream `stream` (a `cudaStream_t` as int) wait for the op. Async."""
+        self._done.wait_on(stream)
+
+    def synchronize(self) -> None:
+        """Blocks the host until the op finished on the device."""
+        self._done.synchronize()
+
+    def done(self) -> bool:
+        """True once the op finished on the device (never blocks)."""
+        return self._done.query()
+
+    def value(self) -> Any:
+        """The numpy-API-shaped result: the output, or (output, received_splits)."""
+        if self.kind == "alltoall":
+            return self.output, self.received_splits
+        return self.output
+
+
+def allocation_stream() -> int:
+    """The stream (int handle) the calling thread should allocate device outputs on; 0 = current.
+
+    The NCCL engine sets it on the coordinator thread around `Entry.allocate` calls.
+    """
+    return getattr(_tls, "stream", 0)
+
+
+def set_allocation_stream(stream: int) -> None:
+    """Sets this thread's allocation stream (0 clears it). For engines only."""
+    _tls.stream = stream

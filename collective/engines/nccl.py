@@ -1,0 +1,775 @@
+"""NCCL engine: collectives on GPU tensors through CuPy's NCCL binding (`cupy.cuda.nccl`).
+
+One engine per process set (the coordinator creates it on the set's first device response) and
+one NCCL communicator per engine. Only the coordinator thread calls it. DESIGN.md §4 "GPU
+ordering", as built here:
+
+* Binding. On its first op the engine takes the device of the op's tensors (one GPU per
+  process), makes it current on the coordinator thread, creates its own non-blocking stream of
+  the highest priority (Horovod's choice: collectives win the race for free SMs) and makes it
+  CuPy's current stream on that thread, then creates the communicator collectively: every rank
+  reports over the control plane whether it can (so no rank hangs in NCCL's init while a peer
+  failed), group rank 0 makes the unique id, the control plane broadcasts it, and the init runs
+  on a helper thread with a deadline (`COMM_INIT_TIMEOUT`), because CuPy exposes no
+  non-blocking init.
+* Ordering. Each op first makes the engine stream wait on every entry's ready event (recorded
+  by the adapter on the producer's stream at enqueue; see `device.py`), then enqueues pack,
+  scaling, the NCCL call and unpack on the engine stream, and records one completion event.
+  The handle completes on the host at once; its `DeviceResult` lets the caller's stream wait on
+  the event. Nothing here blocks the host on the GPU, except reusing a staging slot whose copy
+  has not run yet (16 ops behind) and `close()`.
+* Memory. Outputs and the fusion buffer come from the entry's allocator with the engine stream
+  as allocation stream (PyTorch's caching allocator then orders reuse on it); CuPy arrays get
+  CuPy's pool. The fusion buffer is kept and grown, never shrunk. Every op's entries (and so
+  their tensors) stay referenced until its completion event has fired.
+* Fusion. A fused response is packed by ONE batched-copy launch (`_cuda_kernels.py`) from a
+  table uploaded with one host-to-device copy, reduced by one NCCL call, and unpacked by one
+  more launch. Each tensor starts at a 16-byte boundary so the copies move 16-byte words.
+* Ops. allreduce (Sum/Min/Max/Product; Average is ncclAvg for floats, Sum then ÷size for
+  integers, as the host engines; pre/postscale by a scaling kernel), allgather (ncclAllGather
+  when every rank sends the same bytes, else grouped ncclBroadcast from each rank), broadcast,
+  alltoall (grouped send/recv; splits exchanged over the control plane), reducescatter
+  (ncclReduceScatter, over blocks padded to the largest share when dim 0 does not divide
+  evenly). bool reduces as uint8 with max (Sum/Max) or min (Min/Product); bfloat16 is
+  ncclBfloat16.
+* Failures. A dtype NCCL cannot reduce fails that op on every rank (the check is
+  deterministic). A CUDA or NCCL error, or an asynchronous NCCL error found at the start of an
+  op, fails the op's handles with `HorovodInternalError`, aborts the communicator and ends the
+  coordinator loop (every pending handle then fails). `abort()` calls ncclCommAbort so that
+  kernels stuck on a dead peer return; `close()` destroys the communicator when the stream is
+  idle and aborts it when the stream does not drain within `CLOSE_TIMEOUT`.
+"""
+from __future__ import annotations
+
+import collections
+import pickle
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import _log
+from ..entry import Entry, default_allocate
+from ..errors import CollectiveTimeoutError, EngineUnavailableError, HorovodInternalError
+from ..types import DataType, ReduceOp, Response, numpy_dtype
+from ._cuda_kernels import Kernels, copy_table
+from .base import ControlPlane, Engine, split_rows
+from .device import DeviceResult, pointer_of, set_allocation_stream
+
+try:
+    import cupy
+    import cupyx
+    from cupy.cuda import nccl
+except ImportError as exc:  # pragma: no cover - the registry reports it
+    raise EngineUnavailableError(
+        "GPU tensors need CuPy with NCCL: `pip install ringvod[gpu]` (CUDA 12) or "
+        "`pip install ringvod[gpu-cu13]` (CUDA 13)") from exc
+
+__all__ = ["NCCLEngine", "create_engine", "versions", "COMM_INIT_TIMEOUT", "CLOSE_TIMEOUT"]
+
+_log_ = _log.get_logger()
+
+COMM_INIT_TIMEOUT = 120.0  # seconds for ncclCommInitRank; tests shorten it
+CLOSE_TIMEOUT = 10.0  # seconds for the stream to drain at close() before ncclCommAbort
+
+# ncclDataType_t and ncclRedOp_t values (stable across NCCL 2.x).
+_INT8, _UINT8, _INT32, _INT64, _FLOAT16, _FLOAT32, _FLOAT64, _BFLOAT16 = 0, 1, 2, 4, 6, 7, 8, 9
+_NCCL_TYPE = {
+    DataType.UINT8: _UINT8, DataType.INT8: _INT8, DataType.INT32: _INT32,
+    DataType.INT64: _INT64, DataType.FLOAT16: _FLOAT16, DataType.FLOAT32: _FLOAT32,
+    DataType.FLOAT64: _FLOAT64, DataType.BFLOAT16: _BFLOAT16, DataType.BOOL: _UINT8,
+}
+_SUM, _PROD, _MAX, _MIN, _AVG = 0, 1, 2, 3, 4
+_NCCL_OP = {ReduceOp.SUM: _SUM, ReduceOp.PRODUCT: _PROD, ReduceOp.MAX: _MAX,
+            ReduceOp.MIN: _MIN}
+_H2D, _D2D = 1, 3  # cudaMemcpyKind
+_SLOTS = 16  # staging slots for copy tables (host side of the H2D upload)
+
+_rt = cupy.cuda.runtime
+_tls = threading.local()  # which engine's stream is CuPy's current stream on this thread
+
+
+class _OpError(Exception):
+    """An op that every rank rejects the same way; fails its handles, not the job."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Completion:
+    """The completion event of one op, shared by the results of its entries."""
+
+    __slots__ = ("event", "_waited")
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+        self._waited: int | None = None  # the last stream made to wait (waiting twice is moot)
+
+    def wait_on(self, stream: int) -> None:
+        if stream == self._waited:
+            return
+        _rt.streamWaitEvent(stream, self.event.ptr, 0)
+        self._waited = stream
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.event.done)
+
+
+def _event_ptr(ev: Any) -> int:
+    if type(ev) is int:
+        return ev
+    h = getattr(ev, "cuda_event", None)
+    if h is None:
+        h = ev.ptr
+    return int(h)
+
+
+def _pad16(n: int) -> int:
+    return (n + 15) & ~15
+
+
+def _row_elems(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    return n
+
+
+def _cumsum0(values: list[int]) -> list[int]:
+    out, acc = [], 0
+    for v in values:
+        out.append(acc)
+        acc += v
+    return out
+
+
+def _nccl_version_text(v: int) -> str:
+    if v >= 20900:
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+    return f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+
+
+def versions() -> dict[str, str]:
+    """CuPy's version and the NCCL versions of CuPy (runtime and build) and of torch, if loaded."""
+    out = {"cupy": cupy.__version__}
+    try:
+        out["nccl"] = _nccl_version_text(int(nccl.get_version()))
+        out["nccl_build"] = _nccl_version_text(int(nccl.get_build_version()))
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        out["nccl"] = f"unknown ({exc})"
+    torch = sys.modules.get("torch")  # never imported here: only reported when loaded
+    if torch is not None:
+        try:
+            tv = torch.cuda.nccl.version()
+            out["torch_nccl"] = (".".join(str(x) for x in tv) if isinstance(tv, tuple)
+                                 else _nccl_version_text(int(tv)))
+        except Exception:  # noqa: BLE001 - torch without NCCL
+            pass
+    return out
+
+
+def _uid_bytes(uid: Any) -> bytes:
+    """The 128-byte wire form of a unique id: CuPy 14 gives bytes, CuPy 13 a tuple of chars."""
+    if isinstance(uid, (bytes, bytearray)):
+        return bytes(uid)
+    return bytes((int(x) + 256) % 256 for x in uid)
+
+
+def _new_communicator(size: int, raw: bytes, rank: int) -> Any:
+    last: BaseException | None = None
+    # CuPy 14 takes the bytes form; CuPy 13 the tuple of signed chars.
+    for uid in (raw, tuple(b - 256 if b > 127 else b for b in raw)):
+        try:
+            return nccl.NcclCommunicator(size, uid, rank)
+        except (TypeError, OverflowError, ValueError) as exc:
+            last = exc
+    assert last is not None
+    raise last
+
+
+def exchange_unique_id(control: ControlPlane) -> bytes:
+    """Group rank 0 makes the NCCL unique id; every rank gets its bytes (tests wrap this)."""
+    return control.bcast(_uid_bytes(nccl.get_unique_id()) if control.rank == 0 else None)
+
+
+class NCCLEngine(Engine):
+    """GPU collectives for one process set. See the module docstring."""
+
+    name = "nccl"
+    prefix = "NCCL"
+
+    def __init__(self, control: ControlPlane, config: Any) -> None:
+        super().__init__(control)
+        self.config = config
+        self.fusion_threshold = max(int(config.fusion_threshold), 0)
+        self.device = -1
+        self.comm: Any = None
+        self.stream: Any = None
+        self._sp = 0  # the stream's handle
+        self._kernels: Kernels | None = None
+        self._has_avg = False
+        self._broken: BaseException | None = None
+        self._inflight: collections.deque = collections.deque()  # (event, entries)
+        self._fusion_obj: Any = None
+        self._fusion_ptr = 0
+        self._fusion_bytes = 0
+        self._pin_np: np.ndarray | None = None  # pinned staging memory for copy tables
+        self._pin_ptr = 0
+        self._slot_words = 0
+        self._slot = 0
+        self._slot_events: list[Any] = []
+        self._dtab: Any = None  # device copy table
+        self._last_done: _Completion | None = None
+        self._allocated: set[int] = set()  # ids of entries whose output the engine allocated
+        self._zero_ids: set[int] = set()  # ids of zero tensors made for joined ranks
+
+    # -- binding ------------------------------------------------------------------------------
+    def _ensure_device(self, device: int) -> None:
+        if self.device >= 0:
+            return
+        if device < 0:
+            device = int(_rt.getDevice())
+        cupy.cuda.Device(device).use()
+        self.device = device
+        try:
+            # CUDA clamps to the greatest priority the device has (-5 on Hopper).
+            self.stream = cupy.cuda.Stream(non_blocking=True, priority=-64)
+        except TypeError:  # CuPy without stream priorities
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._sp = int(self.stream.ptr)
+        self._kernels = Kernels(cupy)
+        self._activate()
+
+    def _activate(self) -> None:
+        if self.device >= 0 and int(_rt.getDevice()) != self.device:
+            _rt.setDevice(self.device)
+        self.stream.use()
+        _tls.engine = self
+
+    def _bind(self, entries: list[Entry]) -> None:
+        device = next((e.device for e in entries if id(e.tensor) not in self._zero_ids), -1)
+        ok, why, bus = True, "", ""
+        try:
+            self._ensure_device(device)
+            bus = cupy.cuda.Device(self.device).pci_bus_id
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        host = socket.gethostname()
+        infos = [pickle.loads(b) for b in self.control.allgather(
+            pickle.dumps((ok, why, host, self.device, bus)))]
+        bad = [f"rank {r} ({i[2]}, cuda:{i[3]}): {i[1]}" for r, i in enumerate(infos) if not i[0]]
+        if bad:
+            raise HorovodInternalError("NCCL engine setup failed on " + "; ".join(bad))
+        seen: dict[tuple[str, str], int] = {}
+        for r, (_, _, h, dev, b) in enumerate(infos):
+            if (h, b) in seen:
+                raise HorovodInternalError(
+                    f"ranks {seen[(h, b)]} and {r} of group {self.control.global_ranks} use the "
+                    f"same GPU (cuda:{dev}, PCI {b}) on host {h}; NCCL needs one GPU per rank. "
+                    "Call torch.cuda.set_device(hvd.local_rank()) (or cupy.cuda.Device(...).use()"
+                    ") before the first GPU op, or give each rank its own CUDA_VISIBLE_DEVICES.")
+            seen[(h, b)] = r
+        info = versions()
+        _log_.info("NCCL engine on cuda:%d for ranks %s: %s", self.device,
+                   self.control.global_ranks, info)
+        tn = info.get("torch_nccl")
+        if tn is not None and tn != info.get("nccl"):
+            _log_.warning(
+                "CuPy loads NCCL %s but torch loads NCCL %s; ringvod's collectives use CuPy's. "
+                "Install matching versions (e.g. the nvidia-nccl wheel torch was built with) if "
+                "you see NCCL errors.", info.get("nccl"), tn)
+        try:
+            self._has_avg = int(nccl.get_version()) >= 21000
+        except Exception:  # noqa: BLE001
+            self._has_avg = False
+        raw = exchange_unique_id(self.control)
+        self.comm = self._init_comm(raw)
+
+    def _init_comm(self, raw: bytes) -> Any:
+        box: dict[str, Any] = {}
+        device, size, rank = self.device, self.size, self.rank
+
+        def run() -> None:
+            try:
+                _rt.setDevice(device)
+                box["comm"] = _new_communicator(size, raw, rank)
+            except BaseException as exc:  # noqa: BLE001 - handed to the coordinator thread
+                box["error"] = exc
+
+        t = threading.Thread(target=run, name="hvd-nccl-init", daemon=True)
+        t.start()
+        t.join(COMM_INIT_TIMEOUT)
+        if t.is_alive():
+            raise CollectiveTimeoutError(
+                f"NCCL communicator init did not complete within {COMM_INIT_TIMEOUT:.0f} s on "
+                f"rank {rank} of group {self.control.global_ranks} (cuda:{device}). "
+                "A peer failed before joining or NCCL cannot connect the GPUs; rerun with "
+                "NCCL_DEBUG=INFO to see which.")
+        if "error" in box:
+            exc = box["error"]
+            raise HorovodInternalError(
+                f"NCCL communicator init failed on rank {rank} (cuda:{device}): "
+                f"{type(exc).__name__}: {exc}") from exc
+        return box["comm"]
+
+    # -- per-op plumbing ----------------------------------------------------------------------
+    def _run(self, label: str, fn: Callable[..., None], entries: list[Entry], *args: Any) -> None:
+        try:
+            if self._broken is not None:
+                raise self._broken
+            if self.comm is None:
+                self._bind(entries)
+            elif getattr(_tls, "engine", None) is not self:
+                self._activate()
+            self._reap()
+            sp, last = self._sp, None
+            for e in entries:
+                ev = e.ready_event
+                if ev is not None and ev is not last:
+                    _rt.streamWaitEvent(sp, _event_ptr(ev), 0)
+                    last = ev
+            self._allocated.clear()
+            fn(entries, *args)
+            ev = cupy.cuda.Event(block=False, disable_timing=True)
+            ev.record(self.stream)
+            self._last_done = _Completion(ev)
+            self._inflight.append((ev, entries))
+        except _OpError as exc:
+            for e in entries:
+                e.handle._set_exception(exc.error)
+        except BaseException as exc:  # noqa: BLE001 - handles must learn it, then the loop dies
+            names = [e.name for e in entries]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4
+                                            else "")
+            if isinstance(exc, HorovodInternalError):
+                err: BaseException = exc
+            else:
+                err = HorovodInternalError(
+                    f"NCCL {label} of {shown} failed on rank {self.rank} (cuda:{self.device}): "
+                    f"{type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+            for e in entries:
+                e.handle._set_exception(err)
+            if self._broken is None:
+                self._broken = err
+                self.abort()
+            raise err
+        finally:
+            self._zero_ids.clear()
+
+    def _reap(self) -> None:
+        q = self._inflight
+        while q and q[0][0].done:
+            q.popleft()
+        check = getattr(self.comm, "check_async_error", None)
+        if check is not None:
+            check()
+
+    def _out_ptr(self, e: Entry, shape: tuple[int, ...]) -> int:
+        out = e.output
+        if out is None:
+            out = e.output = self._allocate(e, shape)
+            self._allocated.add(id(e))
+        return pointer_of(out)[0]
+
+    def _allocate(self, e: Entry, shape: tuple[int, ...]) -> Any:
+        alloc = e.allocate
+        if alloc is None or alloc is default_allocate:
+            return cupy.empty(shape, dtype=numpy_dtype(e.request.dtype))
+        set_allocation_stream(self._sp)
+        try:
+            return alloc(shape, e.tensor)
+        finally:
+            set_allocation_stream(0)
+
+    def _fusion_buffer(self, nbytes: int, like: Entry) -> int:
+        if nbytes > self._fusion_bytes:
+            want = max(nbytes, self.fusion_threshold)
+            want = (want + (1 << 20) - 1) >> 20 << 20
+            item = like.request.dtype.itemsize
+            self._fusion_obj = None  # freed in our stream's order; safe to reuse
+            self._fusion_obj = self._allocate(like, (want // item,))
+            self._fusion_ptr = pointer_of(self._fusion_obj)[0]
+            self._fusion_bytes = want
+        return self._fusion_ptr
+
+    def _upload(self, tables: list[np.ndarray]) -> list[int]:
+        """Copies the tables to the device in one H2D copy; returns their device addresses."""
+        words = sum(t.size for t in tables)
+        if words > self._slot_words:
+            self._grow_staging(words)
+        k = self._slot
+        self._slot = (k + 1) % _SLOTS
+        ev = self._slot_events[k]
+        if ev is not None and not ev.done:
+            ev.synchronize()  # that slot's copy (16 ops ago) has not run yet
+        base = k * self._slot_words
+        assert self._pin_np is not None
+        view = self._pin_np[base:base + words]
+        dptr = int(self._dtab.ptr)
+        out, off = [], 0
+        for t in tables:
+            view[off:off + t.size] = t
+            out.append(dptr + off * 8)
+            off += t.size
+        _rt.memcpyAsync(dptr, self._pin_ptr + base * 8, words * 8, _H2D, self._sp)
+        if ev is None:
+            ev = self._slot_events[k] = cupy.cuda.Event(block=False, disable_timing=True)
+        ev.record(self.stream)
+        return out
+
+    def _grow_staging(self, words: int) -> None:
+        if self._pin_np is not None:
+            self.stream.synchronize()  # old staging memory may still feed pending copies
+        self._slot_words = max(8192, 1 << (words - 1).bit_length())
+        self._pin_np = cupyx.empty_pinned((self._slot_words * _SLOTS,), dtype=np.uint64)
+        self._pin_ptr = int(self._pin_np.ctypes.data)
+        self._dtab = cupy.cuda.alloc(self._slot_words * 8)
+        self._slot_events = [None] * _SLOTS
+        self._slot = 0
+
+    def _copies(self, pack: tuple[list[int], list[int], list[int]],
+                unpack: tuple[list[int], list[int], list[int]] | None) -> Callable[[], None]:
+        """Uploads both tables now, launches the pack copies, returns a function for unpack."""
+        kern = self._kernels
+        assert kern is not None
+        tp, bp = copy_table(*pack)
+        tabs = [tp]
+        if unpack is not None:
+            tu, bu = copy_table(*unpack)
+            tabs.append(tu)
+        ptrs = self._upload(tabs)
+        kern.batched_copy(ptrs[0], (tp.size - 1) // 4, bp)
+        if unpack is None:
+            return lambda: None
+        return lambda: kern.batched_copy(ptrs[1], (tu.size - 1) // 4, bu)
+
+    def _activity(self, entries: list[Entry], name: str) -> list[str] | None:
+        tl = self.timeline
+        if tl is None:
+            return None
+        names = [e.name for e in entries]
+        tl.activity_start_all(names, name)
+        return names
+
+    def _activity_end(self, names: list[str] | None) -> None:
+        if names is not None:
+            self.timeline.activity_end_all(names)
+
+    def _reduction(self, dtype: DataType, resp: Response) -> tuple[int, int, float, float]:
+        ntype = _NCCL_TYPE.get(dtype)
+        if ntype is None:
+            raise _OpError(ValueError(
+                f"{dtype.label} tensors cannot be reduced on GPU (NCCL has no {dtype.label} "
+                f"type); tensors {resp.names[:4]}: cast to int32 or a float type first"))
+        op, pre, post = resp.reduce_op, resp.prescale, resp.postscale
+        if dtype == DataType.BOOL:
+            op = ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN
+        if op == ReduceOp.AVERAGE:
+            if dtype.is_float and self._has_avg and pre == 1.0 and post == 1.0:
+                return ntype, _AVG, 1.0, 1.0
+            op, post = ReduceOp.SUM, post / self.size
+        nop = _NCCL_OP.get(op)
+        if nop is None:
+            raise _OpError(ValueError(f"reduce op {op.name} is not supported on GPU"))
+        if (pre != 1.0 or post != 1.0) and not Kernels.can_scale(dtype):
+            raise _OpError(ValueError(
+                f"{dtype.label} tensors cannot be scaled (prescale/postscale/Average); "
+                f"tensors {resp.names[:4]}"))
+        return ntype, nop, pre, post
+
+    # -- ops ----------------------------------------------------------------------------------
+    def allreduce(self, entries: list[Entry], response: Response) -> None:
+        self._run("allreduce", self._allreduce, entries, response)
+
+    def allgather(self, entries: list[Entry], response: Response) -> None:
+        self._run("allgather", self._allgather, entries, response)
+
+    def broadcast(self, entry: Entry, root: int) -> None:
+        self._run("broadcast", self._broadcast, [entry], root)
+
+    def alltoall(self, entry: Entry) -> None:
+        self._run("alltoall", self._alltoall, [entry])
+
+    def reducescatter(self, entries: list[Entry], response: Response) -> None:
+        self._run("reducescatter", self._reducescatter, entries, response)
+
+    def barrier(self) -> None:
+        self.control.barrier()
+
+    def _allreduce(self, entries: list[Entry], resp: Response) -> None:
+        dt = resp.dtype
+        ntype, op, pre, post = self._reduction(dt, resp)
+        item = dt.itemsize
+        comm, sp, kern = self.comm, self._sp, self._kernels
+        assert kern is not None
+        if len(entries) == 1:
+            e = entries[0]
+            src, nbytes = pointer_of(e.tensor)
+            dst = self._out_ptr(e, e.request.shape)
+            count = nbytes // item
+            if count == 0:
+                return
+            if pre != 1.0:
+                if dst != src:
+                    _rt.memcpyAsync(dst, src, nbytes, _D2D, sp)
+                kern.scale(dst, count, dt, pre)
+                src = dst
+            act = self._activity(entries, "NCCL_ALLREDUCE")
+            comm.allReduce(src, dst, count, ntype, op, sp)
+            self._activity_end(act)
+            kern.scale(dst, count, dt, post)
+            return
+        srcs, dsts, sizes, offs = [], [], [], []
+        off = 0
+        for e in entries:
+            p, nb = pointer_of(e.tensor)
+            srcs.append(p)
+            sizes.append(nb)
+            dsts.append(self._out_ptr(e, e.request.shape))
+            offs.append(off)
+            off += _pad16(nb)
+        if off == 0:
+            return
+        buf = self._fusion_buffer(off, entries[0])
+        fused = [buf + o for o in offs]
+        act = self._activity(entries, "MEMCPY_IN_FUSION_BUFFER")
+        unpack = self._copies((srcs, fused, sizes), (fused, dsts, sizes))
+        self._activity_end(act)
+        count = off // item
+        kern.scale(buf, count, dt, pre)
+        act = self._activity(entries, "NCCL_ALLREDUCE")
+        comm.allReduce(buf, buf, count, ntype, op, sp)
+        self._activity_end(act)
+        kern.scale(buf, count, dt, post)
+        act = self._activity(entries, "MEMCPY_OUT_FUSION_BUFFER")
+        unpack()
+        self._activity_end(act)
+
+    def _gatherv(self, src: int, dst: int, counts: list[int]) -> None:
+        """Every rank's `counts[r]` bytes into `dst` in rank order (src may lie inside dst)."""
+        comm, sp = self.comm, self._sp
+        if all(c == counts[0] for c in counts):
+            if counts[0]:
+                comm.allGather(src, dst, counts[0], _UINT8, sp)
+            return
+        displ = _cumsum0(counts)
+        nccl.groupStart()
+        try:
+            for r, c in enumerate(counts):
+                if c:
+                    comm.broadcast(src if r == self.rank else dst + displ[r], dst + displ[r], c,
+                                   _UINT8, r, sp)
+        finally:
+            nccl.groupEnd()
+
+    def _allgather(self, entries: list[Entry], resp: Response) -> None:
+        size, me, k = self.size, self.rank, len(entries)
+        item = resp.dtype.itemsize
+        rows = [resp.sizes[t * size:(t + 1) * size] for t in range(k)]
+        rbytes = [_row_elems(e.request.shape) * item for e in entries]
+        outs = [self._out_ptr(e, (sum(rows[t]),) + tuple(e.request.shape[1:]))
+                for t, e in enumerate(entries)]
+        if k == 1:
+            act = self._activity(entries, "NCCL_ALLGATHER")
+            self._gatherv(pointer_of(entries[0].tensor)[0], outs[0],
+                          [rows[0][r] * rbytes[0] for r in range(size)])
+            self._activity_end(act)
+            return
+        nbytes = [[rows[t][r] * rbytes[t] for t in range(k)] for r in range(size)]
+        piece_off = [_cumsum0([_pad16(n) for n in nbytes[r]]) for r in range(size)]
+        block = [sum(_pad16(n) for n in nbytes[r]) for r in range(size)]
+        displ = _cumsum0(block)
+        total = sum(block)
+        if total == 0:
+            return
+        buf = self._fusion_buffer(total, entries[0])
+        mine = buf + displ[me]
+        pack = ([pointer_of(e.tensor)[0] for e in entries],
+                [mine + piece_off[me][t] for t in range(k)], nbytes[me])
+        out_off = [_cumsum0([nbytes[r][t] for r in range(size)]) for t in range(k)]
+        us, ud, un = [], [], []
+        for r in range(size):
+            for t in range(k):
+                us.append(buf + displ[r] + piece_off[r][t])
+                ud.append(outs[t] + out_off[t][r])
+                un.append(nbytes[r][t])
+        act = self._activity(entries, "MEMCPY_IN_FUSION_BUFFER")
+        unpack = self._copies(pack, (us, ud, un))
+        self._activity_end(act)
+        act = self._activity(entries, "NCCL_ALLGATHER")
+        self._gatherv(mine, buf, block)
+        self._activity_end(act)
+        act = self._activity(entries, "MEMCPY_OUT_FUSION_BUFFER")
+        unpack()
+        self._activity_end(act)
+
+    def _broadcast(self, entries: list[Entry], root: int) -> None:
+        e = entries[0]
+        src, nbytes = pointer_of(e.tensor)
+        dst = self._out_ptr(e, e.request.shape)
+        if nbytes:
+            act = self._activity(entries, "NCCL_BCAST")
+            self.comm.broadcast(src, dst, nbytes, _UINT8, root, self._sp)
+            self._activity_end(act)
+
+    def _alltoall(self, entries: list[Entry]) -> None:
+        e = entries[0]
+        size, me, comm, sp = self.size, self.rank, self.comm, self._sp
+        splits = np.asarray(e.splits, dtype=np.int64)
+        mat = [np.frombuffer(b, dtype=np.int64)
+               for b in self.control.allgather(splits.tobytes())]
+        recv = np.array([int(mat[r][me]) for r in range(size)], dtype=np.int64)
+        rb = _row_elems(e.request.shape) * e.request.dtype.itemsize
+        shape = (int(recv.sum()),) + tuple(e.request.shape[1:])
+        out = self._out_ptr(e, shape)
+        src = pointer_of(e.tensor)[0]
+        sc = [int(s) * rb for s in splits]
+        rc = [int(s) * rb for s in recv]
+        sd, rd = _cumsum0(sc), _cumsum0(rc)
+        if sc[me]:
+            _rt.memcpyAsync(out + rd[me], src + sd[me], sc[me], _D2D, sp)
+        act = self._activity(entries, "NCCL_ALLTOALL")
+        nccl.groupStart()
+        try:
+            for r in range(size):
+                if r == me:
+                    continue
+                if sc[r]:
+                    comm.send(src + sd[r], sc[r], _UINT8, r, sp)
+                if rc[r]:
+                    comm.recv(out + rd[r], rc[r], _UINT8, r, sp)
+        finally:
+            nccl.groupEnd()
+        self._activity_end(act)
+        e.received_splits = recv.astype(np.int32)
+
+    def _reducescatter(self, entries: list[Entry], resp: Response) -> None:
+        dt = resp.dtype
+        ntype, op, pre, post = self._reduction(dt, resp)
+        item, size, me, k = dt.itemsize, self.size, self.rank, len(entries)
+        comm, sp, kern = self.comm, self._sp, self._kernels
+        assert kern is not None
+        lay = [(split_rows(e.request.shape[0], size), _row_elems(e.request.shape))
+               for e in entries]
+        counts = [[rs[r] * row for r in range(size)] for rs, row in lay]  # elements
+        outs = [self._out_ptr(e, (lay[t][0][me],) + tuple(e.request.shape[1:]))
+                for t, e in enumerate(entries)]
+        per_rank = [sum(counts[t][r] for t in range(k)) for r in range(size)]
+        act_name = "NCCL_REDUCESCATTER"
+        if k == 1 and pre == 1.0 and all(c == per_rank[0] for c in per_rank):
+            c = per_rank[0]
+            if c:
+                act = self._activity(entries, act_name)
+                comm.reduceScatter(pointer_of(entries[0].tensor)[0], outs[0], c, ntype, op, sp)
+                self._activity_end(act)
+                kern.scale(outs[0], c, dt, post)
+            return
+        piece = [[_pad16(counts[t][r] * item) for t in range(k)] for r in range(size)]
+        in_block = [_cumsum0(piece[r]) for r in range(size)]
+        block = max(sum(piece[r]) for r in range(size))
+        if block == 0:
+            return
+        buf = self._fusion_buffer(size * block + block, entries[0])
+        recv = buf + size * block
+        ps, pd, pn = [], [], []
+        for t, e in enumerate(entries):
+            src = pointer_of(e.tensor)[0]
+            start = 0
+            for r in range(size):
+                nb = counts[t][r] * item
+                ps.append(src + start)
+                pd.append(buf + r * block + in_block[r][t])
+                pn.append(nb)
+                start += nb
+        unpack = ([recv + in_block[me][t] for t in range(k)], outs,
+                  [counts[t][me] * item for t in range(k)])
+        act = self._activity(entries, "MEMCPY_IN_FUSION_BUFFER")
+        run_unpack = self._copies((ps, pd, pn), unpack)
+        self._activity_end(act)
+        count = block // item
+        kern.scale(buf, size * count, dt, pre)
+        act = self._activity(entries, act_name)
+        comm.reduceScatter(buf, recv, count, ntype, op, sp)
+        self._activity_end(act)
+        kern.scale(recv, count, dt, post)
+        act = self._activity(entries, "MEMCPY_OUT_FUSION_BUFFER")
+        run_unpack()
+        self._activity_end(act)
+
+    # -- results, zeros, lifecycle ------------------------------------------------------------
+    def zeros(self, shape: tuple[int, ...], dtype: DataType, device: int) -> Any:
+        """Zeros for a joined rank, on this engine's device (the response's device is not ours)."""
+        self._ensure_device(-1)
+        if getattr(_tls, "engine", None) is not self:
+            self._activate()
+        z = cupy.zeros(shape, dtype=numpy_dtype(dtype))
+        self._zero_ids.add(id(z))
+        return z
+
+    def finish(self, entry: Entry) -> Any:
+        return DeviceResult(entry.output, self._last_done, entry.result_kind,
+                            entry.received_splits, allocated=id(entry) in self._allocated)
+
+    def supports(self, dtype: DataType, op: ReduceOp | None = None) -> bool:
+        return op is None or dtype in _NCCL_TYPE
+
+    def abort(self) -> None:
+        """ncclCommAbort: kernels waiting on a dead peer return; the engine is unusable after."""
+        comm, self.comm = self.comm, None
+        if self._broken is None:
+            self._broken = HorovodInternalError(
+                f"the NCCL communicator of ranks {self.control.global_ranks} was aborted")
+        if comm is not None:
+            try:
+                with cupy.cuda.Device(self.device):
+                    comm.abort()
+            except Exception as exc:  # noqa: BLE001 - best effort
+                _log_.warning("ncclCommAbort failed on cuda:%d: %s", self.device, exc)
+        self._inflight.clear()
+
+    def close(self) -> None:
+        """Destroys the communicator once the stream drained; aborts it after CLOSE_TIMEOUT."""
+        comm = self.comm
+        if comm is None:
+            self._inflight.clear()
+            return
+        with cupy.cuda.Device(self.device):
+            ev = cupy.cuda.Event(block=False, disable_timing=True)
+            ev.record(self.stream)
+            deadline = time.monotonic() + CLOSE_TIMEOUT
+            while not ev.done:
+                if time.monotonic() > deadline:
+                    _log_.error("the NCCL stream of ranks %s did not drain within %.0f s at "
+                                "shutdown (a peer died?); aborting the communicator",
+                                self.control.global_ranks, CLOSE_TIMEOUT)
+                    self.abort()
+                    return
+                time.sleep(0.001)
+            self.comm = None
+            self._inflight.clear()
+            self._fusion_obj = None
+            try:
+                comm.destroy()
+            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                _log_.warning("ncclCommDestroy failed: %s", exc)
+
+
+def create_engine(control: ControlPlane, config: Any) -> NCCLEngine:
+    """The "nccl" engine factory (collective/engines/__init__.py).
+
+    Raises:
+        EngineUnavailableError: CuPy is installed but cannot load NCCL.
+    """
+    if not getattr(nccl, "available", True):
+        raise EngineUnavailableError(
+            "CuPy cannot load the NCCL library; install it with `pip install nvidia-nccl-cu12` "
+            "(CUDA 12) or `pip install nvidia-nccl-cu13` (CUDA 13)")
+    return NCCLEngine(control, config)

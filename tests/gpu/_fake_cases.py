@@ -1,0 +1,280 @@
+"""The NCCL engine's logic on a fake GPU (tests/gpu/_fakecuda.py), with loopback ranks.
+
+Run by tests/gpu/test_engine_fake.py in a fresh interpreter (the fake CuPy must be installed
+before `collective.engines.nccl` is imported). Prints one line per case and a summary line
+'N passed, M failed'; exits non-zero on any failure.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests.gpu import _fakecuda  # noqa: E402
+
+_fakecuda.install()
+
+import numpy as np  # noqa: E402
+
+import collective  # noqa: E402
+from collective import DataType, ReduceOp, RequestType  # noqa: E402
+from collective.engines.base import bf16_to_f32, f32_to_bf16, split_rows  # noqa: E402
+from collective.engines.device import DeviceResult  # noqa: E402
+from tests._spmd import run_loopback  # noqa: E402
+from tests.gpu._fakecuda import FakeArray  # noqa: E402
+
+NP = {DataType.UINT8: np.uint8, DataType.INT8: np.int8, DataType.INT32: np.int32,
+      DataType.INT64: np.int64, DataType.FLOAT16: np.float16, DataType.FLOAT32: np.float32,
+      DataType.FLOAT64: np.float64, DataType.BFLOAT16: np.uint16, DataType.BOOL: np.bool_}
+
+
+def data(rank: int, shape: tuple, dt: DataType, salt: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(1000 * rank + 7 * salt + 1)
+    if dt == DataType.BOOL:
+        return rng.integers(0, 2, shape).astype(bool)
+    if dt == DataType.BFLOAT16:
+        out = np.empty(shape, np.uint16)
+        f32_to_bf16(rng.integers(-8, 8, shape).astype(np.float32), out)
+        return out
+    if dt in (DataType.UINT8,):
+        return rng.integers(0, 3, shape).astype(np.uint8)
+    return rng.integers(-3, 4, shape).astype(NP[dt])
+
+
+def reference(arrs: list[np.ndarray], dt: DataType, op: ReduceOp, pre: float = 1.0,
+              post: float = 1.0) -> np.ndarray:
+    n = len(arrs)
+    if dt == DataType.BOOL:
+        f = np.logical_or.reduce if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and.reduce
+        return f(arrs)
+    xs = [bf16_to_f32(a) if dt == DataType.BFLOAT16 else a.astype(np.float64) for a in arrs]
+    xs = [x * pre for x in xs]
+    if dt != DataType.BFLOAT16 and np.dtype(NP[dt]).kind in "iu" and pre != 1.0:
+        xs = [np.trunc(x) for x in xs]  # integers are scaled (and truncated) before the reduce
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        r = np.sum(xs, axis=0)
+    elif op == ReduceOp.PRODUCT:
+        r = np.prod(xs, axis=0)
+    elif op == ReduceOp.MAX:
+        r = np.max(xs, axis=0)
+    else:
+        r = np.min(xs, axis=0)
+    r = r * post / (n if op == ReduceOp.AVERAGE else 1)
+    if dt == DataType.BFLOAT16:
+        out = np.empty(r.shape, np.uint16)
+        f32_to_bf16(r.astype(np.float32), out)
+        return out
+    if np.dtype(NP[dt]).kind in "iu":
+        return np.trunc(r).astype(NP[dt])
+    return r.astype(NP[dt])
+
+
+def enq(kind: RequestType, arrays: list[np.ndarray], dt: DataType, **kw) -> collective.Handle:
+    fas = [FakeArray.of(a) for a in arrays]
+    outs = kw.pop("inplace", False)
+    return collective.enqueue(kind, fas, device=0, dtypes=[dt] * len(fas),
+                              shapes=[a.shape for a in arrays],
+                              ready_events=[4242 + i for i in range(len(fas))],
+                              outputs=fas if outs else None, grouped=len(fas) > 1, **kw)
+
+
+def value(res) -> np.ndarray:
+    assert isinstance(res, DeviceResult), type(res)
+    out = res.output
+    return out.get()
+
+
+def close(a: np.ndarray, b: np.ndarray, dt: DataType) -> bool:
+    if dt == DataType.BFLOAT16:
+        return np.allclose(bf16_to_f32(a), bf16_to_f32(b), rtol=1e-2, atol=1e-2)
+    if dt == DataType.FLOAT16:
+        return np.allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-3, atol=1e-3)
+    return np.array_equal(a, b) if np.dtype(NP[dt]).kind in "biu" else np.allclose(a, b)
+
+
+CASES = []
+
+
+def case(fn):
+    CASES.append(fn)
+    return fn
+
+
+@case
+def allreduce_dtypes_ops(n: int) -> None:
+    def body(rank: int) -> None:
+        for dt in NP:
+            for op in (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT,
+                       ReduceOp.AVERAGE):
+                if dt == DataType.BOOL and op == ReduceOp.AVERAGE:
+                    continue
+                shape = (5, 3)
+                x = data(rank, shape, dt, int(op))
+                got = value(enq(RequestType.ALLREDUCE, [x], dt, op=op,
+                                name=f"ar.{dt.name}.{op.name}").wait(10))
+                want = reference([data(r, shape, dt, int(op)) for r in range(n)], dt, op)
+                assert close(got, want, dt), (dt, op, got, want)
+    run_loopback(n, body)
+
+
+@case
+def allreduce_fused_scaled_inplace(n: int) -> None:
+    shapes = [(1,), (17,), (4, 5), (0,), (1000,), (3, 3, 3)]
+
+    def body(rank: int) -> None:
+        for dt in (DataType.FLOAT32, DataType.BFLOAT16, DataType.INT32, DataType.FLOAT16):
+            xs = [data(rank, s, dt, i) for i, s in enumerate(shapes)]
+            fas = [FakeArray.of(x) for x in xs]
+            h = collective.enqueue(RequestType.ALLREDUCE, fas, device=0, dtypes=[dt] * len(fas),
+                                   shapes=shapes, outputs=fas, grouped=True, op=ReduceOp.AVERAGE,
+                                   prescale=0.5, postscale=3.0, name=f"fused.{dt.name}")
+            res = h.wait(10)
+            assert len(res) == len(shapes)
+            for i, s in enumerate(shapes):
+                want = reference([data(r, s, dt, i) for r in range(n)], dt, ReduceOp.AVERAGE,
+                                 0.5, 3.0)
+                assert res[i].output is fas[i]
+                assert close(fas[i].a, want, dt), (dt, i, fas[i].a, want)
+    before = _fakecuda.calls.get("ringvod_batched_copy", 0)
+    run_loopback(n, body)
+    assert _fakecuda.calls.get("ringvod_batched_copy", 0) > before
+
+
+@case
+def allgather_uneven(n: int) -> None:
+    def rows(r: int, t: int) -> int:
+        return (r + t) % 3
+
+    def body(rank: int) -> None:
+        for dt in (DataType.FLOAT32, DataType.UINT8, DataType.BFLOAT16, DataType.INT64):
+            x = data(rank, (rank + 1, 3), dt)
+            got = value(enq(RequestType.ALLGATHER, [x], dt, name=f"ag.{dt.name}").wait(10))
+            want = np.concatenate([data(r, (r + 1, 3), dt) for r in range(n)])
+            assert np.array_equal(got, want), (got, want)
+            same = data(rank, (2, 2), dt, 5)
+            got = value(enq(RequestType.ALLGATHER, [same], dt, name=f"ag.eq.{dt.name}").wait(10))
+            assert np.array_equal(got, np.concatenate([data(r, (2, 2), dt, 5)
+                                                        for r in range(n)]))
+            xs = [data(rank, (rows(rank, t), t + 1), dt, t) for t in range(4)]
+            res = enq(RequestType.ALLGATHER, xs, dt, name=f"ag.g.{dt.name}").wait(10)
+            for t in range(4):
+                want = np.concatenate([data(r, (rows(r, t), t + 1), dt, t) for r in range(n)])
+                assert np.array_equal(value(res[t]), want), (t, value(res[t]), want)
+    run_loopback(n, body)
+
+
+@case
+def broadcast_roots(n: int) -> None:
+    def body(rank: int) -> None:
+        for root in range(n):
+            x = data(rank, (7, 2), DataType.FLOAT64, root)
+            got = value(enq(RequestType.BROADCAST, [x], DataType.FLOAT64, root=root,
+                            name=f"bc.{root}").wait(10))
+            assert np.array_equal(got, data(root, (7, 2), DataType.FLOAT64, root))
+            y = data(rank, (3,), DataType.INT8, root)
+            fa = FakeArray.of(y)
+            collective.enqueue(RequestType.BROADCAST, [fa], device=0, dtypes=[DataType.INT8],
+                               shapes=[(3,)], outputs=[fa], root=root,
+                               name=f"bc_.{root}").wait(10)
+            assert np.array_equal(fa.a, data(root, (3,), DataType.INT8, root))
+    run_loopback(n, body)
+
+
+@case
+def alltoall_splits(n: int) -> None:
+    def splits(r: int) -> list[int]:
+        return [(r + d) % 3 for d in range(n)]
+
+    def body(rank: int) -> None:
+        sp = splits(rank)
+        x = data(rank, (sum(sp) + 1, 2), DataType.INT32)
+        res = enq(RequestType.ALLTOALL, [x], DataType.INT32, splits=np.array(sp, np.int32),
+                  name="a2a").wait(10)
+        out, recv = res.value()
+        assert list(recv) == [splits(r)[rank] for r in range(n)], recv
+        parts = []
+        for r in range(n):
+            xr = data(r, (sum(splits(r)) + 1, 2), DataType.INT32)
+            start = sum(splits(r)[:rank])
+            parts.append(xr[start:start + splits(r)[rank]])
+        assert np.array_equal(out.get(), np.concatenate(parts))
+    run_loopback(n, body)
+
+
+@case
+def reducescatter_even_uneven(n: int) -> None:
+    def body(rank: int) -> None:
+        for dt in (DataType.FLOAT32, DataType.BFLOAT16, DataType.INT64):
+            for dim0 in (2 * n, 2 * n + 1, 1):
+                for op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+                    x = data(rank, (dim0, 3), dt, dim0)
+                    got = value(enq(RequestType.REDUCESCATTER, [x], dt, op=op,
+                                    name=f"rs.{dt.name}.{dim0}.{op.name}").wait(10))
+                    full = reference([data(r, (dim0, 3), dt, dim0) for r in range(n)], dt, op)
+                    rs = split_rows(dim0, n)
+                    want = full[sum(rs[:rank]):sum(rs[:rank + 1])]
+                    assert close(got, want, dt), (dt, dim0, op, got, want)
+            xs = [data(rank, (d, 2), dt, d) for d in (n, n + 1, 2 * n - 1)]
+            res = enq(RequestType.REDUCESCATTER, xs, dt, op=ReduceOp.SUM, prescale=2.0,
+                      name=f"rs.g.{dt.name}").wait(10)
+            for i, d in enumerate((n, n + 1, 2 * n - 1)):
+                full = reference([data(r, (d, 2), dt, d) for r in range(n)], dt, ReduceOp.SUM,
+                                 2.0)
+                rs = split_rows(d, n)
+                assert close(value(res[i]), full[sum(rs[:rank]):sum(rs[:rank + 1])], dt)
+    run_loopback(n, body)
+
+
+@case
+def unsupported_dtype_fails_op_only(n: int) -> None:
+    def body(rank: int) -> None:
+        x = np.ones(4, np.int16)
+        h = enq(RequestType.ALLREDUCE, [x], DataType.INT16, op=ReduceOp.SUM, name="i16")
+        try:
+            h.wait(10)
+        except ValueError as exc:
+            assert "int16" in str(exc), exc
+        else:
+            raise AssertionError("int16 allreduce on GPU did not fail")
+        y = np.ones(4, np.float32)
+        got = value(enq(RequestType.ALLREDUCE, [y], DataType.FLOAT32, op=ReduceOp.SUM,
+                        name="after").wait(10))
+        assert np.array_equal(got, np.full(4, n, np.float32))
+    run_loopback(n, body)
+
+
+@case
+def mixed_host_and_device(n: int) -> None:
+    def body(rank: int) -> None:
+        hs = [collective.allreduce_async(np.full(3, rank, np.float32), name=f"h{i}",
+                                         op=ReduceOp.SUM) for i in range(3)]
+        ds = [enq(RequestType.ALLREDUCE, [np.full(3, rank, np.float32)], DataType.FLOAT32,
+                  op=ReduceOp.SUM, name=f"d{i}") for i in range(3)]
+        want = np.full(3, sum(range(n)), np.float32)
+        for h in hs:
+            out = h.wait(10)
+            assert isinstance(out, np.ndarray) and np.array_equal(out, want)
+        for h in ds:
+            assert np.array_equal(value(h.wait(10)), want)
+    run_loopback(n, body)
+
+
+def main() -> int:
+    passed = failed = 0
+    for n in (2, 3):
+        for fn in CASES:
+            try:
+                fn(n)
+                passed += 1
+                print(f"PASS {fn.__name__} n={n}", flush=True)
+            except BaseException:  # noqa: BLE001 - reported
+                failed += 1
+                print(f"FAIL {fn.__name__} n={n}\n{traceback.format_exc()}", flush=True)
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
