@@ -148,9 +148,9 @@ def _alltoall_splits(splits: Any, shape: tuple, size: int) -> np.ndarray:
 
 
 def _contiguous(a: np.ndarray) -> np.ndarray:
-    if not isinstance(a, np.ndarray):
-        a = np.asarray(a)
-    return np.ascontiguousarray(a)
+    a = np.asarray(a)
+    # np.ascontiguousarray turns a 0-d array into shape (1,); keep scalars scalar.
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def _require_contiguous(a: np.ndarray) -> np.ndarray:

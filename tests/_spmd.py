@@ -394,24 +394,32 @@ class _Collector:
                                   "text": report.longreprtext[-20000:], "t": time.monotonic()})
 
 
+_DUMP_FILE: Any = None  # the child's log, opened once for faulthandler (kept open)
+
+
 def _child_main(argv: list[str]) -> int:
     sep = argv.index("--") if "--" in argv else len(argv)
     targets, extra = argv[:sep], argv[sep + 1:]
     rank = spmd_rank()
     out_dir = os.environ[ENV_DIR]
     timeout = float(os.environ.get(ENV_TIMEOUT, "300"))
-    log = open(os.path.join(out_dir, f"rank{rank}.log"), "ab", buffering=0)
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
+    log_fd = os.open(os.path.join(out_dir, f"rank{rank}.log"),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     with open(os.path.join(out_dir, f"rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+    # A descriptor of our own for dumps: pytest's fd capture redirects fd 2 during tests.
+    global _DUMP_FILE
+    _DUMP_FILE = open(os.path.join(out_dir, f"rank{rank}.log"), "a")
+    faulthandler.enable(file=_DUMP_FILE, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=_DUMP_FILE, all_threads=True, chain=False)
     # Backup when the harness cannot signal us (the per-test watchdog may replace it).
     faulthandler.dump_traceback_later(max(timeout - 5, 0.8 * timeout), exit=False,
-                                    file=sys.stderr)
+                                      file=_DUMP_FILE)
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "failures": [], "skipped": [],
                               "traceback": "", "first_failure_t": None, "passed": 0}
     is_pytest = any(os.path.basename(t).startswith("test_") for t in targets)
@@ -419,8 +427,9 @@ def _child_main(argv: list[str]) -> int:
         if is_pytest:
             import pytest
             col = _Collector()
-            code = pytest.main([*targets, "-x", "-q", "-p", "no:cacheprovider", "-rfEs",
-                                *extra], plugins=[col])
+            # -s: the rank's log is the capture, in order with the runtime's own lines.
+            code = pytest.main([*targets, "-x", "-q", "-s", "-p", "no:cacheprovider",
+                                "-rfEs", *extra], plugins=[col])
             result.update(failures=col.failures, skipped=col.skipped, passed=col.passed)
             if code == 0:
                 result["status"] = "passed" if col.passed or not col.skipped else "skipped"

@@ -1,0 +1,90 @@
+"""Lifecycle under real ranks: calls before init, idempotent init, init -> shutdown -> init,
+and one rank shutting down (or exiting) failing the others' pending ops with the shutdown error
+within a few seconds (API.md §1.15, DESIGN.md §3.5)."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import collective as hvd
+from collective.errors import NOT_INITIALIZED_MESSAGE, SHUT_DOWN_MESSAGE
+from tests._spmd import run_spmd, spmd_driver
+
+pytestmark = [pytest.mark.spmd, pytest.mark.timeout(90)]
+
+test_spmd = spmd_driver(__file__, nps=(1, 2, 4), timeout=120)
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_early_exit.py")
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["shutdown-exit", "plain-exit"])
+def test_rank_that_exits_fails_the_others(how):
+    """The last rank leaves (hvd.shutdown() + exit, or just exit through atexit) while the
+    others wait in an allreduce it never joins: they get the shutdown error within seconds."""
+    run_spmd(SCRIPT, np=3 if how == "plain-exit" else 2, timeout=60, args=[how])
+
+
+def test_calls_before_init_raise_value_error():
+    assert not hvd.is_initialized()
+    for fn in (hvd.rank, hvd.size, hvd.local_rank, hvd.local_size, hvd.cross_rank,
+               hvd.cross_size, lambda: hvd.allreduce(np.ones(1)),
+               lambda: hvd.allreduce_async(np.ones(1), name="x"), hvd.barrier, hvd.join,
+               lambda: hvd.broadcast(np.ones(1), 0), lambda: hvd.allgather(np.ones(1)),
+               lambda: hvd.start_timeline("/tmp/x.json")):
+        with pytest.raises(ValueError) as info:
+            fn()
+        assert str(info.value) == NOT_INITIALIZED_MESSAGE
+    hvd.shutdown()  # a no-op when not initialised
+
+
+def test_init_is_idempotent_and_restartable():
+    for cycle in range(3):
+        hvd.init()
+        hvd.init()  # idempotent
+        assert hvd.is_initialized() and hvd.mode() == "mpi"
+        got = hvd.allreduce(np.full(3, float(hvd.rank())), op=hvd.Sum, name="restart")
+        np.testing.assert_allclose(got, np.full(3, float(sum(range(hvd.size())))))
+        got = hvd.allgather(np.array([cycle], dtype=np.int32), name="restart.ag")
+        np.testing.assert_array_equal(got, np.full(hvd.size(), cycle))
+        hvd.shutdown()
+        assert not hvd.is_initialized()
+        with pytest.raises(ValueError, match="has not been initialized"):
+            hvd.size()
+    hvd.shutdown()  # twice is fine
+
+
+def test_one_rank_shutdown_fails_pending_ops_everywhere():
+    hvd.init()
+    try:
+        n, me = hvd.size(), hvd.rank()
+        hvd.barrier()
+        if me == n - 1:
+            time.sleep(0.2)  # let the others' requests reach the coordinator first
+            hvd.shutdown()
+        else:
+            h = hvd.allreduce_async(np.ones(2), op=hvd.Sum, name="never_completes")
+            t0 = time.monotonic()
+            with pytest.raises(hvd.HorovodInternalError) as info:
+                h.wait(30)
+            dt = time.monotonic() - t0
+            assert dt < 5.0, f"pending op failed only after {dt:.1f} s"
+            assert isinstance(info.value, hvd.ShutdownError)
+            assert str(info.value) == SHUT_DOWN_MESSAGE
+            # New ops on a shut-down runtime fail at once with the same error.
+            with pytest.raises(hvd.ShutdownError):
+                hvd.allreduce(np.ones(1), name="after_shutdown")
+    finally:
+        hvd.shutdown()
+    # Everyone restarts together.
+    hvd.init()
+    try:
+        got = hvd.allreduce(np.ones(2), op=hvd.Sum, name="after_restart")
+        np.testing.assert_allclose(got, np.full(2, hvd.size()))
+    finally:
+        hvd.shutdown()

@@ -1,0 +1,181 @@
+"""Process sets under real ranks: static sets at init, dynamic add/remove, set-relative ranks,
+global broadcast roots, membership errors, and sets working concurrently (API.md §1.10)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import collective as hvd
+from tests._spmd import spmd_driver
+from tests.parallel._util import env_size
+
+pytestmark = [pytest.mark.spmd, pytest.mark.timeout(90)]
+
+test_spmd = spmd_driver(__file__, nps=(1, 2, 4), timeout=120)
+
+N = env_size()
+EVENS = hvd.ProcessSet(range(0, N, 2))
+ODDS = hvd.ProcessSet(range(1, N, 2)) if N > 1 else None
+LAST = hvd.ProcessSet([N - 1])
+STATIC = [ps for ps in (EVENS, ODDS, LAST) if ps is not None and (
+    N > 2 or ps is not LAST)]  # at np 2, LAST == ODDS; at np 1, LAST == EVENS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    assert EVENS.process_set_id is None and EVENS.rank() is None
+    hvd.init(process_sets=STATIC)
+    assert hvd.size() == N
+    yield
+    hvd.shutdown()
+
+
+def members(ps):
+    return list(range(N)) if ps is hvd.global_process_set else list(ps.ranks)
+
+
+def test_static_sets_registered():
+    ids = [ps.process_set_id for ps in STATIC]
+    assert len(set(ids)) == len(ids) and 0 not in ids and None not in ids
+    assert hvd.global_process_set.process_set_id == 0
+    for ps in STATIC:
+        assert ps.size() == len(ps.ranks)
+        assert ps.included() == (hvd.rank() in ps.ranks)
+        assert ps.rank() == (ps.ranks.index(hvd.rank()) if ps.included() else None)
+        assert str(ps) == (f"ProcessSet(process_set_id={ps.process_set_id}, "
+                           f"ranks={ps.ranks}, mpi_comm=None)")
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_collectives_inside_static_sets(which):
+    if which >= len(STATIC):
+        pytest.skip("no such set at this world size")
+    ps = STATIC[which]
+    me = hvd.rank()
+    if not ps.included():
+        with pytest.raises(ValueError, match=rf"^Allreduce: Rank {me} is not a member of the "
+                                             r"provided process set\."):
+            hvd.allreduce(np.ones(1), process_set=ps, name="nonmember")
+        return
+    mem = ps.ranks
+    got = hvd.allreduce(np.full(3, me + 1.0), op=hvd.Sum, process_set=ps, name="ps.sum")
+    np.testing.assert_allclose(got, np.full(3, sum(r + 1 for r in mem)))
+    avg = hvd.allreduce(np.full(3, me + 1.0), op=hvd.Average, process_set=ps, name="ps.avg")
+    np.testing.assert_allclose(avg, np.full(3, sum(r + 1 for r in mem) / len(mem)))
+    gathered = hvd.allgather(np.full((me + 1, 2), me), process_set=ps, name="ps.ag")
+    np.testing.assert_array_equal(gathered,
+                                  np.concatenate([np.full((r + 1, 2), r) for r in mem]))
+    root = mem[-1]  # a GLOBAL rank, translated by the runtime
+    b = hvd.broadcast(np.full(2, float(me)), root_rank=root, process_set=ps, name="ps.bc")
+    np.testing.assert_array_equal(b, np.full(2, float(root)))
+    outside = [r for r in range(N) if r not in mem]
+    if outside:
+        with pytest.raises(ValueError, match=r"^broadcast received invalid root rank"):
+            hvd.broadcast(np.ones(1), root_rank=outside[0], process_set=ps, name="ps.badroot")
+    out, recv = hvd.alltoall(np.full((len(mem), 1), me), splits=np.ones(len(mem), np.int32),
+                             process_set=ps, name="ps.a2a")
+    np.testing.assert_array_equal(out.ravel(), mem)
+    rs = hvd.reducescatter(np.ones((len(mem), 2)), op=hvd.Sum, process_set=ps, name="ps.rs")
+    np.testing.assert_array_equal(rs, np.full((1, 2), len(mem)))
+    hvd.barrier(process_set=ps)
+
+
+def test_sets_run_concurrently_with_the_global_set():
+    me = hvd.rank()
+    hs = []
+    for i in range(10):
+        hs.append(("g", i, hvd.allreduce_async(np.full(4, float(i)), op=hvd.Sum,
+                                               name=f"conc.g.{i}")))
+        for k, ps in enumerate(STATIC):
+            if ps.included():
+                hs.append((k, i, hvd.allreduce_async(np.full(4, float(i)), op=hvd.Sum,
+                                                     process_set=ps, name=f"conc.{k}.{i}")))
+    for k, i, h in hs:
+        n = N if k == "g" else len(STATIC[k].ranks)
+        np.testing.assert_allclose(h.wait(30), np.full(4, float(i * n)), err_msg=f"{k} {i}")
+    assert me == hvd.rank()
+
+
+def test_same_name_in_different_sets_is_not_a_duplicate():
+    ps = EVENS
+    if not ps.included():
+        return
+    a = hvd.allreduce_async(np.ones(2), op=hvd.Sum, name="shared")
+    b = hvd.allreduce_async(np.ones(2), op=hvd.Sum, process_set=ps, name="shared")
+    np.testing.assert_allclose(b.wait(30), np.full(2, len(ps.ranks)))
+    np.testing.assert_allclose(a.wait(30), np.full(2, N)) if N == len(ps.ranks) else None
+
+
+def test_same_name_in_different_sets_global_side():
+    # Ranks outside EVENS still take part in the global 'shared' op of the previous test.
+    if EVENS.included():
+        return
+    np.testing.assert_allclose(
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="shared"), np.full(2, N))
+
+
+def test_adding_without_dynamic_mode_is_refused():
+    with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding "
+                                         r"process sets after Horovod initialization\."):
+        hvd.add_process_set([0])
+    with pytest.raises(ValueError):
+        hvd.remove_process_set(hvd.global_process_set)
+
+
+def test_duplicate_static_sets_are_rejected():
+    hvd.shutdown()
+    try:
+        with pytest.raises(ValueError, match=r"^Attempted to add a duplicate process set"):
+            hvd.init(process_sets=[hvd.ProcessSet([0]), hvd.ProcessSet([0])])
+    finally:
+        hvd.shutdown()
+        for ps in STATIC:
+            ps._invalidate()
+        hvd.init(process_sets=STATIC)
+
+
+def test_dynamic_sets_add_use_remove():
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    try:
+        me = hvd.rank()
+        a = hvd.add_process_set(sorted({0, N - 1}))
+        assert a.process_set_id is not None and a.ranks == sorted({0, N - 1})
+        # At np <= 2, [0, N-1] is every rank: the whole world is then a duplicate of `a`.
+        everyone = hvd.ProcessSet(range(N))
+        if everyone.ranks == a.ranks:
+            with pytest.raises(ValueError, match=r"^Attempted to add a duplicate process set"):
+                hvd.add_process_set(everyone)
+            b = a
+        else:
+            b = hvd.add_process_set(everyone)
+            assert b.process_set_id != a.process_set_id
+        with pytest.raises(ValueError, match=r"^Attempted to add a duplicate process set"):
+            hvd.add_process_set(a)
+        if a.included():
+            got = hvd.allreduce(np.full(2, me + 1.0), op=hvd.Sum, process_set=a, name="dyn")
+            np.testing.assert_allclose(got, np.full(2, sum(r + 1 for r in a.ranks)))
+        if b.included():
+            got = hvd.allreduce(np.ones(2), op=hvd.Sum, process_set=b, name="dyn.b")
+            np.testing.assert_allclose(got, np.full(2, len(b.ranks)))
+        old_id = a.process_set_id
+        assert hvd.remove_process_set(a) is True
+        assert a.process_set_id is None
+        assert hvd.remove_process_set(a) is False
+        with pytest.raises(ValueError, match="does not exist, or has not been registered"):
+            hvd.allreduce(np.ones(1), process_set=a, name="gone")
+        c = hvd.add_process_set([N - 1])
+        assert c.process_set_id == old_id  # ids come back from a free list
+        if c.included():
+            np.testing.assert_allclose(
+                hvd.allreduce(np.ones(1), op=hvd.Sum, process_set=c, name="c"), np.ones(1))
+        assert hvd.remove_process_set(c)
+        if b is not a:
+            assert hvd.remove_process_set(b)
+        np.testing.assert_allclose(hvd.allreduce(np.ones(1), op=hvd.Sum, name="after.dyn"),
+                                   np.full(1, N))
+    finally:
+        hvd.shutdown()
+        for ps in STATIC:
+            ps._invalidate()
+        hvd.init(process_sets=STATIC)

@@ -1,0 +1,363 @@
+"""`DistributedOptimizer` under real ranks: training on disjoint shards ends every step with
+bit-identical weights on all ranks and matches one process training on the concatenated batch;
+plus the wrapper's class semantics, naming and error rules, AMP/clipping, groups, sparse
+gradients, unused parameters and process sets. Valid at any world size.
+"""
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import horovod.torch as hvd
+from tests.parallel._torch_util import PS_EVEN, PS_ODD, SIZE, all_equal, flat_params, init_world
+
+pytestmark = [pytest.mark.spmd, pytest.mark.timeout(120)]
+
+B = 4  # rows per rank per micro-batch
+# Tolerances against the single-process reference (different summation order; compression).
+TOL = {"none": 1e-5, "fp16": 2e-3, "bf16": 2e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    init_world()
+    yield
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def batch(step: int, micro: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
+
+
+def shard(t: torch.Tensor, r: int | None = None) -> torch.Tensor:
+    r = hvd.rank() if r is None else r
+    return t[r * B:(r + 1) * B]
+
+
+def train(opt_name: str, bpps: int, compression: str, steps: int = 4, op=hvd.Average,
+          loss_scale: float = 1.0, **kw) -> None:
+    model, ref = make_model(), make_model()
+    cls = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+           "adam": lambda p: torch.optim.Adam(p, lr=0.01)}[opt_name]
+    opt = hvd.DistributedOptimizer(cls(model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   compression=getattr(hvd.Compression, compression),
+                                   backward_passes_per_step=bpps, op=op, **kw)
+    ref_opt = cls(ref.parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for m in range(bpps):
+            x, y = batch(step, m, SIZE * B)
+            loss = nn.functional.mse_loss(model(shard(x)), shard(y)) / bpps
+            loss.backward()
+            ref_loss = nn.functional.mse_loss(ref(x), y) / bpps * loss_scale
+            ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+        w = flat_params(model)
+        assert all_equal(w, f"train.{opt_name}.{bpps}.{compression}"), \
+            f"weights differ across ranks after step {step}"
+        tol = TOL[compression]
+        torch.testing.assert_close(w, flat_params(ref), rtol=tol, atol=tol,
+                                   msg=lambda m: f"step {step} vs single process: {m}")
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("bpps", [1, 2])
+def test_training_matches_single_process(opt_name, bpps):
+    train(opt_name, bpps, "none")
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_training_with_compression(opt_name, compression):
+    train(opt_name, 1, compression)
+
+
+def test_training_sum_predivide_and_groups():
+    train("sgd", 1, "none", op=hvd.Sum, loss_scale=float(SIZE))
+    train("sgd", 1, "none", gradient_predivide_factor=2.0)
+    train("sgd", 2, "none", groups=2)
+    with pytest.warns(DeprecationWarning, match="num_groups"):
+        train("adam", 1, "none", num_groups=3, steps=2)
+
+
+def test_explicit_groups():
+    model, ref = make_model(), make_model()
+    lin = model[0]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   groups=[[lin.weight, lin.bias]])
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(step, 0, SIZE * B)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert all_equal(flat_params(model), "groups.explicit")
+    torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="only appear once"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 groups=[[lin.weight], [lin.weight]])
+    with pytest.raises(ValueError, match="non-negative integer"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=-1)
+    with pytest.raises(ValueError, match="consist of torch.Tensor"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=[[1]])
+
+
+# -- class semantics ----------------------------------------------------------------------------
+def test_wrapper_class_and_super_chain():
+    model = make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.SGD) and isinstance(opt, torch.optim.Optimizer)
+    assert type(opt).__name__ == "SGD" and type(opt) is not torch.optim.SGD
+    assert opt.param_groups is base.param_groups and opt.state is base.state
+    assert type(hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=1))) \
+        is type(opt), "one cached class per optimizer class"
+    with pytest.raises(ValueError, match="already a DistributedOptimizer"):
+        hvd.DistributedOptimizer(opt)
+    del opt, base
+    gc.collect()
+
+    # a user subclass of the distributed class, constructed directly
+    cls = type(hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1)))
+    gc.collect()
+
+    class Counting(cls):
+        calls = 0
+
+        def step(self, closure=None):
+            Counting.calls += 1
+            return super().step(closure)
+
+    m2, ref = make_model(), make_model()
+    sub = Counting(m2.parameters(), lr=0.1, named_parameters=list(m2.named_parameters()))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = batch(step, 0, SIZE * B)
+        sub.zero_grad()
+        nn.functional.mse_loss(m2(shard(x)), shard(y)).backward()
+        sub.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert Counting.calls == 2 and isinstance(sub, torch.optim.SGD)
+    torch.testing.assert_close(flat_params(m2), flat_params(ref), rtol=1e-5, atol=1e-5)
+
+    # wrapping a user subclass whose step calls super()
+    class MySGD(torch.optim.SGD):
+        def step(self, closure=None):
+            self.my_steps = getattr(self, "my_steps", 0) + 1
+            return super().step(closure)
+
+    m3 = make_model()
+    opt3 = hvd.DistributedOptimizer(MySGD(m3.parameters(), lr=0.1))
+    assert isinstance(opt3, MySGD) and type(opt3).__name__ == "MySGD"
+    x, y = batch(0, 0, SIZE * B)
+    opt3.zero_grad()
+    nn.functional.mse_loss(m3(shard(x)), shard(y)).backward()
+    opt3.step()
+    assert opt3.my_steps == 1
+    assert all_equal(flat_params(m3), "mysgd")
+
+
+def test_dropped_optimizer_hooks_are_inert():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    del opt
+    gc.collect()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batch(0, 0, SIZE * B)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(shard(x)), shard(y)).backward()  # no duplicate names
+    opt.step()
+    assert all_equal(flat_params(model), "rewrap")
+
+
+def test_lr_scheduler_and_state_dict():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(2):
+        x, y = batch(step, 0, SIZE * B)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    opt.set_backward_passes_per_step(2)
+    assert opt.backward_passes_per_step == 2
+    with pytest.raises(ValueError, match="must be > 0"):
+        opt.set_backward_passes_per_step(0)
+    assert all_equal(flat_params(model), "sched")
+
+
+def test_construction_errors():
+    model = make_model()
+    params = list(model.named_parameters())
+    sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match="should be a sequence of tuples"):
+        hvd.DistributedOptimizer(sgd(), named_parameters=[list(p) for p in params])
+    with pytest.raises(ValueError, match="must be unique. Found duplicates: w"):
+        hvd.DistributedOptimizer(sgd(), named_parameters=[("w", p) for _, p in params])
+    with pytest.raises(ValueError, match="were not named. Python object ids"):
+        hvd.DistributedOptimizer(sgd(), named_parameters=params[:1])
+    with pytest.raises(ValueError, match="backward_passes_per_step must be > 0"):
+        hvd.DistributedOptimizer(sgd(), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="gradient_predivide_factor not supported"):
+        hvd.DistributedOptimizer(sgd(), op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.DistributedOptimizer(sgd(), op=hvd.Adasum)
+    with pytest.raises(TypeError, match="compress"):
+        hvd.DistributedOptimizer(sgd(), compression=object())
+    gc.collect()
+
+
+def test_default_names():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.5}],
+        lr=0.1))
+    names = [opt._parameter_names[p] for g in opt.param_groups for p in g["params"]]
+    assert names == ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.1.0",
+                     "allreduce.noname.1.1"]
+    x, y = batch(0, 0, SIZE * B)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.step()
+    assert all_equal(flat_params(model), "noname")
+
+
+# -- usage rules --------------------------------------------------------------------------------
+def test_zero_grad_race_and_too_many_passes():
+    if SIZE == 1:
+        pytest.skip("hooks are registered only with more than one rank (as Horovod)")
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = batch(0, 0, SIZE * B)
+    nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+    with pytest.raises(AssertionError, match="zero_grad\\(\\) was called after loss.backward"):
+        opt.zero_grad()
+    with pytest.raises(AssertionError, match="more than backward_passes_per_step times"):
+        nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.synchronize()
+    with pytest.warns(UserWarning, match="skip_synchronize"):
+        opt.step()
+    assert all_equal(flat_params(model), "race")
+
+
+def test_unused_parameters_do_not_hang():
+    torch.manual_seed(0)
+    heads = nn.ModuleList([nn.Linear(4, 2) for _ in range(2)])
+    never = nn.Parameter(torch.ones(3))  # used by no rank
+    params = list(heads.parameters()) + [never]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1))
+    x = torch.ones(2, 4) * (hvd.rank() + 1)
+    for _ in range(2):
+        opt.zero_grad()
+        heads[hvd.rank() % 2](x).sum().backward()  # each rank uses one head only
+        opt.step()
+    w = torch.cat([p.detach().reshape(-1) for p in params])
+    assert all_equal(w, "unused")
+    if SIZE > 1:
+        assert torch.equal(never.grad, torch.zeros(3))
+
+
+def test_grad_scaler_and_clipping():
+    model, ref = make_model(), make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for step in range(3):
+        x, y = batch(step, 0, SIZE * B)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(shard(x)), shard(y))).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+    assert all_equal(flat_params(model), "amp")
+    torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-5, atol=1e-5)
+    # an overflow on one rank reaches every rank through the average: all skip the step
+    before = flat_params(model).clone()
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(shard(x)), shard(y))
+    if hvd.rank() == 0:
+        loss = loss * float("inf")
+    scaler.scale(loss).backward()
+    opt.synchronize()
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    assert torch.equal(flat_params(model), before)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients(sparse_as_dense):
+    torch.manual_seed(0)
+    emb, ref = nn.Embedding(10, 3, sparse=True), nn.Embedding(10, 3)
+    ref.weight.data.copy_(emb.weight.data)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
+                                   named_parameters=emb.named_parameters(),
+                                   sparse_as_dense=sparse_as_dense)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    idx = [torch.tensor([r % 10, (3 * r + 1) % 10]) for r in range(SIZE)]
+    for _ in range(2):
+        opt.zero_grad()
+        emb(idx[hvd.rank()]).pow(2).sum().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        (sum(ref(i).pow(2).sum() for i in idx) / SIZE).backward()
+        ref_opt.step()
+    assert all_equal(emb.weight, f"sparse.{sparse_as_dense}")
+    torch.testing.assert_close(emb.weight.detach(), ref.weight.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_process_set_optimizer():
+    ps = PS_EVEN if hvd.rank() % 2 == 0 else PS_ODD
+    members = ps.ranks
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), process_set=ps)
+    x, y = batch(0, 0, SIZE * B)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.step()
+    w = flat_params(model).view(1, -1)
+    got = hvd.allgather(w, name="ps.opt", process_set=ps)
+    assert bool((got == got[0]).all()), f"weights differ within {members}"
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rows = torch.cat([torch.arange(r * B, (r + 1) * B) for r in members])
+    nn.functional.mse_loss(ref(x[rows]), y[rows]).backward()
+    ref_opt.step()
+    torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hvd.barrier()
