@@ -88,8 +88,8 @@ class _Output:
 
     def __init__(self, stdout: IO[str], stderr: IO[str], prefix_timestamp: bool,
                  output_dir: str | None, num_proc: int) -> None:
-        self._console = {"stdout": stdout, "stderr": stderr}
-        self._lock = threading.Lock()  # guards console writes, so lines never interleave
+        self._console: dict[str, IO[str]] = {"stdout": stdout, "stderr": stderr}
+        self._lock = threading.Lock()  # guards _console and its writes: lines never interleave
         self._prefix_timestamp = prefix_timestamp
         self._files: dict[tuple[int, str], IO[bytes]] = {}
         self._dir = output_dir
@@ -113,16 +113,23 @@ class _Output:
         prefix = f"[{rank}]<{stream}>:"
         if self._prefix_timestamp:
             prefix = time.strftime("%a %b %d %H:%M:%S %Y") + prefix
-        text = prefix + data.decode("utf-8", errors="replace")
-        with self._lock:
-            out = self._console[stream]
-            out.write(text)
-            out.flush()
+        self._write(stream, prefix + data.decode("utf-8", errors="replace"))
 
     def message(self, text: str) -> None:
+        self._write("stderr", text if text.endswith("\n") else text + "\n")
+
+    def _write(self, stream: str, text: str) -> None:
         with self._lock:
-            self._console["stderr"].write(text if text.endswith("\n") else text + "\n")
-            self._console["stderr"].flush()
+            out = self._console.get(stream)
+            if out is None:
+                return
+            try:
+                out.write(text)
+                out.flush()
+            except (OSError, ValueError):
+                # e.g. `hvdrun ... | head`: keep draining the workers' pipes (a full pipe would
+                # block them), but stop writing to this stream.
+                del self._console[stream]
 
     def close(self) -> None:
         for f in self._files.values():

@@ -216,6 +216,24 @@ def test_sigterm_ignoring_worker_is_killed_after_grace(worker, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_closed_console_does_not_block_workers():
+    """`hvdrun ... | head -2`: workers keep running to completion (their pipes are drained)."""
+    proc = subprocess.Popen(
+        hvdrun_argv("-np", "2", "--tcp", sys.executable, "-c",
+                    "for i in range(100000): print('line', i)"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith(b"[")
+    proc.stdout.close()
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"hvdrun blocked after its stdout was closed: {proc.communicate()}")
+    assert proc.returncode == 0, err
+
+
+@pytest.mark.timeout(60)
 def test_command_not_found_fails_fast():
     t = time.monotonic()
     r = run_hvdrun("-np", "2", "--tcp", "/nonexistent/ringvod-cmd")

@@ -33,7 +33,9 @@ def test_run_returns_results_by_rank(mode):
     flag = "use_gloo=True" if mode == "tcp" else "use_mpi=True"
     r = run_py(f"""
         import os
+        import horovod
         from horovod.runner import run
+        assert horovod.run is run
         def f(a, b=0):
             rank = int(os.environ.get("HOROVOD_RANK") or os.environ["OMPI_COMM_WORLD_RANK"])
             return {{"rank": rank, "sum": a + b}}
