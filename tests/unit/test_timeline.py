@@ -387,12 +387,16 @@ def test_abandoned_timeline_thread_exits(tmp_path):
 
 
 # --- crash safety -----------------------------------------------------------------------------
+# The child behaves like a training job: a burst of Horovod's events for 160 tensors per "step",
+# then the step's compute (a sleep). A write can be torn only if the kill lands while the kernel
+# copies the head of the one record per 4 KiB page that straddles a page boundary (a window
+# of well under a microsecond per page, see collective/timeline.py), so the file must load.
 CHILD = textwrap.dedent("""
-    import sys
+    import sys, time
     sys.path.insert(0, {repo!r})
     from collective.timeline import Timeline
     t = Timeline(sys.argv[1], mark_cycles=True)
-    names = ["allreduce.w%d" % i for i in range(50)]
+    names = ["allreduce.layer%d.weight" % i for i in range(160)]
     print("started", flush=True)
     while True:
         t.mark_cycle()
@@ -402,22 +406,23 @@ CHILD = textwrap.dedent("""
             t.negotiate_rank_ready(n, 1)
             t.negotiate_end(n)
             t.start(n, "ALLREDUCE")
-        t.activity_start_all(names, "MEMCPY_IN_FUSION_BUFFER")
-        t.activity_end_all(names)
-        t.activity_start_all(names, "MPI_ALLREDUCE")
-        t.activity_end_all(names)
+        for act in ("QUEUE", "MEMCPY_IN_FUSION_BUFFER", "MPI_ALLREDUCE",
+                    "MEMCPY_OUT_FUSION_BUFFER"):
+            t.activity_start_all(names, act)
+            t.activity_end_all(names)
         for n in names:
             t.end(n, "float32", (1024,))
+        time.sleep(float(sys.argv[2]))
 """)
 
 
-@pytest.mark.parametrize("delay", [0.3, 0.55, 0.8])
+@pytest.mark.parametrize("delay", [0.25, 0.5, 0.75])
 def test_json_valid_after_sigkill(tmp_path, delay):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(repo=REPO))
     path = tmp_path / "killed.json"
-    proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(path), "0.01"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "started", proc.stderr.read()
         deadline = time.monotonic() + 20
