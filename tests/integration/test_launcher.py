@@ -268,7 +268,21 @@ def test_fail_fast(mode, np_, worker, tmp_path):
     else:
         # mpirun kills the ranks; what a rank itself started is Open MPI's business.
         check = [ps[0] for ps in pids.values()]
-    assert not wait_gone(check), f"still running: {wait_gone(check, 0)}\n{explain(r)}"
+    try:
+        assert not wait_gone(check), f"still running: {wait_gone(check, 0)}\n{explain(r)}"
+    finally:
+        _kill_leftovers(pids)
+
+
+def _kill_leftovers(pids: dict[int, list[int]]) -> None:
+    """Tidies up what a test's workers started (mpirun does not stop ranks' children)."""
+    for ps in pids.values():
+        for p in ps:
+            if alive(p):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def _start_and_wait_ready(args: list[str], piddir: Path, np_: int,
@@ -311,7 +325,10 @@ def test_signal_stops_every_worker(mode, sig, worker, tmp_path):
     pids = read_pids(piddir)
     check = [p for ps in pids.values() for p in ps] if mode == "tcp" else [
         ps[0] for ps in pids.values()]
-    assert not wait_gone(check), f"orphans: {wait_gone(check, 0)}\n{out}\n{err}"
+    try:
+        assert not wait_gone(check), f"orphans: {wait_gone(check, 0)}\n{out}\n{err}"
+    finally:
+        _kill_leftovers(pids)
 
 
 @pytest.mark.timeout(60)
@@ -324,11 +341,10 @@ def test_sigkilled_launcher_leaves_no_workers(worker, tmp_path):
     proc.kill()
     proc.communicate(timeout=30)
     ranks = [ps[0] for ps in read_pids(piddir).values()]
-    assert not wait_gone(ranks), f"orphans: {wait_gone(ranks, 0)}"
-    for ps in read_pids(piddir).values():  # grandchildren: not ours to promise; tidy up
-        for p in ps[1:]:
-            if alive(p):
-                os.kill(p, signal.SIGKILL)
+    try:
+        assert not wait_gone(ranks), f"orphans: {wait_gone(ranks, 0)}"
+    finally:
+        _kill_leftovers(read_pids(piddir))  # grandchildren: not ours to promise here
 
 
 # --- flags ---------------------------------------------------------------------------------
