@@ -307,7 +307,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp,
         idx = synchronize(ih)
         if op == ReduceOp.AVERAGE:
             vals = vals / process_set_size(process_set)
-        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size()).coalesce()
+        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size(),
+                                       check_invariants=False).coalesce()
     return result
 
 

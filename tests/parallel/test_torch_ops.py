@@ -122,9 +122,17 @@ def test_allreduce_average_flag_and_errors():
         hvd.synchronize(10 ** 9)
     with pytest.raises(ValueError, match="unknown handle"):
         hvd.poll(10 ** 9)
-    h = hvd.allreduce_async(x, name="dup")
-    with pytest.raises(ValueError, match="already pending"):
-        hvd.allreduce_async(x, name="dup")
+    # a name still pending on this rank is refused; rank 0's "dup" stays pending until the
+    # others submit theirs after the barrier
+    if hvd.rank() == 0:
+        h = hvd.allreduce_async(x, name="dup")
+        if SIZE > 1:
+            with pytest.raises(ValueError, match="already pending"):
+                hvd.allreduce_async(x, name="dup")
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        h = hvd.allreduce_async(x, name="dup")
     hvd.synchronize(h)
     with pytest.raises(ValueError, match="unknown handle"):
         hvd.synchronize(h)  # a handle is synchronized once

@@ -1,0 +1,217 @@
+"""Broadcast helpers make diverged ranks identical; `SyncBatchNorm` equals plain batch norm on
+the concatenated global batch (outputs, input gradients, summed weight gradients, running
+statistics). Valid at any world size.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from torch import nn
+
+import horovod.torch as hvd
+from tests.parallel._torch_util import PS_EVEN, PS_ODD, SIZE, all_equal, init_world
+
+pytestmark = [pytest.mark.spmd, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    init_world()
+    yield
+
+
+def diverged_model() -> nn.Module:
+    torch.manual_seed(100 + hvd.rank())  # different weights on every rank
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(12, 2))
+
+
+def test_broadcast_parameters_state_dict_and_lists():
+    for root in {0, SIZE - 1}:
+        model = diverged_model()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=root)
+        for k, v in model.state_dict().items():
+            assert all_equal(v, f"bp.sd.{root}.{k}"), k
+        torch.manual_seed(100 + root)
+        want = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Flatten(),
+                             nn.Linear(12, 2))
+        for (k, a), b in zip(model.state_dict().items(), want.state_dict().values()):
+            assert torch.equal(a, b), k
+    model = diverged_model()
+    hvd.broadcast_parameters(list(model.named_parameters()), root_rank=0)
+    assert all(all_equal(p, f"bp.named.{i}") for i, p in enumerate(model.parameters()))
+    model = diverged_model()
+    hvd.broadcast_parameters(list(model.parameters()), root_rank=0)
+    assert all(all_equal(p, f"bp.list.{i}") for i, p in enumerate(model.parameters()))
+    cl = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last) * hvd.rank()
+    hvd.broadcast_parameters({"cl": cl}, root_rank=SIZE - 1)
+    assert all_equal(cl.contiguous(), "bp.channels_last")
+    with pytest.raises(ValueError, match="invalid params of type"):
+        hvd.broadcast_parameters(3, root_rank=0)
+
+
+OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    "Adam": lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.9), amsgrad=True),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=0.01),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+    "Adadelta": lambda p: torch.optim.Adadelta(p),
+    "Adamax": lambda p: torch.optim.Adamax(p),
+    "ASGD": lambda p: torch.optim.ASGD(p),
+    "NAdam": lambda p: torch.optim.NAdam(p),
+    "RAdam": lambda p: torch.optim.RAdam(p),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, momentum=0.5, centered=True),
+    "Rprop": lambda p: torch.optim.Rprop(p),
+}
+
+
+def _state_blob(opt: torch.optim.Optimizer) -> bytes:
+    import pickle
+    sd = opt.state_dict()
+    norm = {"groups": [{k: v for k, v in g.items()} for g in sd["param_groups"]],
+            "state": {i: {k: (v.tolist(), str(v.dtype)) if torch.is_tensor(v) else
+                          (v, type(v).__name__) for k, v in st.items()}
+                      for i, st in sd["state"].items()}}
+    return pickle.dumps(norm)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_broadcast_optimizer_state(name):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = OPTIMIZERS[name](model.parameters())
+    # Diverge: different lr and a different number of local steps per rank (rank 1: none).
+    opt.param_groups[0]["lr"] = 0.01 * (hvd.rank() + 1)
+    for _ in range(0 if hvd.rank() == 1 else hvd.rank() + 1):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).pow(2).sum().backward()
+        opt.step()
+    root_types = {k: type(v) for k, v in opt.param_groups[0].items() if k != "params"}
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    blobs = hvd.allgather_object(_state_blob(opt), name=f"bos.{name}")
+    assert all(b == blobs[0] for b in blobs), f"{name}: state differs across ranks"
+    assert opt.param_groups[0]["lr"] == 0.01
+    for k, v in opt.param_groups[0].items():
+        if k != "params" and hvd.rank() == 0:
+            assert type(v) is root_types[k], k
+    # the optimizer still steps after the broadcast, identically everywhere
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt.zero_grad()
+    model(torch.ones(4, 3)).pow(2).sum().backward()
+    opt.step()
+    assert all_equal(model.weight, f"bos.after.{name}")
+
+
+def test_broadcast_optimizer_state_special_cases():
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="LBFGS"):
+        hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), root_rank=0)
+    # all ranks fresh: nothing to send but options; no hidden step happens
+    opt = torch.optim.Adam(model.parameters(), lr=0.001 * (hvd.rank() + 1))
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert len(opt.state) == 0 and opt.param_groups[0]["lr"] == 0.001
+    # a DistributedOptimizer and a sparse optimizer
+    emb = nn.Embedding(5, 2, sparse=True)
+    sparse = torch.optim.SparseAdam(emb.parameters())
+    if hvd.rank() == 0:
+        emb(torch.tensor([1, 2])).sum().backward()
+        sparse.step()
+    hvd.broadcast_optimizer_state(sparse, root_rank=0)
+    blobs = hvd.allgather_object(_state_blob(sparse), name="bos.sparse")
+    assert all(b == blobs[0] for b in blobs)
+    dopt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    hvd.broadcast_optimizer_state(dopt, root_rank=0)
+
+
+def test_broadcast_and_allgather_object():
+    obj = {"rank": hvd.rank(), "f": (lambda x: x + 1), "t": torch.arange(3)}
+    for root in range(SIZE):
+        got = hvd.broadcast_object(obj if hvd.rank() == root else None, root_rank=root)
+        assert got["rank"] == root and got["f"](1) == 2 and torch.equal(got["t"], obj["t"])
+    assert hvd.broadcast_object(None, 0, name="none") is None
+    big = bytes(range(256)) * 5000
+    assert hvd.broadcast_object(big if hvd.rank() == 0 else b"", 0, name="big") == big
+    got = hvd.allgather_object({"r": hvd.rank(), "pad": "x" * hvd.rank() * 100})
+    assert [g["r"] for g in got] == list(range(SIZE))
+    assert [len(g["pad"]) for g in got] == [r * 100 for r in range(SIZE)]
+    ps = PS_EVEN if hvd.rank() % 2 == 0 else PS_ODD
+    assert hvd.allgather_object(hvd.rank(), name="ps.obj", process_set=ps) == ps.ranks
+    assert hvd.broadcast_object(hvd.rank(), ps.ranks[-1], name="ps.bobj",
+                                process_set=ps) == ps.ranks[-1]
+
+
+# -- SyncBatchNorm ------------------------------------------------------------------------------
+def _bn_case(shape_tail: tuple[int, ...], rows_of, affine: bool, momentum, dtype, seed: int):
+    c = shape_tail[0]
+    rows = [rows_of(r) for r in range(SIZE)]
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(sum(rows), *shape_tail, generator=g, dtype=torch.float64) * 3 + 5
+    full = full.to(dtype)
+    dy_full = torch.randn(full.shape, generator=g, dtype=torch.float64).to(dtype)
+    start = sum(rows[:hvd.rank()])
+    mine = slice(start, start + rows[hvd.rank()])
+    sync = hvd.SyncBatchNorm(c, affine=affine, momentum=momentum).to(dtype)
+    plain = nn.BatchNorm1d(c, affine=affine, momentum=momentum).to(dtype) if len(shape_tail) \
+        <= 2 else (nn.BatchNorm2d if len(shape_tail) == 3 else nn.BatchNorm3d)(
+            c, affine=affine, momentum=momentum).to(dtype)
+    if affine:
+        with torch.no_grad():
+            w = torch.linspace(0.5, 2, c, dtype=dtype)
+            sync.weight.copy_(w)
+            plain.weight.copy_(w)
+            sync.bias.fill_(0.3)
+            plain.bias.fill_(0.3)
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
+    for it in range(2):
+        x = full[mine].clone().requires_grad_(True)
+        xf = full.clone().requires_grad_(True)
+        y = sync(x)
+        yf = plain(xf)
+        torch.testing.assert_close(y, yf[mine], rtol=tol, atol=tol)
+        (y * dy_full[mine]).sum().backward()
+        (yf * dy_full).sum().backward()
+        torch.testing.assert_close(x.grad, xf.grad[mine], rtol=tol, atol=tol)
+        if affine:
+            gw = hvd.allreduce(sync.weight.grad, op=hvd.Sum, name=f"bn.gw.{seed}.{it}")
+            gb = hvd.allreduce(sync.bias.grad, op=hvd.Sum, name=f"bn.gb.{seed}.{it}")
+            torch.testing.assert_close(gw, plain.weight.grad, rtol=tol, atol=tol * 10)
+            torch.testing.assert_close(gb, plain.bias.grad, rtol=tol, atol=tol * 10)
+            sync.zero_grad()
+            plain.zero_grad()
+    torch.testing.assert_close(sync.running_mean, plain.running_mean, rtol=tol, atol=tol)
+    torch.testing.assert_close(sync.running_var, plain.running_var, rtol=tol, atol=tol)
+    assert int(sync.num_batches_tracked) == int(plain.num_batches_tracked) == 2
+    # eval mode uses the running statistics, locally
+    sync.eval()
+    plain.eval()
+    torch.testing.assert_close(sync(full[mine]), plain(full)[mine], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case", [
+    ("2d", (3, 4, 5), lambda r: 2, True, 0.1, torch.float32),
+    ("1d-uneven", (4,), lambda r: r + 2, True, 0.1, torch.float64),
+    ("3d-cumulative", (2, 2, 3, 2), lambda r: 1 + r % 2, False, None, torch.float32),
+    ("seq-bf16", (3, 6), lambda r: 2, True, 0.3, torch.bfloat16),
+], ids=lambda c: c[0])
+def test_sync_batch_norm_matches_global_batch_norm(case):
+    label, tail, rows_of, affine, momentum, dtype = case
+    _bn_case(tail, rows_of, affine, momentum, dtype, seed=zlib.crc32(label.encode()) % 1000)
+
+
+def test_sync_batch_norm_in_a_model_with_distributed_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), hvd.SyncBatchNorm(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(2):
+        x = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(step * 10 +
+                                                                             hvd.rank()))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    for k, v in model.state_dict().items():
+        assert all_equal(v, f"syncbn.model.{k}"), k
+    with pytest.raises(ValueError, match="expected at least 2D input"):
+        hvd.SyncBatchNorm(3)(torch.ones(3))
