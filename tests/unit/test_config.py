@@ -1,0 +1,129 @@
+"""collective.config: env parsing, defaults, precedence, unknown keys, the secret never shown."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from collective.config import OPTIONS, Config, options_by_field, read_env
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_defaults_match_horovod():
+    c = read_env({})
+    assert c.fusion_threshold == 128 * 1024 * 1024
+    assert c.cycle_time_ms == 1.0 and c.cycle_time == pytest.approx(0.001)
+    assert c.cache_capacity == 1024
+    assert c.stall_check_time == 60.0 and c.stall_shutdown_time == 0.0
+    assert c.stall_check_disable is False
+    assert c.log_level == "warning" and c.log_hide_time is False
+    assert c.timeline == "" and c.timeline_mark_cycles is False
+    assert c.autotune is False and c.autotune_warmup_samples == 3
+    assert c.autotune_steps_per_sample == 10 and c.autotune_bayes_opt_max_samples == 20
+    assert c.autotune_gaussian_process_noise == 0.8
+    assert c.gloo_timeout == 30.0
+    assert c.rank == -1 and c.size == -1
+    assert c.dynamic_process_sets is False and c.disable_group_fusion is False
+
+
+def test_every_option_is_a_config_field_and_has_docs():
+    names = {f.name for f in dataclasses.fields(Config)}
+    assert {o.field for o in OPTIONS} == names
+    envs = [o.env for o in OPTIONS]
+    assert len(envs) == len(set(envs)), "an environment variable is declared twice"
+    for o in OPTIONS:
+        assert o.doc, f"{o.env} has no doc"
+    assert options_by_field()["fusion_threshold"].env == "HOROVOD_FUSION_THRESHOLD"
+
+
+def test_env_parsing_per_type():
+    c = read_env({"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": "2.5",
+                  "HOROVOD_CACHE_CAPACITY": "7", "HOROVOD_STALL_CHECK_TIME_SECONDS": "0.25",
+                  "HOROVOD_TIMELINE": "/tmp/t.json", "HOROVOD_RANK": "3",
+                  "OMPI_COMM_WORLD_SIZE": "4"})
+    assert c.fusion_threshold == 0 and c.cycle_time_ms == 2.5 and c.cycle_time == 0.0025
+    assert c.cache_capacity == 7 and c.stall_check_time == 0.25
+    assert c.timeline == "/tmp/t.json" and c.rank == 3 and c.ompi_size == 4
+
+
+@pytest.mark.parametrize("raw,want", [("1", True), ("0", False), ("true", True), ("True", True),
+                                      ("false", False), ("yes", True), ("no", False),
+                                      ("on", True), ("off", False), ("2", True), ("", False)])
+def test_boolean_parsing(raw, want):
+    assert read_env({"HOROVOD_STALL_CHECK_DISABLE": raw}).stall_check_disable is want
+
+
+def test_unparsable_boolean_warns_and_is_false():
+    with pytest.warns(RuntimeWarning, match="cannot parse boolean"):
+        assert read_env({"HOROVOD_AUTOTUNE": "maybe"}).autotune is False
+
+
+def test_bad_number_names_the_variable():
+    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='lots' is not a valid int"):
+        read_env({"HOROVOD_FUSION_THRESHOLD": "lots"})
+    with pytest.raises(ValueError, match="HOROVOD_CYCLE_TIME"):
+        read_env({"HOROVOD_CYCLE_TIME": "fast"})
+
+
+def test_empty_value_means_default_for_non_strings():
+    c = read_env({"HOROVOD_FUSION_THRESHOLD": "", "HOROVOD_TIMELINE": ""})
+    assert c.fusion_threshold == 128 * 1024 * 1024 and c.timeline == ""
+
+
+def test_precedence_override_beats_env_beats_default():
+    env = {"HOROVOD_CACHE_CAPACITY": "5"}
+    assert read_env(env).cache_capacity == 5
+    assert read_env(env, cache_capacity=9).cache_capacity == 9
+    assert read_env({}, cache_capacity=9).cache_capacity == 9
+
+
+def test_unknown_override_is_a_type_error():
+    with pytest.raises(TypeError, match="unknown config option 'fusion_treshold'"):
+        read_env({}, fusion_treshold=1)
+    with pytest.raises(TypeError, match="unknown config option"):
+        read_env({}).replace(nope=1)
+
+
+def test_replace_and_frozen():
+    c = read_env({})
+    d = c.replace(cycle_time_ms=5.0)
+    assert d.cycle_time_ms == 5.0 and c.cycle_time_ms == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.cycle_time_ms = 3.0  # type: ignore[misc]
+
+
+def test_negative_cycle_time_clamps_to_zero():
+    assert read_env({"HOROVOD_CYCLE_TIME": "-1"}).cycle_time == 0.0
+
+
+def test_secret_is_not_in_repr_or_str():
+    secret = "deadbeef" * 8
+    c = read_env({"HOROVOD_SECRET_KEY": secret})
+    assert c.secret_key == secret
+    assert secret not in repr(c) and secret not in str(c) and "secret_key" not in repr(c)
+    assert "fusion_threshold=" in repr(c)
+
+
+def test_environment_is_read_at_call_time_not_import(monkeypatch):
+    monkeypatch.setenv("HOROVOD_CACHE_CAPACITY", "17")
+    assert read_env().cache_capacity == 17
+    monkeypatch.setenv("HOROVOD_CACHE_CAPACITY", "18")
+    assert read_env().cache_capacity == 18
+
+
+def test_only_config_reads_the_environment():
+    """collective/ modules other than config.py never touch os.environ / os.getenv."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "collective")
+    offenders = []
+    for dirpath, _, files in os.walk(root):
+        for fn in files:
+            if not fn.endswith(".py") or fn == "config.py":
+                continue
+            path = os.path.join(dirpath, fn)
+            with open(path) as f:
+                text = f.read()
+            if "os.environ" in text or "os.getenv" in text or "getenv(" in text:
+                offenders.append(os.path.relpath(path, root))
+    assert not offenders, f"modules reading the environment besides config.py: {offenders}"

@@ -1,0 +1,277 @@
+"""MessageTable (rank 0's negotiation): readiness with joins, ordering, every validation text of
+API.md §1.4, response contents, and the wire encoding."""
+from __future__ import annotations
+
+import pytest
+
+from collective.negotiation import (MessageTable, decode_requests, decode_responses,
+                                    encode_requests, encode_responses)
+from collective.types import DataType, ReduceOp, Request, RequestType, Response, ResponseType
+
+pytestmark = pytest.mark.timeout(30)
+
+AR, AG, BC, A2A, RS, JOIN, BAR = (RequestType.ALLREDUCE, RequestType.ALLGATHER,
+                                  RequestType.BROADCAST, RequestType.ALLTOALL,
+                                  RequestType.REDUCESCATTER, RequestType.JOIN,
+                                  RequestType.BARRIER)
+
+
+def req(rank, name, type=AR, **kw):
+    kw.setdefault("shape", (4,))
+    return Request(rank=rank, type=type, name=name, **kw)
+
+
+def table(size=2, ranks=None):
+    return MessageTable(size, ranks if ranks is not None else list(range(size)))
+
+
+def process_all(t, per_rank):
+    """per_rank: list (by rank) of request lists."""
+    return t.process(per_rank)
+
+
+# -- readiness and ordering -----------------------------------------------------------------------
+def test_name_ready_only_when_every_rank_asked():
+    t = table(3)
+    assert t.process([[req(0, "a")], [], []]) == []
+    assert t.process([[], [req(1, "a")], []]) == []
+    assert "a" in t.pending() and t.pending()["a"][0] == {0, 1}
+    out = t.process([[], [], [req(2, "a")]])
+    assert [r.names for r in out] == [["a"]] and out[0].type == ResponseType.ALLREDUCE
+    assert t.pending() == {}
+
+
+def test_ready_order_is_the_order_names_become_ready():
+    t = table(2)
+    t.process([[req(0, "a"), req(0, "b"), req(0, "c")], [req(1, "c")]])  # c ready first
+    out = t.process([[], [req(1, "b"), req(1, "a")]])
+    assert [r.names[0] for r in out] == ["b", "a"]
+    t2 = table(2)
+    out = t2.process([[req(0, "x"), req(0, "y")], [req(1, "y"), req(1, "x")]])
+    # Rank 0's requests come first; a name is ready when the last rank's request arrives, and
+    # rank 1 sends y before x.
+    assert [r.names[0] for r in out] == ["y", "x"]
+
+
+def test_join_counts_as_ready_and_rechecks_waiting_names():
+    t = table(3, [0, 1, 2])
+    t.process([[req(0, "a")], [req(1, "a")], []])
+    out = t.process([[], [], [req(2, "join.noname", JOIN)]])
+    assert [r.names for r in out] == [["a"]]  # waited only for rank 2, which joined
+    assert t.join_active and t.joined == {2} and t.last_joined == 2
+    out = t.process([[req(0, "b")], [req(1, "b")], []])
+    assert [r.names for r in out] == [["b"]]
+
+
+def test_all_joined_emits_join_response_with_last_joined_rank_and_resets():
+    t = table(3, [4, 5, 6])  # a process set: last_joined is a GLOBAL rank
+    t.process([[req(0, "join.noname", JOIN)], [], []])
+    t.process([[], [], [req(2, "join.noname", JOIN)]])
+    out = t.process([[], [req(1, "join.noname", JOIN)], []])
+    assert out[-1].type == ResponseType.JOIN and out[-1].names == ["join.noname"]
+    assert out[-1].last_joined_rank == 5
+    assert not t.join_active and t.last_joined == -1
+    # A second round works the same way.
+    out = t.process([[req(0, "join.noname", JOIN)], [req(1, "join.noname", JOIN)],
+                     [req(2, "join.noname", JOIN)]])
+    assert out[-1].type == ResponseType.JOIN and out[-1].last_joined_rank == 6
+
+
+def test_join_response_follows_the_tensors_it_released():
+    t = table(2)
+    t.process([[req(0, "a")], []])
+    out = t.process([[req(0, "join.noname", JOIN)], [req(1, "join.noname", JOIN)]])
+    # 'a' was waiting for rank 1; rank 1 joined, so 'a' is ready (with zeros), then the JOIN.
+    assert [r.type for r in out] == [ResponseType.ALLREDUCE, ResponseType.JOIN]
+
+
+def test_barrier_is_a_normal_name():
+    t = table(2)
+    out = t.process([[req(0, "barrier.noname", BAR, shape=())],
+                     [req(1, "barrier.noname", BAR, shape=())]])
+    assert out[0].type == ResponseType.BARRIER
+
+
+def test_timeline_callbacks():
+    firsts, ranks = [], []
+    t = MessageTable(2, [0, 1])
+    t.process([[req(0, "a")], [req(1, "a")]], on_first=lambda n, ty: firsts.append((n, ty)),
+              on_rank=lambda n, r: ranks.append((n, r)))
+    assert firsts == [("a", AR)] and ranks == [("a", 0), ("a", 1)]
+
+
+# -- responses ------------------------------------------------------------------------------------
+def test_allreduce_response_fields():
+    t = table(2)
+    kw = dict(shape=(2, 3), dtype=DataType.FLOAT16, reduce_op=ReduceOp.MAX, prescale=2.0,
+              postscale=0.5)
+    r = t.process([[req(0, "a", **kw)], [req(1, "a", **kw)]])[0]
+    assert (r.type, r.dtype, r.reduce_op, r.prescale, r.postscale) == (
+        ResponseType.ALLREDUCE, DataType.FLOAT16, ReduceOp.MAX, 2.0, 0.5)
+    assert r.sizes == [6] and r.shapes == [(2, 3)] and r.device == -1
+
+
+def test_allgather_sizes_are_every_ranks_dim0():
+    t = table(3)
+    r = t.process([[req(0, "g", AG, shape=(1, 2))], [req(1, "g", AG, shape=(0, 2))],
+                   [req(2, "g", AG, shape=(5, 2))]])[0]
+    assert r.type == ResponseType.ALLGATHER and r.sizes == [1, 0, 5]
+
+
+def test_broadcast_root_travels():
+    t = table(2)
+    r = t.process([[req(0, "b", BC, root=1)], [req(1, "b", BC, root=1)]])[0]
+    assert r.type == ResponseType.BROADCAST and r.root == 1
+
+
+# -- validation texts (API.md §1.4), checked in Horovod's order ----------------------------------
+def mismatch(reqs0, reqs1, size=2, joined=None):
+    t = table(size)
+    if joined is not None:
+        t.process([[req(r, "join.noname", JOIN)] if r == joined else []
+                   for r in range(size)])
+    lists = [[reqs0], [reqs1]] + [[] for _ in range(size - 2)]
+    if joined is not None:
+        lists[joined] = []
+    out = t.process(lists)
+    assert len(out) == 1 and out[0].type == ResponseType.ERROR, out
+    assert out[0].names == [reqs0.name]
+    return out[0].error
+
+
+def test_dtype_mismatch_text():
+    err = mismatch(req(0, "t", dtype=DataType.FLOAT32), req(1, "t", dtype=DataType.INT64))
+    assert err.startswith("Mismatched data types: One rank had type float32, but another rank "
+                          "had type int64.")
+    assert "'t'" in err and "rank(s) 0" in err and "rank(s) 1" in err
+
+
+def test_operation_mismatch_text():
+    err = mismatch(req(0, "t", AR), req(1, "t", AG))
+    assert err.startswith("Mismatched operations: One rank did an ALLREDUCE, but another rank "
+                          "did an ALLGATHER.")
+
+
+@pytest.mark.parametrize("type,label", [(AR, "ALLREDUCE"), (BC, "BROADCAST"),
+                                        (RS, "REDUCESCATTER")])
+def test_shape_mismatch_text(type, label):
+    err = mismatch(req(0, "t", type, shape=(2, 3)), req(1, "t", type, shape=(3, 2)))
+    assert err.startswith(f"Mismatched {label} tensor shapes: One rank sent a tensor of shape "
+                          "[2, 3], but another rank sent a tensor of shape [3, 2].")
+
+
+def test_scale_factor_mismatch_text():
+    err = mismatch(req(0, "t", prescale=1.0, postscale=2.0), req(1, "t", prescale=1.0,
+                                                                   postscale=0.5))
+    assert err.startswith("Mismatched prescale and/or postscale factors: One rank sent factors "
+                          "(1.0, 2.0), but another rank sent factors (1.0, 0.5).")
+
+
+def test_reduce_op_mismatch_text():
+    err = mismatch(req(0, "t", reduce_op=ReduceOp.SUM), req(1, "t", reduce_op=ReduceOp.MIN))
+    assert err.startswith("Mismatched reduction operation: One rank sent reduction op 1, but "
+                          "another rank sent reduction op 3.")
+
+
+def test_allgather_alltoall_with_join_texts():
+    err = mismatch(req(0, "t", AG, shape=(1,)), req(1, "t", AG, shape=(1,)), size=3, joined=2)
+    assert err.startswith("Allgather is not supported with Join at this time. Specify "
+                          "sparse_to_dense=True if using DistributedOptimizer")
+    err = mismatch(req(0, "t", A2A, shape=(3,)), req(1, "t", A2A, shape=(3,)), size=3, joined=2)
+    assert err.startswith("Alltoall is not supported with Join at this time.")
+
+
+@pytest.mark.parametrize("type,label", [(AG, "ALLGATHER"), (A2A, "ALLTOALL"),
+                                        (RS, "REDUCESCATTER")])
+def test_rank_zero_tensor_texts(type, label):
+    err = mismatch(req(0, "t", type, shape=()), req(1, "t", type, shape=()))
+    assert err.startswith(f"Process-set rank zero tried to {label} a rank-zero tensor.")
+
+
+@pytest.mark.parametrize("type,label", [(AG, "ALLGATHER"), (A2A, "ALLTOALL")])
+def test_gather_ndim_and_dim_texts(type, label):
+    err = mismatch(req(0, "t", type, shape=(2, 3)), req(1, "t", type, shape=(2,)))
+    assert err.startswith(f"Mismatched {label} tensor shapes: One rank sent a tensor of rank 2, "
+                          "but another rank sent a tensor of rank 1.")
+    err = mismatch(req(0, "t", type, shape=(2, 3, 4)), req(1, "t", type, shape=(7, 3, 5)))
+    assert err.startswith(f"Mismatched {label} tensor shapes: One rank sent a tensor with "
+                          "dimension 2 equal to 4, but another rank sent a tensor with "
+                          "dimension 2 equal to 5.")
+
+
+def test_gather_dim0_may_differ():
+    t = table(2)
+    out = t.process([[req(0, "t", AG, shape=(2, 3))], [req(1, "t", AG, shape=(9, 3))]])
+    assert out[0].type == ResponseType.ALLGATHER
+
+
+def test_reducescatter_and_broadcast_with_join_texts():
+    err = mismatch(req(0, "t", RS, shape=(4,)), req(1, "t", RS, shape=(4,)), size=3, joined=2)
+    assert err.startswith("Reducescatter is not supported with Join at this time.")
+    err = mismatch(req(0, "t", BC, root=0), req(1, "t", BC, root=0), size=3, joined=2)
+    assert err.startswith("Broadcast is not supported with Join at this time.")
+
+
+def test_broadcast_root_mismatch_text_uses_global_ranks():
+    t = MessageTable(2, [3, 7])
+    out = t.process([[req(0, "t", BC, root=3)], [req(1, "t", BC, root=7)]])
+    assert out[0].error.startswith("Mismatched BROADCAST root ranks: One rank specified root "
+                                   "rank 3, but another rank specified root rank 7.")
+    assert "rank(s) 3" in out[0].error and "rank(s) 7" in out[0].error
+
+
+def test_device_mismatch_text():
+    err = mismatch(req(0, "t", device=-1), req(1, "t", device=0))
+    assert err.startswith("Mismatched ALLREDUCE CPU/GPU device selection: One rank specified "
+                          "device CPU, but another rank specified device GPU.")
+
+
+def test_checks_run_in_horovod_order():
+    # dtype before shape before op: only the first failing check is reported.
+    err = mismatch(req(0, "t", dtype=DataType.FLOAT32, shape=(1,), reduce_op=ReduceOp.SUM),
+                   req(1, "t", dtype=DataType.FLOAT64, shape=(2,), reduce_op=ReduceOp.MAX))
+    assert err.startswith("Mismatched data types")
+    err = mismatch(req(0, "t", shape=(1,), prescale=2.0, reduce_op=ReduceOp.SUM),
+                   req(1, "t", shape=(2,), prescale=1.0, reduce_op=ReduceOp.MAX))
+    assert err.startswith("Mismatched ALLREDUCE tensor shapes")
+    err = mismatch(req(0, "t", prescale=2.0, reduce_op=ReduceOp.SUM),
+                   req(1, "t", prescale=1.0, reduce_op=ReduceOp.MAX))
+    assert err.startswith("Mismatched prescale")
+
+
+def test_error_names_every_group_of_ranks():
+    t = table(4)
+    out = t.process([[req(r, "t", shape=(1,) if r % 2 == 0 else (2,))] for r in range(4)])
+    err = out[0].error
+    assert "rank(s) 0, 2 sent [1]" in err and "rank(s) 1, 3 sent [2]" in err
+
+
+def test_error_does_not_poison_the_table():
+    t = table(2)
+    t.process([[req(0, "t", shape=(1,))], [req(1, "t", shape=(2,))]])
+    out = t.process([[req(0, "t", shape=(1,))], [req(1, "t", shape=(1,))]])
+    assert out[0].type == ResponseType.ALLREDUCE
+
+
+# -- wire encoding --------------------------------------------------------------------------------
+def test_request_round_trip():
+    reqs = [Request(rank=1, type=BC, name="b", dtype=DataType.BOOL, shape=(2, 0), device=3,
+                    root=5, reduce_op=ReduceOp.PRODUCT, prescale=0.5, postscale=4.0)]
+    back, shutdown = decode_requests(encode_requests(reqs, True))
+    assert shutdown is True
+    r = back[0]
+    assert (r.rank, r.type, r.name, r.dtype, r.shape, r.device, r.root, r.reduce_op,
+            r.prescale, r.postscale) == (1, BC, "b", DataType.BOOL, (2, 0), 3, 5,
+                                         ReduceOp.PRODUCT, 0.5, 4.0)
+
+
+def test_response_round_trip():
+    resp = [Response(type=ResponseType.ALLGATHER, names=["x", "y"], dtype=DataType.INT8,
+                     sizes=[1, 2, 3, 4], shapes=[(1, 2), (3, 2)], last_joined_rank=2,
+                     error="", root=-1, prescale=1.0, postscale=1.0),
+            Response(type=ResponseType.ERROR, names=["e"], error="Mismatched data types")]
+    back, shutdown, join_active = decode_responses(encode_responses(resp, False, True))
+    assert (shutdown, join_active) == (False, True)
+    assert back[0].names == ["x", "y"] and back[0].sizes == [1, 2, 3, 4]
+    assert back[0].shapes == [(1, 2), (3, 2)] and back[0].last_joined_rank == 2
+    assert back[1].type == ResponseType.ERROR and back[1].error == "Mismatched data types"
