@@ -159,9 +159,7 @@ def write_results(path: str, benchmark: str, results: Any, *,
 
 
 def _json_default(value: Any) -> Any:
-    if hasattr(value, "item"):  # numpy scalars
-        return value.item()
-    if hasattr(value, "tolist"):
+    if hasattr(value, "tolist"):  # numpy arrays and scalars
         return value.tolist()
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
@@ -395,7 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(rows, indent=1))
         return 0
     out = args.out or os.path.splitext(args.results)[0] + ".png"
-    title = f"{doc.get('benchmark', '')} on {', '.join(doc.get('machine', {}).get('gpus', [])) or doc.get('machine', {}).get('host', '')}"
+    machine = doc.get("machine", {})
+    where = ", ".join(machine.get("gpus", [])) or machine.get("host", "")
+    title = f"{doc.get('benchmark', '')} on {where}"
     if any("gpus" in r for r in rows):
         plot_scaling(rows, out, title=title)
     else:

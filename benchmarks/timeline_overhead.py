@@ -106,7 +106,7 @@ def writer_cost(path: str, names, steps: int) -> dict:
     for _ in range(steps):
         tl.mark_cycle()
         _step(tl, names)
-    c1, t1 = time.thread_time(), time.perf_counter()
+    c1 = time.thread_time()
     tl.flush()
     w1, t2 = time.clock_gettime(wclock), time.perf_counter()
     tl.close()

@@ -301,7 +301,7 @@ def format_summary(s: Summary, top: int = 10) -> str:
         [[t.name, t.ops, _ms(t.negotiate_us), _ms(t.op_us),
           f"{t.op_us / t.ops:.1f}" if t.ops else "-"] for t in s.tensors[:top]])]
     waits = sorted((t for t in s.tensors if t.negotiations), key=lambda t: -t.negotiate_us)
-    out += ["", f"Top tensors by negotiation wait", _table(
+    out += ["", "Top tensors by negotiation wait", _table(
         ["tensor", "negotiations", "wait ms", "mean wait us", "last rank (times)"],
         [[t.name, t.negotiations, _ms(t.negotiate_us), f"{t.negotiate_us / t.negotiations:.1f}",
           "-" if t.last_rank is None else f"{t.last_rank} ({t.last_rank_times})"]

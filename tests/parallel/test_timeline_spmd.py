@@ -187,7 +187,7 @@ def test_rank_stall_shutdown():
     hvd.shutdown()
 
 
-# --- drivers ---------------------------------------------------------------------------------------
+# --- drivers -------------------------------------------------------------------------------
 def _run(scenario: str, tmp_path, **env) -> str:
     """Runs one rank-side scenario on NP ranks; returns rank 0's log."""
     env = {ENV_DIR: str(tmp_path), "HOROVOD_LOG_HIDE_TIME": "1", **env}
