@@ -65,9 +65,10 @@ _BATCH = 1024  # events formatted per drain before the GIL is given back by a wr
 # events pile up meanwhile, so a put rarely has to wake the writer (a futex call each time)
 # and the writer takes the GIL in fewer, larger slices.
 _POLL_S = 0.001
-# Writes never cross a page boundary unless one record must: a SIGKILL during a write stops
-# the kernel's copy between pages (seen: a torn file at a 4 KiB boundary), never inside one, so
-# single-page writes leave either the old or the new valid file.
+# Linux stops a write hit by SIGKILL only between pages (seen: files torn at 4 KiB multiples),
+# so a write that stays inside one page leaves the old or the new valid file. Appending across
+# a boundary cannot be made atomic; writes cross one only inside their first record, which
+# keeps the tearable window to the kernel's copy of that record's head (see `flush`).
 _PAGE = 4096
 _TAIL = b"\n]\n"
 
