@@ -1,0 +1,167 @@
+"""Single-process tests of the torch adapter: the `horovod` alias package, the tensor seam,
+compression, naming helpers, int handles, the elastic stub, and the optimizer wrapper's logic
+with more than one rank (loopback: N threads act as N ranks).
+"""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import frameworks.torch as ft  # noqa: E402
+from collective import DataType  # noqa: E402
+from frameworks import _common  # noqa: E402
+from frameworks.torch import _buffers  # noqa: E402
+from frameworks.torch._handles import HandleMap  # noqa: E402
+from tests._spmd import REPO, run_loopback  # noqa: E402
+
+
+def test_horovod_aliases_are_the_same_modules():
+    code = (
+        "import sys, horovod\n"
+        "assert 'torch' not in sys.modules, 'importing horovod must not import torch'\n"
+        "import horovod.torch as hvd, frameworks.torch as ft\n"
+        "import horovod.torch.optimizer, horovod.torch.mpi_ops, horovod.torch.elastic\n"
+        "import horovod.torch.ops\n"
+        "from horovod.torch.functions import broadcast_object\n"
+        "assert hvd is ft and horovod.torch is ft\n"
+        "for sub in ('optimizer', 'mpi_ops', 'functions', 'elastic', 'ops'):\n"
+        "    assert sys.modules['horovod.torch.' + sub] is sys.modules['frameworks.torch.' + sub]\n"
+        "assert broadcast_object is ft.broadcast_object\n"
+        "assert ft.__spec__.name == 'frameworks.torch'\n"
+        "assert horovod.__version__.startswith('0.28.1+ringvod.')\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_exported_names():
+    for name in ["init", "shutdown", "allreduce", "allreduce_async_", "grouped_allreduce",
+                 "sparse_allreduce_async", "allgather", "broadcast_", "alltoall",
+                 "reducescatter", "grouped_reducescatter_async", "barrier", "join", "poll",
+                 "synchronize", "Compression", "DistributedOptimizer", "SyncBatchNorm",
+                 "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+                 "allgather_object", "elastic", "ProcessSet", "global_process_set",
+                 "add_process_set", "remove_process_set", "HorovodInternalError",
+                 "start_timeline", "stop_timeline", "nccl_built", "Average", "Sum"]:
+        assert hasattr(ft, name), name
+    assert not hasattr(ft, "is_homogeneous") and hasattr(ft.mpi_ops, "is_homogeneous")
+
+
+@pytest.mark.parametrize("dtype,want", [
+    (torch.uint8, DataType.UINT8), (torch.int8, DataType.INT8), (torch.int16, DataType.INT16),
+    (torch.int32, DataType.INT32), (torch.int64, DataType.INT64),
+    (torch.float16, DataType.FLOAT16), (torch.bfloat16, DataType.BFLOAT16),
+    (torch.float32, DataType.FLOAT32), (torch.float64, DataType.FLOAT64),
+    (torch.bool, DataType.BOOL)])
+def test_to_collective_shares_memory(dtype, want):
+    t = torch.zeros(2, 3, dtype=dtype)
+    args = _buffers.to_collective(t, output=t)
+    assert args.dtype == want and args.shape == (2, 3) and args.device == -1
+    assert args.ready_event is None and args.output is not None
+    one = torch.ones(1, dtype=dtype)
+    args.output.reshape(-1)[1] = _buffers.to_collective(one).tensor[0]  # bits of 1 (bf16: uint16)
+    assert t.reshape(-1)[1].item() == 1, "the view writes through to the torch tensor"
+    back = _buffers.from_collective(np.array(args.tensor), t)
+    assert back.dtype == dtype and torch.equal(back, t)
+
+
+def test_seam_errors():
+    with pytest.raises(ValueError, match="Tensor type torch.ComplexDoubleTensor is not supported"):
+        _buffers.to_collective(torch.zeros(2, dtype=torch.complex128))
+    with pytest.raises(ValueError, match="contiguous"):
+        _buffers.to_collective(torch.zeros(3, 3).t())
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        _buffers.to_collective(np.zeros(3))
+    with pytest.raises(ValueError, match="tensors on meta are not supported"):
+        _buffers.to_collective(torch.zeros(2, device="meta"))
+
+
+def test_compression():
+    x = torch.linspace(-2, 2, 9, dtype=torch.float64)
+    for comp, wire in ((ft.Compression.fp16, torch.float16), (ft.Compression.bf16, torch.bfloat16)):
+        c, ctx = comp.compress(x)
+        assert c.dtype == wire
+        back = comp.decompress(c, ctx)
+        assert back.dtype == torch.float64
+        torch.testing.assert_close(back, x, rtol=1e-2, atol=1e-2)
+    c, ctx = ft.Compression.none.compress(x)
+    assert c is x and ft.Compression.none.decompress(c, ctx) is x
+    ints = torch.arange(3)
+    assert ft.Compression.fp16.compress(ints) == (ints, None)
+
+
+def test_common_helpers():
+    assert _common.find_duplicates(["a", "b", "a", "c", "b", "a"]) == ["a", "b"]
+    assert _common.split_list(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert _common.split_list([1], 4) == [[1]]
+    assert _common.default_parameter_name(1, 2) == "allreduce.noname.1.2"
+    f = lambda v: v * 3  # noqa: E731 - cloudpickle handles lambdas
+    assert _common.loads(_common.dumps(f))(2) == 6
+    with pytest.raises(ValueError, match="tuples"):
+        _common.check_named_parameters([["a", 1]], set())
+
+
+def test_handle_map():
+    from collective.handle import Handle
+    m = HandleMap()
+    h = Handle("x")
+    hid = m.add(h, lambda r: r + 1, object())
+    assert not m.poll(hid)
+    h._set_result(41)
+    assert m.poll(hid) and m.synchronize(hid) == 42 and len(m) == 0
+    with pytest.raises(ValueError, match="unknown handle"):
+        m.synchronize(hid)
+
+
+def test_elastic_stub_is_explicit():
+    with pytest.raises(NotImplementedError, match="elastic"):
+        ft.elastic.run(lambda state: None)
+    with pytest.raises(NotImplementedError, match="TorchState"):
+        ft.elastic.TorchState(model=None)
+    assert importlib.import_module("frameworks.torch.elastic") is ft.elastic
+
+
+def test_single_process_ops_and_optimizer():
+    ft.init()
+    try:
+        assert ft.size() == 1
+        x = torch.arange(4.0)
+        assert torch.equal(ft.allreduce(x), x)
+        assert torch.equal(ft.allgather(x.view(2, 2)), x.view(2, 2))
+        model = torch.nn.Linear(2, 1)
+        opt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        bn = ft.SyncBatchNorm(3)
+        y = torch.randn(4, 3)
+        torch.testing.assert_close(bn(y), torch.nn.BatchNorm1d(3)(y))
+    finally:
+        ft.shutdown()
+
+
+def test_optimizer_hooks_with_loopback_ranks():
+    """Two threads as two ranks: gradients are averaged and the hooks' rules hold."""
+    def body(rank: int):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1, bias=False)
+        opt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                      named_parameters=model.named_parameters())
+        (model(torch.ones(1, 3)) * (rank + 1)).sum().backward()
+        with pytest.raises(AssertionError, match="zero_grad"):
+            opt.zero_grad()
+        opt.synchronize()
+        grad = model.weight.grad.clone()
+        with opt.skip_synchronize():
+            opt.step()
+        return grad
+
+    g0, g1 = run_loopback(2, body, timeout=60)
+    torch.testing.assert_close(g0, torch.full((1, 3), 1.5))
+    assert torch.equal(g0, g1)
