@@ -223,6 +223,11 @@ class Coordinator:
                     ps.control.abort(str(exc))
                 except Exception:  # noqa: BLE001
                     pass
+                if ps.device_engine is not None:  # GPU kernels stuck on a dead peer return
+                    try:
+                        ps.device_engine.abort()
+                    except Exception:  # noqa: BLE001
+                        pass
         finally:
             self.rt._on_loop_exit(cause)
             self.stopped.set()

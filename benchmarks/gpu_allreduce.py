@@ -1,0 +1,162 @@
+"""GPU allreduce latency and bus bandwidth: ringvod vs raw CuPy NCCL vs torch.distributed.
+
+All three run in the same processes, on the same tensors, one after the other, so the numbers
+compare like with like. Launch one process per GPU, e.g.::
+
+    mpirun --allow-run-as-root --bind-to none -np 2 -x NCCL_NVLS_ENABLE=0 \
+        python benchmarks/gpu_allreduce.py --json out/allreduce.json
+
+Measures, per size (float32, Sum, in place):
+
+* pipelined: `iters` back-to-back ops, then one device synchronize (nccl-tests' method; for
+  ringvod each op is `allreduce_async_` + `synchronize`, which only orders the stream);
+  busbw = bytes / time × 2(n−1)/n;
+* lone: one op followed by a host wait for the GPU, repeated; the median (what a program that
+  needs the value at once sees).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import frameworks.torch as hvd  # noqa: E402
+from _report import busbw, format_table, human_bytes, write_results  # noqa: E402
+
+SIZES = [1 << k for k in (10, 12, 14, 17, 20, 22, 24, 26, 28, 30)]
+
+
+def timed(fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
+def lone(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters + 5):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[5:])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default="")
+    p.add_argument("--png", default="")
+    p.add_argument("--max-bytes", type=int, default=1 << 30)
+    p.add_argument("--lone-sizes", default="1024,4096,65536")
+    p.add_argument("--port", type=int, default=29533)
+    p.add_argument("--quick", action="store_true", help="fewer iterations")
+    a = p.parse_args()
+    hvd.init()
+    rank, n = hvd.rank(), hvd.size()
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank,
+                            world_size=n)
+    import cupy
+    from cupy.cuda import nccl
+
+    from collective.engines.nccl import _new_communicator, _uid_bytes, versions
+    uid = hvd.broadcast_object(_uid_bytes(nccl.get_unique_id()) if rank == 0 else None, 0)
+    cupy.cuda.Device(torch.cuda.current_device()).use()
+    comm = _new_communicator(n, uid, rank)
+    cstream = cupy.cuda.Stream(non_blocking=True)
+    rows, lone_rows = [], []
+    counter = [0]
+
+    def ringvod(x):
+        counter[0] += 1
+        hvd.synchronize(hvd.allreduce_async_(x, op=hvd.Sum, name=f"bw.{counter[0]}"))
+
+    def torchdist(x):
+        dist.all_reduce(x)
+
+    def raw(x):
+        comm.allReduce(x.data_ptr(), x.data_ptr(), x.numel(), nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                       cstream.ptr)
+
+    def raw_sync(x):
+        raw(x)
+        cstream.synchronize()
+
+    impls = [("ringvod", ringvod), ("CuPy NCCL", raw), ("torch.distributed", torchdist)]
+    for nb in [s for s in SIZES if s <= a.max_bytes]:
+        x = torch.ones(nb // 4, device="cuda")
+        big = nb >= (1 << 26)
+        iters = (10 if big else 50) if not a.quick else (5 if big else 20)
+        for label, fn in impls:
+            if label == "CuPy NCCL":
+                torch.cuda.synchronize()
+                t = timed(lambda: raw(x), iters, 5)
+                cstream.synchronize()
+            else:
+                t = timed(lambda: fn(x), iters, 5)
+            rows.append({"series": label, "bytes": nb, "time_us": t * 1e6,
+                         "busbw_gbs": busbw(nb, t, n)})
+        del x
+    for nb in [int(s) for s in a.lone_sizes.split(",") if s]:
+        x = torch.ones(nb // 4, device="cuda")
+        iters = 100 if a.quick else 300
+        for label, fn in (("ringvod", ringvod), ("CuPy NCCL", raw_sync),
+                          ("torch.distributed", torchdist)):
+            t = lone(lambda: fn(x), iters)
+            lone_rows.append({"series": label, "bytes": nb, "lone_us": t * 1e6})
+    if rank == 0:
+        table = []
+        for nb in sorted({r["bytes"] for r in rows}):
+            by = {r["series"]: r for r in rows if r["bytes"] == nb}
+            rv, cp, td = by["ringvod"], by["CuPy NCCL"], by["torch.distributed"]
+            table.append([human_bytes(nb), f"{rv['time_us']:.1f}", f"{rv['busbw_gbs']:.1f}",
+                          f"{cp['time_us']:.1f}", f"{cp['busbw_gbs']:.1f}",
+                          f"{td['time_us']:.1f}", f"{td['busbw_gbs']:.1f}",
+                          f"{rv['busbw_gbs'] / cp['busbw_gbs'] * 100:.0f}%"])
+        print(f"allreduce float32, {n} GPUs ({torch.cuda.get_device_name()}), {versions()}")
+        print(format_table(["size", "ringvod us", "busbw", "cupy us", "busbw", "torch us",
+                            "busbw", "rv/raw"], table))
+        lt = []
+        for nb in sorted({r["bytes"] for r in lone_rows}):
+            by = {r["series"]: r["lone_us"] for r in lone_rows if r["bytes"] == nb}
+            lt.append([human_bytes(nb), f"{by['ringvod']:.1f}", f"{by['CuPy NCCL']:.1f}",
+                       f"{by['torch.distributed']:.1f}",
+                       f"{by['ringvod'] / by['torch.distributed']:.2f}x"])
+        print("lone synchronous allreduce (median, host waits for the GPU):")
+        print(format_table(["size", "ringvod us", "cupy us", "torch us", "rv/torch"], lt))
+        if a.json:
+            write_results(a.json, "gpu_allreduce", {"pipelined": rows, "lone": lone_rows},
+                          params={"gpus": n, "device": torch.cuda.get_device_name(),
+                                  "versions": versions(), "torch": torch.__version__})
+        if a.png:
+            try:
+                from _report import plot_bandwidth
+                plot_bandwidth(rows, a.png, title=f"allreduce float32, {n}x "
+                               f"{torch.cuda.get_device_name()}")
+            except Exception as exc:  # noqa: BLE001 - the table is the result
+                print(f"plot failed: {exc}")
+    dist.destroy_process_group()
+    comm.destroy()
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
