@@ -5,6 +5,8 @@ One launch per world size keeps torch's import and MPI start-up from being paid 
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests._spmd import run_spmd
@@ -25,3 +27,26 @@ def test_torch_spmd(np_: int, request: pytest.FixtureRequest) -> None:
     if selected and np_ not in selected:
         pytest.skip(f"np={np_} not selected by --np")
     run_spmd(FILES, np_, TIMEOUT)
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_examples_run_unchanged_with_horovod_torch() -> None:
+    """Both PyTorch examples at 2 ranks, with `import horovod.torch as hvd` as written."""
+    res = run_spmd("examples/pytorch/pytorch_synthetic_benchmark.py", 2, 120,
+                   env={"OMP_NUM_THREADS": "1"},
+                   args=["--no-cuda", "--model", "resnet_tiny", "--batch-size", "4",
+                         "--image-size", "32", "--num-classes", "10",
+                         "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+                         "--num-iters", "2"])
+    log = res.ranks[0].log
+    for line in ("Model: resnet_tiny", "Batch size: 4", "Number of CPUs: 2", "Running warmup...",
+                 "Running benchmark...", "Iter #1:", "Img/sec per CPU:",
+                 "Total img/sec on 2 CPU(s):"):
+        assert line in log, f"missing {line!r} in rank 0's output:\n{log}"
+    assert "Model:" not in res.ranks[1].log, "only rank 0 prints"
+    res = run_spmd("examples/pytorch/pytorch_mnist.py", 2, 120,
+                   args=["--epochs", "1", "--log-interval", "100"])
+    accs = [float(x) for x in re.findall(r"Accuracy: ([0-9.]+)%", res.ranks[0].log)]
+    assert accs and accs[-1] > 50.0, f"training did not learn:\n{res.ranks[0].log}"
