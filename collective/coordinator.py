@@ -399,23 +399,31 @@ class Coordinator:
             if tl is not None:
                 tl.start(name, resp.type.name)
         t = resp.type
-        if t == ResponseType.ALLREDUCE or t == ResponseType.ADASUM:
-            engine.allreduce(entries, resp)
-        elif t == ResponseType.ALLGATHER:
-            engine.allgather(entries, resp)
-        elif t == ResponseType.BROADCAST:
-            engine.broadcast(entries[0], ps.ranks.index(resp.root))
-        elif t == ResponseType.ALLTOALL:
-            engine.alltoall(entries[0])
-        elif t == ResponseType.REDUCESCATTER:
-            engine.reducescatter(entries, resp)
-        else:  # pragma: no cover - negotiation never produces other types
-            raise HorovodInternalError(f"unexpected response type {t.name} for {resp.names}")
-        for e in entries:
-            if tl is not None:
-                out = e.output
-                tl.end(e.name, resp.dtype.label, tuple(getattr(out, "shape", ())))
-            e.handle._set_result(engine.finish(e))
+        try:
+            if t == ResponseType.ALLREDUCE or t == ResponseType.ADASUM:
+                engine.allreduce(entries, resp)
+            elif t == ResponseType.ALLGATHER:
+                engine.allgather(entries, resp)
+            elif t == ResponseType.BROADCAST:
+                engine.broadcast(entries[0], ps.ranks.index(resp.root))
+            elif t == ResponseType.ALLTOALL:
+                engine.alltoall(entries[0])
+            elif t == ResponseType.REDUCESCATTER:
+                engine.reducescatter(entries, resp)
+            else:  # pragma: no cover - negotiation never produces other types
+                raise HorovodInternalError(f"unexpected response type {t.name} for {resp.names}")
+            for e in entries:
+                if tl is not None:
+                    out = e.output
+                    tl.end(e.name, resp.dtype.label, tuple(getattr(out, "shape", ())))
+                e.handle._set_result(engine.finish(e))
+        except BaseException as exc:
+            # These entries already left the table, so the loop's exit path (fail_all) cannot
+            # reach them: fail them here or their waiters hang forever.
+            err = shutdown_error(exc)
+            for e in entries:
+                e.handle._set_exception(err)
+            raise
 
     def _engine(self, ps: ProcessSetState, device: int) -> Any:
         if device == CPU_DEVICE:

@@ -519,6 +519,9 @@ def run_loopback(n: int, fn: Callable[[int], Any], timeout: float = 30.0, start:
             with use_runtime(rt):
                 try:
                     results[rank] = fn(rank)
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    # Recorded before shutdown, whose effect fails the other ranks' ops.
+                    errors.append((time.monotonic(), rank, exc))
                 finally:
                     if shutdown:
                         rt.shutdown(timeout=10.0)

@@ -1,0 +1,536 @@
+"""The coordinator driven through the loopback engine: N threads act as N ranks in this process.
+
+Two styles: `start=False` drives `run_cycle()` by hand on every rank in lockstep, so exactly
+which path a cycle took (cache fast path = one AND allreduce, slow path = gather + bcast) and
+what got fused is deterministic; `start=True` runs the real background threads (wake on
+submit, join, stall warnings, shutdown).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import collective as hvd
+from collective.engines.base import ControlPlane
+from collective.ops import _control_op
+from collective.runtime import current, use_runtime
+from collective.types import RequestType
+from tests._spmd import LoopbackFailure, run_loopback
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class CountingPlane(ControlPlane):
+    """Wraps a control plane and counts negotiation calls by kind."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.rank, self.size = inner.rank, inner.size
+        self.global_ranks = inner.global_ranks
+        self.calls = collections.Counter()
+
+    def gather(self, data):
+        self.calls["gather"] += 1
+        return self.inner.gather(data)
+
+    def bcast(self, data):
+        self.calls["bcast"] += 1
+        return self.inner.bcast(data)
+
+    def allreduce_words(self, words, op):
+        self.calls[f"words_{op}"] += 1
+        return self.inner.allreduce_words(words, op)
+
+    def allgather(self, data):
+        self.calls["allgather"] += 1
+        return self.inner.allgather(data)
+
+    def barrier(self):
+        self.calls["barrier"] += 1
+        return self.inner.barrier()
+
+    def split(self, ranks):
+        return self.inner.split(ranks)
+
+    def abort(self, reason=""):
+        self.inner.abort(reason)
+
+    def __getattr__(self, name):  # the loopback engine's data exchange
+        return getattr(self.inner, name)
+
+
+def plane():
+    return current().member_sets()[0].control
+
+
+def count_engine_calls(method="_allreduce"):
+    eng = current().member_sets()[0].host_engine
+    calls = []
+    orig = getattr(eng, method)
+
+    def wrapped(*a, **kw):
+        calls.append(a)
+        return orig(*a, **kw)
+
+    setattr(eng, method, wrapped)
+    return calls
+
+
+def cycle(times=1):
+    for _ in range(times):
+        assert current().coordinator.run_cycle()
+
+
+class LogCapture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def text(self):
+        return "\n".join(r.getMessage() for r in self.records)
+
+
+@pytest.fixture
+def horovod_log():
+    cap = LogCapture()
+    logger = logging.getLogger("horovod")
+    logger.addHandler(cap)
+    yield cap
+    logger.removeHandler(cap)
+
+
+# -- fast path vs slow path --------------------------------------------------------------------
+def test_first_op_takes_slow_path_then_cache_fast_path():
+    def body(rank):
+        p = plane()
+        x = np.full(4, rank + 1.0)
+        h = hvd.allreduce_async(x, op=hvd.Sum, name="x")
+        cycle()
+        assert h.done(), "a name every rank submitted must finish in one cycle"
+        np.testing.assert_allclose(h.wait(0), np.full(4, 6.0))
+        assert p.calls["gather"] == 1 and p.calls["bcast"] == 1
+        before = dict(p.calls)
+        for step in range(5):
+            h = hvd.allreduce_async(x * step, op=hvd.Sum, name="x")
+            cycle()
+            assert h.done()
+            np.testing.assert_allclose(h.wait(0), np.full(4, 6.0 * step))
+        assert p.calls["gather"] == before["gather"], "cached op went through the slow path"
+        assert p.calls["bcast"] == before["bcast"]
+        assert p.calls["words_and"] == before["words_and"] + 5
+        return True
+
+    assert run_loopback(3, body, start=False, control=CountingPlane) == [True] * 3
+
+
+def test_cache_disabled_always_takes_slow_path():
+    def body(rank):
+        p = plane()
+        for _ in range(4):
+            h = hvd.allreduce_async(np.ones(2), op=hvd.Sum, name="x")
+            cycle()
+            assert h.done()
+        assert p.calls["gather"] == 4
+        return True
+
+    run_loopback(2, body, start=False, control=CountingPlane, cache_capacity=0)
+
+
+def test_cached_hit_waits_for_slow_ranks_without_slow_path():
+    def body(rank):
+        p = plane()
+        h = hvd.allreduce_async(np.ones(2), op=hvd.Sum, name="x")
+        cycle()
+        h.wait(0)
+        gathers = p.calls["gather"]
+        h = hvd.allreduce_async(np.ones(2), op=hvd.Sum, name="x") if rank == 0 else None
+        cycle(3)  # rank 1 has not submitted yet: nothing completes
+        if h is not None:
+            assert not h.done()
+        if rank == 1:
+            h = hvd.allreduce_async(np.ones(2), op=hvd.Sum, name="x")
+        cycle()
+        np.testing.assert_allclose(h.wait(0), np.full(2, 2.0))
+        assert p.calls["gather"] == gathers
+        return True
+
+    run_loopback(2, body, start=False, control=CountingPlane)
+
+
+def test_invalid_cache_entry_renegotiates_everywhere():
+    def body(rank):
+        p = plane()
+        hvd.allreduce_async(np.ones(2), op=hvd.Sum, name="x")
+        cycle()
+        # Same name, new shape: INVALID on every rank -> OR allreduce, erase, slow path.
+        h = hvd.allreduce_async(np.ones(3), op=hvd.Sum, name="x")
+        cycle(2)
+        np.testing.assert_allclose(h.wait(0), np.full(3, 2.0))
+        assert p.calls["words_or"] >= 1
+        # And the new signature is cached again.
+        g = p.calls["gather"]
+        h = hvd.allreduce_async(np.ones(3), op=hvd.Sum, name="x")
+        cycle()
+        h.wait(0)
+        assert p.calls["gather"] == g
+        return True
+
+    run_loopback(2, body, start=False, control=CountingPlane)
+
+
+# -- fusion --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("threshold,expected_calls", [(128 * 1024 * 1024, 1), (0, 10)])
+def test_ready_tensors_fuse_into_one_engine_call(threshold, expected_calls):
+    def body(rank):
+        calls = count_engine_calls()
+        for rnd in range(2):  # slow path, then cache fast path
+            del calls[:]
+            hs = [hvd.allreduce_async(np.full(i + 1, float(rank + i)), op=hvd.Sum,
+                                      name=f"t{i}") for i in range(10)]
+            cycle()
+            assert all(h.done() for h in hs)
+            for i, h in enumerate(hs):
+                np.testing.assert_allclose(h.wait(0), np.full(i + 1, 1.0 + 2 * i))
+            assert len(calls) == expected_calls, f"round {rnd}: {len(calls)} engine calls"
+        return True
+
+    run_loopback(2, body, start=False, fusion_threshold=threshold)
+
+
+def test_fusion_respects_threshold_bytes():
+    def body(rank):
+        calls = count_engine_calls()
+        hs = [hvd.allreduce_async(np.ones(16, dtype=np.float32), op=hvd.Sum, name=f"t{i}")
+              for i in range(6)]
+        cycle()
+        assert all(h.done() for h in hs)
+        # 64 B each, 128 B threshold: two per batch.
+        assert [c[0].size for c in calls] == [32, 32, 32]
+        return True
+
+    run_loopback(2, body, start=False, fusion_threshold=128)
+
+
+def test_mixed_dtypes_fuse_per_dtype():
+    def body(rank):
+        calls = count_engine_calls()
+        hs = [hvd.allreduce_async(np.ones(4, dtype=np.float32 if i % 2 else np.float64),
+                                  op=hvd.Sum, name=f"t{i}") for i in range(6)]
+        cycle()
+        for h in hs:
+            np.testing.assert_allclose(h.wait(0), np.full(4, 2.0))
+        assert sorted(c[0].dtype.name for c in calls) == ["float32", "float64"]
+        return True
+
+    run_loopback(2, body, start=False)
+
+
+def test_grouped_allreduce_is_one_engine_call_with_background_thread():
+    def body(rank):
+        calls = count_engine_calls()
+        outs = hvd.grouped_allreduce([np.ones(3), np.ones(5), np.ones(7)], op=hvd.Sum,
+                                     name="grp")
+        for o in outs:
+            np.testing.assert_allclose(o, np.full(o.shape, 2.0))
+        assert len(calls) == 1
+        return True
+
+    run_loopback(2, body)
+
+
+@pytest.mark.xfail(strict=True, reason="runtime bug: responses carry no group_ids (Request."
+                   "group_id is not sent and MessageTable does not fill them), so "
+                   "HOROVOD_DISABLE_GROUP_FUSION=1 has no effect")
+def test_disable_group_fusion_keeps_groups_apart():
+    def body(rank):
+        calls = count_engine_calls()
+        h1 = hvd.grouped_allreduce_async([np.ones(3), np.ones(3)], op=hvd.Sum, name="g1")
+        h2 = hvd.grouped_allreduce_async([np.ones(3), np.ones(3)], op=hvd.Sum, name="g2")
+        cycle()
+        h1.wait(0), h2.wait(0)
+        assert len(calls) == 2, f"{len(calls)} engine calls"
+        return True
+
+    run_loopback(2, body, start=False, disable_group_fusion=True)
+
+
+# -- background thread ---------------------------------------------------------------------------
+def test_lone_op_wakes_the_coordinator_instead_of_waiting_a_cycle():
+    def body(rank):
+        hvd.allreduce(np.ones(1), op=hvd.Sum, name="warm")
+        time.sleep(0.3)  # both coordinators now sleep in their 5 s cycle wait
+        t0 = time.monotonic()
+        for i in range(5):
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name=f"lone{i}")
+        return (time.monotonic() - t0) / 5
+
+    per_op = run_loopback(2, body, cycle_time_ms=5000.0)
+    assert max(per_op) < 0.5, f"a lone allreduce took {max(per_op):.3f} s with a 5 s cycle"
+
+
+def test_async_ops_from_many_user_threads():
+    def body(rank):
+        out = {}
+        rt = current()
+
+        def worker(k):
+            with use_runtime(rt):  # loopback: the rank's runtime is thread-local
+                out[k] = hvd.allreduce(np.full(3, float(k)), op=hvd.Sum, name=f"w{k}")
+
+        ts = [threading.Thread(target=worker, args=(k,), name=f"user-{k}") for k in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(20)
+        for k in range(8):
+            np.testing.assert_allclose(out[k], np.full(3, 3.0 * k))
+        return True
+
+    run_loopback(3, body)
+
+
+def test_every_op_through_loopback():
+    def body(rank):
+        n = 3
+        np.testing.assert_allclose(hvd.allreduce(np.full(2, rank + 1.0), name="ar"),
+                                   np.full(2, 2.0))  # Average by default
+        g = hvd.allgather(np.full((rank + 1, 2), rank), name="ag")
+        np.testing.assert_array_equal(g, np.concatenate([np.full((r + 1, 2), r)
+                                                         for r in range(n)]))
+        b = hvd.broadcast(np.full(3, rank), root_rank=2, name="bc")
+        np.testing.assert_array_equal(b, np.full(3, 2))
+        out, recv = hvd.alltoall(np.arange(n) + 10 * rank, splits=np.ones(n, np.int32),
+                                 name="a2a")
+        np.testing.assert_array_equal(out, [10 * r + rank for r in range(n)])
+        np.testing.assert_array_equal(recv, np.ones(n))
+        rs = hvd.reducescatter(np.ones((4, 2)), op=hvd.Sum, name="rs")
+        assert rs.shape == ((2, 2) if rank == 0 else (1, 2))
+        hvd.barrier()
+        return hvd.rank(), hvd.size()
+
+    assert run_loopback(3, body) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_mismatch_fails_every_rank():
+    def body(rank):
+        with pytest.raises(hvd.HorovodInternalError, match="Mismatched ALLREDUCE tensor shapes"):
+            hvd.allreduce(np.ones(rank + 1), name="bad")
+        np.testing.assert_allclose(hvd.allreduce(np.ones(1), op=hvd.Sum, name="good"),
+                                   np.full(1, 3.0))
+        return True
+
+    run_loopback(3, body)
+
+
+def test_duplicate_name_raises_value_error_at_enqueue():
+    def body(rank):
+        h = hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="dup")
+        with pytest.raises(ValueError, match="allreduce.dup"):
+            hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="dup")
+        cycle()
+        h.wait(0)
+        h = hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="dup")  # free again
+        cycle()
+        return h.wait(0)[0]
+
+    assert run_loopback(2, body, start=False) == [2.0, 2.0]
+
+
+# -- join --------------------------------------------------------------------------------------
+def test_join_zeros_average_full_size_and_last_rank():
+    def body(rank):
+        results = []
+        for step in range(rank + 1):  # rank r does r + 1 steps
+            results.append(hvd.allreduce(np.full(2, rank + 1.0), op=hvd.Average, name="j"))
+        last = hvd.join()
+        return results, last
+
+    out = run_loopback(3, body)
+    assert [last for _, last in out] == [2, 2, 2]
+    for rank, (results, _) in enumerate(out):
+        for step, got in enumerate(results):
+            active = [r for r in range(3) if r >= step]
+            np.testing.assert_allclose(got, np.full(2, sum(r + 1 for r in active) / 3.0))
+
+
+def test_join_with_cached_tensor_and_manual_cycles():
+    """Rank 0 joins while rank 1 submits a name that is already in the response cache."""
+    def join_async():
+        return _control_op(RequestType.JOIN, "join.noname", hvd.global_process_set)
+
+    def body(rank):
+        h = hvd.allreduce_async(np.ones(2), op=hvd.Sum, name="c")
+        cycle()
+        h.wait(0)  # "c" is cached on every rank now
+        if rank == 0:
+            j = join_async()
+            cycle(6)
+            assert not j.done()  # rank 1 has not joined yet
+        else:
+            h = hvd.allreduce_async(np.full(2, 5.0), op=hvd.Sum, name="c")
+            cycle(6)
+            np.testing.assert_allclose(h.wait(0), np.full(2, 5.0))  # rank 0 gave zeros
+            j = join_async()
+        cycle(4)
+        last = j.wait(0)
+        # After the join the cache works again for both ranks.
+        h = hvd.allreduce_async(np.ones(2), op=hvd.Sum, name="c")
+        cycle(3)
+        np.testing.assert_allclose(h.wait(0), np.full(2, 2.0))
+        return last
+
+    assert run_loopback(2, body, start=False) == [1, 1]
+
+
+# -- stall inspector -----------------------------------------------------------------------------
+def test_stall_warning_names_missing_ranks(horovod_log):
+    def body(rank):
+        if rank < 2:
+            h = hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="stalled")
+        time.sleep(1.0)
+        if rank == 2:
+            h = hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="stalled")
+        return h.wait(10)[0]
+
+    assert run_loopback(3, body, stall_check_time=0.2) == [3.0] * 3
+    text = horovod_log.text()
+    assert "One or more tensors were submitted to be reduced, gathered or broadcasted by " \
+           "subset of ranks and are waiting for remainder of ranks for more than 0.2 " \
+           "seconds." in text
+    assert "Missing ranks:\n2: [allreduce.stalled]" in text
+    assert all(r.levelno == logging.WARNING for r in horovod_log.records
+               if "Missing ranks" in r.getMessage())
+
+
+def test_stall_warning_for_cached_tensor(horovod_log):
+    def body(rank):
+        hvd.allreduce(np.ones(1), op=hvd.Sum, name="cached_stall")  # cache it
+        if rank == 0:
+            time.sleep(1.0)
+        return hvd.allreduce(np.ones(1), op=hvd.Sum, name="cached_stall")[0]
+
+    assert run_loopback(2, body, stall_check_time=0.2) == [2.0, 2.0]
+    assert "Missing ranks:\n0: [allreduce.cached_stall]" in horovod_log.text()
+
+
+def test_stall_shutdown_fails_pending_ops(horovod_log):
+    def body(rank):
+        if rank == 1:
+            time.sleep(1.5)  # never submits
+            return "absent"
+        with pytest.raises(hvd.HorovodInternalError):
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name="forever")
+        return "failed"
+
+    assert run_loopback(2, body, stall_check_time=0.2,
+                        stall_shutdown_time=0.5) == ["failed", "absent"]
+    errors = [r for r in horovod_log.records if "Will shutdown" in r.getMessage()]
+    assert errors and errors[0].levelno == logging.ERROR
+    assert "1!: [allreduce.forever]" in errors[0].getMessage()
+
+
+def test_stall_check_disabled(horovod_log):
+    def body(rank):
+        if rank == 1:
+            time.sleep(0.8)
+        return hvd.allreduce(np.ones(1), op=hvd.Sum, name="slow")[0]
+
+    run_loopback(2, body, stall_check_time=0.1, stall_check_disable=True)
+    assert "Missing ranks" not in horovod_log.text()
+
+
+# -- shutdown -----------------------------------------------------------------------------------
+def test_one_rank_shutdown_fails_others_pending_and_new_ops():
+    def body(rank):
+        rt = current()
+        if rank == 1:
+            time.sleep(0.3)
+            rt.shutdown()
+            return "left"
+        h = hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="orphan")
+        t0 = time.monotonic()
+        with pytest.raises(hvd.ShutdownError) as info:
+            h.wait(10)
+        assert time.monotonic() - t0 < 3.0
+        assert "Horovod has been shut down" in str(info.value)
+        with pytest.raises(hvd.ShutdownError):
+            hvd.allreduce_async(np.ones(1), name="after")
+        return "failed"
+
+    assert run_loopback(2, body) == ["failed", "left"]
+
+
+def test_engine_exception_fails_everything_with_the_cause(horovod_log):
+    def body(rank):
+        if rank == 0:
+            eng = current().member_sets()[0].host_engine
+
+            def broken(*a, **kw):
+                raise RuntimeError("injected engine failure")
+
+            eng._allreduce = broken
+        with pytest.raises(hvd.HorovodInternalError):
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name="boom")
+        with pytest.raises(hvd.HorovodInternalError):
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name="later")
+        return True
+
+    run_loopback(2, body, world_timeout=5.0)
+    assert "Horovod background loop uncaught exception: injected engine failure" in \
+        horovod_log.text()
+
+
+def test_run_loopback_reports_a_failing_rank():
+    def body(rank):
+        if rank == 1:
+            raise KeyError("rank one broke")
+        return hvd.allreduce(np.ones(1), name="x")
+
+    with pytest.raises(LoopbackFailure, match="rank 1 raised first: KeyError"):
+        run_loopback(2, body, timeout=20)
+
+
+def test_runtime_restarts_in_loopback():
+    for _ in range(3):
+        assert run_loopback(2, lambda r: hvd.allreduce(np.ones(1), op=hvd.Sum,
+                                                       name="again")[0]) == [2.0, 2.0]
+
+
+def test_single_mode_init_shutdown_init():
+    assert not hvd.is_initialized()
+    for _ in range(3):
+        hvd.init()
+        try:
+            hvd.init()  # idempotent
+            assert hvd.size() == 1 and hvd.rank() == 0 and hvd.mode() == "single"
+            np.testing.assert_allclose(hvd.allreduce(np.arange(3.0)), np.arange(3.0))
+            np.testing.assert_allclose(hvd.allreduce(np.arange(3.0), op=hvd.Sum,
+                                                     prescale_factor=2.0), 2 * np.arange(3.0))
+            assert hvd.join() == 0
+        finally:
+            hvd.shutdown()
+        with pytest.raises(ValueError, match=r"^Horovod has not been initialized; use "
+                                             r"hvd\.init\(\)\.$"):
+            hvd.rank()
+
+
+def test_cache_eviction_warning_logged_once(horovod_log):
+    def body(rank):
+        for i in range(6):
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name=f"e{i}")
+        for i in range(6):
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name=f"e{i}")
+        return True
+
+    run_loopback(2, body, cache_capacity=2)
+    warnings = [r for r in horovod_log.records
+                if "A response has been evicted from cache" in r.getMessage()]
+    assert 1 <= len(warnings) <= 2  # once per process (here: per rank runtime at most)
