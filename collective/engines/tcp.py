@@ -46,7 +46,8 @@ from .._log import get_logger
 from ..errors import HorovodInternalError
 from ..rendezvous import KVClient, KVServer
 from .base import ControlPlane
-from .tcp_net import DIRECT_MAX, Fabric, Link, PeerInfo
+from .tcp_net import Fabric, Link, PeerInfo
+from .tcp_shm import make_link
 
 __all__ = ["TcpControlPlane", "create_backend", "create_engine", "resolve_job"]
 
@@ -95,7 +96,7 @@ class TcpControlPlane(ControlPlane):
             raise HorovodInternalError(f"tcp plane {self.plane_id} is closed")
         g = self.global_ranks[peer]
         sock = self.fabric.connect(self.plane_id, g, time.monotonic() + self.timeout)
-        link = Link(self.fabric, sock, peer, g, self.plane_id)
+        link = make_link(self.fabric, sock, peer, g, self.plane_id)
         self._links[peer] = link
         return link
 

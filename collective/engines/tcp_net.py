@@ -29,6 +29,9 @@ import socket
 import struct
 import threading
 import time
+from typing import Any
+
+import numpy as np
 
 from .._log import get_logger
 from ..errors import CollectiveTimeoutError, HorovodInternalError
@@ -320,6 +323,15 @@ class Fabric:
         with self._lock:
             self._links.add(link)
 
+    def track(self, sock: socket.socket) -> None:
+        """Shuts `sock` down, too, when the fabric fails."""
+        with self._lock:
+            self._sockets.add(sock)
+
+    def untrack(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
+
     def unregister(self, link: "Link") -> None:
         with self._lock:
             self._links.discard(link)
@@ -398,11 +410,14 @@ class Link:
                 "connections (then its log names the first failure).")
         return f.fail(err)
 
-    # -- sending ------------------------------------------------------------------------------
+    # -- sending ----------------------------------------------------------------------------
+    # Two kinds of bytes travel on a link: "raw" (headers and small messages, always on the
+    # socket) and "stream" (bulk payload handed to `post`; on the socket here, through shared
+    # memory in `tcp_shm.ShmLink`). Both kinds leave in the order they were handed over.
     def send(self, data: bytes | bytearray | memoryview) -> None:
-        """Sends now from the calling thread (after anything queued, to keep the order)."""
+        """Sends raw bytes now from the calling thread (queued behind earlier posts)."""
         if self._pending:
-            self.post(memoryview(data))
+            self._enqueue(memoryview(data), True)
             return
         try:
             self.sock.sendall(data)
@@ -411,31 +426,38 @@ class Link:
 
     def send_msg(self, op: int, payload: bytes | bytearray | memoryview = b"",
                  nbytes: int | None = None) -> None:
-        """A header (op, sequence, length) and the payload. With `nbytes`, only the header is
-        sent; the caller streams `nbytes` payload bytes next."""
+        """A header (op, sequence, length), then the payload: raw when it is at most DIRECT_MAX
+        bytes, else streamed. With `nbytes`, only the header; the caller posts the payload."""
         n = len(payload) if nbytes is None else nbytes
         hdr = _HDR.pack(op, self._send_seq & 0xFFFFFFFF, n)
         self._send_seq += 1
-        if nbytes is None and len(payload) <= DIRECT_MAX:
-            self.send(hdr + bytes(payload) if payload else hdr)
+        if nbytes is None and n <= DIRECT_MAX:
+            self.send(hdr + bytes(payload) if n else hdr)
         else:
             self.send(hdr)
             if nbytes is None:
-                self.post(memoryview(payload).cast("B"))
+                self.post(memoryview(payload).cast("B"), direct=False)
 
     def post(self, view: memoryview, direct: bool = True) -> None:
-        """Queues `view` for the sender thread, or with `direct`, sends it now when it is small
-        and nothing is queued. Queued memory must stay untouched until `flush()`.
+        """Streams `view`: from the sender thread, or with `direct`, now, when it is small and
+        nothing is queued. Queued memory must stay untouched until `flush()`.
 
         Streaming ops of more than DIRECT_MAX bytes pass direct=False: a rank blocked in a
         direct send cannot receive, and a ring of such ranks could fill every buffer.
         """
-        if direct and not self._pending and view.nbytes <= DIRECT_MAX:
-            try:
-                self.sock.sendall(view)
-            except OSError as exc:
-                raise self._error(exc, "sending to") from exc
+        if direct and not self._pending and view.nbytes <= DIRECT_MAX and self._direct(view):
             return
+        self._enqueue(view, False)
+
+    def _direct(self, view: memoryview) -> bool:
+        """Sends a small stream piece from the calling thread; False = queue it instead."""
+        try:
+            self.sock.sendall(view)
+        except OSError as exc:
+            raise self._error(exc, "sending to") from exc
+        return True
+
+    def _enqueue(self, view: memoryview, raw: bool) -> None:
         if self._send_error is not None:
             raise self._error(self._send_error, "sending to")
         with self._cv:
@@ -445,7 +467,11 @@ class Link:
                 target=self._sender, name=f"hvd-tcp-send-{self.plane}-{self.peer_global}",
                 daemon=True)
             self._thread.start()
-        self._q.put(view)
+        self._q.put((raw, view))
+
+    def _emit(self, raw: bool, view: memoryview) -> None:
+        """Sender thread: puts one queued item on the wire."""
+        self.sock.sendall(view)
 
     def _sender(self) -> None:
         while True:
@@ -454,11 +480,13 @@ class Link:
                 return
             if self._send_error is None:
                 try:
-                    self.sock.sendall(item)
+                    self._emit(*item)
                 except OSError as exc:
                     self._send_error = exc
                     if not self._closing:
                         self._error(exc, "sending to")  # records it and wakes the receiver
+                except BaseException as exc:  # noqa: BLE001 - e.g. a failure raised by _emit
+                    self._send_error = exc
             with self._cv:
                 self._pending -= 1
                 if not self._pending:
@@ -478,8 +506,8 @@ class Link:
             raise self._error(self._send_error, "sending to")
 
     # -- receiving ----------------------------------------------------------------------------
-    def recv_into(self, view: memoryview) -> None:
-        """Fills `view` (bytes) from the stream.
+    def recv_raw(self, view: memoryview) -> None:
+        """Fills `view` (bytes) from the socket.
 
         Raises:
             HorovodInternalError: the peer closed the connection or the fabric failed.
@@ -497,6 +525,17 @@ class Link:
         except OSError as exc:
             raise self._error(exc, "receiving from") from exc
 
+    def recv_into(self, view: memoryview) -> None:
+        """Fills `view` (bytes) with stream data (what the peer `post`ed)."""
+        self.recv_raw(view)
+
+    def recv_reduce(self, a: np.ndarray, out: np.ndarray, ufunc: Any, tmp: np.ndarray) -> None:
+        """Receives `a.size` streamed elements x and sets ``out = ufunc(a, x)``; `tmp` is a
+        scratch array of a's dtype and at least its size."""
+        t = tmp[:a.size]
+        self.recv_into(memoryview(t.view(np.uint8)))
+        ufunc(a, t, out=out)
+
     def recv_msg(self, op: int, nbytes: int | None = None,
                  into: memoryview | None = None) -> memoryview:
         """Receives a header (checked against `op`, and `nbytes` when given) and its payload,
@@ -508,21 +547,23 @@ class Link:
         if nbytes is not None and into is None and nbytes <= DIRECT_MAX:
             buf = bytearray(HDR_SIZE + nbytes)  # header and payload in one read
             mv = memoryview(buf)
-            self.recv_into(mv)
+            self.recv_raw(mv)
             self._check(op, nbytes, buf)
             return mv[HDR_SIZE:]
         hv = memoryview(self._hdr)
-        self.recv_into(hv)
+        self.recv_raw(hv)
         n = self._check(op, nbytes, self._hdr)
         if into is None:
             into = memoryview(bytearray(n))
-        if n:
+        if n <= DIRECT_MAX:
+            self.recv_raw(into[:n])
+        else:
             self.recv_into(into[:n])
         return into[:n]
 
     def recv_hdr(self, op: int, nbytes: int) -> None:
         hv = memoryview(self._hdr)
-        self.recv_into(hv)
+        self.recv_raw(hv)
         self._check(op, nbytes, self._hdr)
 
     def _check(self, op: int, nbytes: int | None, hdr: bytes | bytearray) -> int:

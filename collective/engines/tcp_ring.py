@@ -94,10 +94,8 @@ class TcpEngine(HostEngine):
             right.post(memoryview(raw[a * item:b * item]), direct=False)
         for s in range(n - 1):  # reduce-scatter; the last step yields block r+1, sent at once
             for a, b in seg((r - s - 1) % n):
-                t = tmp[:b - a]
-                left.recv_into(memoryview(t.view(np.uint8)))
                 dst = buf[a:b]
-                ufunc(dst, t, out=dst)
+                left.recv_reduce(dst, dst, ufunc, tmp)
                 right.post(memoryview(raw[a * item:b * item]), direct=False)
         for s in range(n - 1):  # allgather: forward every block but the last one received
             for a, b in seg((r - s) % n):
@@ -133,13 +131,11 @@ class TcpEngine(HostEngine):
             blk = (r - s - 2) % n
             last = s == n - 2
             for a, b in _ranges(bounds[blk], bounds[blk + 1], step):
-                t = tmp[:b - a]
-                left.recv_into(memoryview(t.view(np.uint8)))
                 if last:
-                    ufunc(send[a:b], t, out=recv[a - mine:b - mine])
+                    left.recv_reduce(send[a:b], recv[a - mine:b - mine], ufunc, tmp)
                 else:
                     dst = send[a:b]
-                    ufunc(dst, t, out=dst)
+                    left.recv_reduce(dst, dst, ufunc, tmp)
                     right.post(memoryview(raw[a * item:b * item]), direct=direct)
         right.flush()
 
