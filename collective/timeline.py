@@ -400,10 +400,12 @@ class Timeline:
             self._q.put((_ACT_END, tuple(names), _now()))
 
     def activity_start(self, name: str, activity: str) -> None:
+        """`activity_start_all` for one tensor."""
         if self._live:
             self._q.put((_ACT_START, (name,), _now(), activity))
 
     def activity_end(self, name: str) -> None:
+        """`activity_end_all` for one tensor."""
         if self._live:
             self._q.put((_ACT_END, (name,), _now()))
 
@@ -511,8 +513,9 @@ class Timeline:
             return
         # The thread holds only a weak reference so an abandoned Timeline can be collected; a
         # daemon thread plus an interpreter-exit hook flushes what was queued at exit.
-        self._thread = threading.Thread(target=_writer_main, args=(weakref.ref(self), self._q, self._wake),
-                                         name="hvd-timeline-writer", daemon=True)
+        self._thread = threading.Thread(target=_writer_main,
+                                        args=(weakref.ref(self), self._q, self._wake),
+                                        name="hvd-timeline-writer", daemon=True)
         self._thread.start()
         # An abandoned Timeline posts the stop sentinel when collected (the queue outlives it).
         weakref.finalize(self, self._q.put, (_C_QUIT, _Reply()))

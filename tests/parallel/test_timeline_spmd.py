@@ -236,3 +236,42 @@ def test_stall_shutdown_marks_ranks(tmp_path):
     assert ('One or more rank (marked by "!") is stalled for longer than 2 seconds. '
             "Will shutdown.") in log
     assert "[0][E " in log
+
+
+HVDRUN_SCRIPT = """
+import numpy as np
+import collective as hvd
+hvd.init()
+hvd.allreduce(np.ones(3, np.float32), name="via_hvdrun", op=hvd.Sum)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.timeout(150)
+def test_hvdrun_timeline_flags(tmp_path):
+    """`hvdrun --timeline-filename F --timeline-mark-cycles` reaches rank 0's timeline."""
+    import subprocess
+    import sys
+
+    from tests._spmd import REPO
+    script = tmp_path / "job.py"
+    script.write_text(HVDRUN_SCRIPT)
+    out = tmp_path / "hvdrun.json"
+    env = dict(os.environ, PYTHONPATH=REPO)
+    for k in ("HOROVOD_TIMELINE", "HOROVOD_TIMELINE_MARK_CYCLES", "OMPI_COMM_WORLD_SIZE",
+              "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RINGVOD_SPMD_CHILD"):
+        env.pop(k, None)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "launcher", "-np", str(NP),
+                               "--timeline-filename", str(out), "--timeline-mark-cycles",
+                               sys.executable, str(script)], capture_output=True, text=True,
+                              env=env, cwd=REPO, timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hvdrun timed out:\n{exc.stdout}\n{exc.stderr}")
+    assert proc.returncode == 0, f"hvdrun failed:\n{proc.stdout}\n{proc.stderr}"
+    recs = _load(str(out))
+    tensors = _by_tensor(recs)
+    assert "allreduce.via_hvdrun" in tensors, (sorted(tensors), proc.stdout, proc.stderr)
+    assert "ALLREDUCE" in _span_names(tensors["allreduce.via_hvdrun"])
+    assert any(r.get("name") == "CYCLE_START" for r in recs)
