@@ -85,8 +85,8 @@ def main() -> int:
     counter = [0]
 
     def ringvod(x):
-        counter[0] += 1
-        hvd.synchronize(hvd.allreduce_async_(x, op=hvd.Sum, name=f"bw.{counter[0]}"))
+        # One name per size, as a training loop reuses its names (the negotiation cache path).
+        hvd.synchronize(hvd.allreduce_async_(x, op=hvd.Sum, name=f"bw.{x.numel()}"))
 
     def torchdist(x):
         dist.all_reduce(x)

@@ -137,8 +137,8 @@ def resnet(s: Suite, configs: list[tuple], iters: int, repeats: int, one_gpu: bo
                      os.path.join(HERE, "ddp_resnet.py")] + flags, 150)
         rows += parse(out)
         for tag, env in variants:
-            out = s.run(s.mpi(2, [os.path.join(HERE, "gpu_resnet.py"), "--tag", tag] + flags),
-                        150, env=env)
+            out = s.run(s.mpi(2, [os.path.join(HERE, "gpu_resnet.py")]
+                              + (["--tag", tag] if tag else []) + flags), 150, env=env)
             rows += parse(out)
         got = [r for r in rows if r["amp"] == amp and r["compression"] == comp]
         s.say(f"-- {label}: " + ", ".join(f"{r['series']}@{r['gpus']}={r['throughput']:.0f}"
@@ -181,14 +181,25 @@ def table(s: Suite, rows: list[dict]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["smoke", "full"])
+    p.add_argument("mode", choices=["smoke", "full", "diag"])
     p.add_argument("--budget", type=float, default=480.0, help="seconds for all steps")
     a = p.parse_args()
     out = os.environ.get("OUT") or os.path.join(REPO, "out")
     os.makedirs(out, exist_ok=True)
     s = Suite(out, a.budget)
     rows: list[dict] = []
-    if a.mode == "smoke":
+    if a.mode == "diag":
+        allreduce(s, quick=True)
+        rows = resnet(s, [(False, "none"), (True, "none")], iters=40, repeats=2, one_gpu=False,
+                      variants=[])
+        s.say("== diag (mpi)")
+        out = s.run(s.mpi(2, [os.path.join(HERE, "gpu_diag.py")]), 200)
+        s.say("\n".join(line for line in out.splitlines() if "DIAG" in line))
+        s.say("== diag (tcp, hvdrun)")
+        out = s.run([PY, "-m", "launcher", "-np", "2", "--tcp", PY, "-u",
+                     os.path.join(HERE, "gpu_diag.py"), "default,nospin+switch100us"], 150)
+        s.say("\n".join(line for line in out.splitlines() if "DIAG" in line))
+    elif a.mode == "smoke":
         allreduce(s, quick=True)
         rows = resnet(s, [(False, "none"), (True, "none")], iters=40, repeats=2, one_gpu=False,
                       variants=[("", {}), ("-cyc5", {"HOROVOD_CYCLE_TIME": "5"})])

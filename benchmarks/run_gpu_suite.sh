@@ -60,5 +60,6 @@ case "$MODE" in
     tests) run_tests ;;
     smoke) run_tests; python3 benchmarks/gpu_suite.py smoke --budget "$BUDGET" ;;
     full) python3 benchmarks/gpu_suite.py full --budget "$BUDGET" ;;
+    diag) run_tests; python3 benchmarks/gpu_suite.py diag --budget "$BUDGET" ;;
     *) echo "usage: $0 smoke|full|tests [budget_s]"; exit 2 ;;
 esac

@@ -73,6 +73,12 @@ __all__ = ["NCCLEngine", "create_engine", "versions", "COMM_INIT_TIMEOUT", "CLOS
 _log_ = _log.get_logger()
 
 COMM_INIT_TIMEOUT = 120.0  # seconds for ncclCommInitRank; tests shorten it
+# GIL switch interval set when the first GPU communicator is made, if the interpreter still has
+# Python's default (5 ms). The coordinator thread releases the GIL in every MPI/socket call and
+# takes it back within microseconds; a gradient hook waiting for the GIL then waits for the
+# switch interval (a convoy), so with the default every hook in backward can stall for ms.
+# None leaves the interpreter alone.
+GIL_SWITCH_INTERVAL: float | None = 1e-4
 CLOSE_TIMEOUT = 10.0  # seconds for the stream to drain at close() before ncclCommAbort
 
 # ncclDataType_t and ncclRedOp_t values (stable across NCCL 2.x).
@@ -291,6 +297,9 @@ class NCCLEngine(Engine):
             self._has_avg = False
         raw = exchange_unique_id(self.control)
         self.comm = self._init_comm(raw)
+        if GIL_SWITCH_INTERVAL is not None and sys.getswitchinterval() == 0.005:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+            _log_.debug("GIL switch interval set to %g s for GPU training", GIL_SWITCH_INTERVAL)
 
     def _init_comm(self, raw: bytes) -> Any:
         box: dict[str, Any] = {}
