@@ -35,7 +35,7 @@ fi
     nvidia-smi -L
     nvidia-smi topo -m 2>/dev/null | head -5
     command -v mpirun && mpirun --version 2>&1 | head -1
-    python3 - <<'PY'
+    python3 - <<'PY' | tr -d "\000"
 import sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))
@@ -61,5 +61,6 @@ case "$MODE" in
     smoke) run_tests; python3 benchmarks/gpu_suite.py smoke --budget "$BUDGET" ;;
     full) python3 benchmarks/gpu_suite.py full --budget "$BUDGET" ;;
     diag) run_tests; python3 benchmarks/gpu_suite.py diag --budget "$BUDGET" ;;
+    final) run_tests; python3 benchmarks/gpu_suite.py full --budget "$BUDGET" ;;
     *) echo "usage: $0 smoke|full|tests [budget_s]"; exit 2 ;;
 esac

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from collective import DataType, Handle
+from collective import runtime as _runtime
 from collective.engines.device import DeviceBuffer, DeviceResult, allocation_stream
 
 __all__ = ["to_collective", "from_collective", "wrap_handle", "settle"]
@@ -122,7 +123,22 @@ class _OrderedHandle(Handle):
         return self._inner.done()
 
     def wait(self, timeout: float | None = None) -> Any:
-        return settle(self._inner.wait(timeout))
+        inner = self._inner
+        if inner.done():
+            return settle(inner.wait())
+        # Tell the coordinator someone blocks on device work, so it negotiates at once
+        # instead of letting device requests collect for its fusion window.
+        rt = _runtime.current_or_none()
+        coord = getattr(rt, "coordinator", None)
+        waiting = getattr(coord, "waiting", None)
+        if waiting is None:
+            return settle(inner.wait(timeout))
+        waiting(1)
+        try:
+            result = inner.wait(timeout)
+        finally:
+            waiting(-1)
+        return settle(result)
 
     result = wait
 
