@@ -73,5 +73,20 @@ class _GlobalProcessSet(ProcessSet):
         self.process_set_id = 0
         self.ranks = None
 
+    # Horovod answers these for the global set once initialised (all ranks are members).
+    def size(self) -> int | None:
+        from .runtime import current_or_none
+        rt = current_or_none()
+        return None if rt is None else rt.size
+
+    def rank(self) -> int | None:
+        from .runtime import current_or_none
+        rt = current_or_none()
+        return None if rt is None else rt.rank
+
+    def included(self) -> bool | None:
+        from .runtime import current_or_none
+        return None if current_or_none() is None else True
+
 
 global_process_set = _GlobalProcessSet()
