@@ -51,7 +51,7 @@ def _launch(np_: int, argv: list[str]) -> int:
 
 def _timeit(fn, iters: int, barrier) -> list[float]:
     """Per-iteration seconds; a barrier before each sample aligns the ranks."""
-    for _ in range(max(2, iters // 10)):  # warm-up (and cache ringvod's names)
+    for _ in range(max(3, iters // 5)):  # warm-up (and cache ringvod's names)
         fn()
     out = []
     for _ in range(iters):
@@ -125,34 +125,36 @@ def main() -> int:
         for h in hs:
             hvd.synchronize(h)
 
-    # Rounds interleave the series, so that load from other processes on this shared machine
-    # hits every series alike; the medians pool all rounds. ringvod is initialised only for
-    # its own part of each round (its idle coordinator would otherwise load the baselines).
+    # Rounds interleave the series, and within a round every series runs back to back on the
+    # same (warm) buffers of one size, so that load from other processes on this shared machine
+    # hits every series alike; the medians pool all rounds. ringvod is initialised only around
+    # its own measurements (its idle coordinator would otherwise load the baselines).
     for rnd in range(a.rounds):
         per = a.scale / a.rounds
         for n in sizes:
             send, recv = bufs[n]
-            add("mpi4py", n, lambda: comm.Allreduce(send, recv, op=MPI.SUM), _iters(n, per))
+            it = _iters(n, per)
+            add("mpi4py", n, lambda: comm.Allreduce(send, recv, op=MPI.SUM), it)
             add("mpi4py in-place", n, lambda: comm.Allreduce(MPI.IN_PLACE, recv, op=MPI.SUM),
-                _iters(n, per))
-        send, recv = bufs[fused_bytes]
-        add("mpi4py one fused call", fused_bytes,
-            lambda: comm.Allreduce(send, recv, op=MPI.SUM), max(3, int(40 * per)))
-        if torch_ok:
-            for n in sizes:
+                it)
+            if torch_ok:
                 t = tbufs[n]
-                add("torch gloo", n, lambda: dist.all_reduce(t), _iters(n, per))
-            add("torch gloo 100 sequential", fused_bytes, torch_seq, max(3, int(20 * per)))
-            add("torch gloo 100 async", fused_bytes, torch_async, max(3, int(20 * per)))
+                add("torch gloo", n, lambda: dist.all_reduce(t), it)
+            hvd.init()
+            add("ringvod", n, lambda: hvd.allreduce(send, op=hvd.Sum, name=f"oop.{n}"), it)
+            add("ringvod in-place", n,
+                lambda: hvd.allreduce_(recv, op=hvd.Sum, name=f"inp.{n}"), it)
+            hvd.shutdown()
+        send, recv = bufs[fused_bytes]
+        reps = max(3, int(40 * per))
+        add("mpi4py one fused call", fused_bytes,
+            lambda: comm.Allreduce(send, recv, op=MPI.SUM), reps)
+        if torch_ok:
+            add("torch gloo 100 sequential", fused_bytes, torch_seq, max(3, reps // 2))
+            add("torch gloo 100 async", fused_bytes, torch_async, max(3, reps // 2))
         hvd.init()
         assert hvd.size() == size and hvd.mode() == "mpi"
-        for n in sizes:
-            send, recv = bufs[n]
-            add("ringvod", n, lambda: hvd.allreduce(send, op=hvd.Sum, name=f"oop.{n}"),
-                _iters(n, per))
-            add("ringvod in-place", n,
-                lambda: hvd.allreduce_(recv, op=hvd.Sum, name=f"inp.{n}"), _iters(n, per))
-        add("ringvod 100 async", fused_bytes, ringvod_fused, max(3, int(40 * per)))
+        add("ringvod 100 async", fused_bytes, ringvod_fused, reps)
         hvd.shutdown()
     if torch_ok:
         dist.destroy_process_group()
