@@ -62,6 +62,8 @@ def test_basics():
     assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
     assert hvd.mpi_ops.is_homogeneous()
+    assert hvd.global_process_set.size() == SIZE and hvd.global_process_set.rank() == hvd.rank()
+    assert hvd.global_process_set.included()
 
 
 # -- allreduce ----------------------------------------------------------------------------------
