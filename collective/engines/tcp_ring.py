@@ -22,7 +22,8 @@ import numpy as np
 from ..types import ReduceOp
 from .base import HostEngine
 from .tcp import TcpControlPlane, small_allreduce
-from .tcp_net import DIRECT_MAX
+from . import tcp_link
+from .tcp_link import DIRECT_MAX
 
 __all__ = ["TcpEngine", "CHUNK"]
 
@@ -30,10 +31,28 @@ __all__ = ["TcpEngine", "CHUNK"]
 # small enough for the reduce of one chunk to overlap the transfer of the next.
 CHUNK = 1 << 20
 
+# Two ranks allreduce by exchanging whole buffers (see _allreduce_pair); False = the ring.
+PAIR_ALLREDUCE = True
+
 OP_ALLREDUCE, OP_ALLREDUCE_OUT, OP_RS, OP_AG, OP_BCAST, OP_A2A = 16, 17, 18, 19, 20, 21
 
 _REDUCE = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
            ReduceOp.PRODUCT: np.multiply}
+
+
+def _data_op(fn):
+    """Receives of a data op poll longer before blocking (see tcp_link.DATA_SPIN)."""
+    def wrapper(self, *args):
+        fabric = self.plane.fabric
+        if fabric is None:
+            return fn(self, *args)
+        fabric.spin = tcp_link.DATA_SPIN
+        try:
+            return fn(self, *args)
+        finally:
+            fabric.spin = tcp_link.CONTROL_SPIN
+    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+    return wrapper
 
 
 def _offsets(counts: list[int]) -> list[int]:
@@ -70,12 +89,16 @@ class TcpEngine(HostEngine):
         return self.plane.link((r + 1) % n), self.plane.link((r - 1) % n)
 
     # -- allreduce ----------------------------------------------------------------------------
+    @_data_op
     def _allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
         if self.size == 1 or buf.size == 0:
             return
         ufunc = _REDUCE[op]
         if buf.nbytes <= DIRECT_MAX:
             small_allreduce(self.plane, buf, ufunc, OP_ALLREDUCE, OP_ALLREDUCE_OUT)
+            return
+        if self.size == 2 and PAIR_ALLREDUCE:
+            self._allreduce_pair(buf, ufunc)
             return
         n, r = self.size, self.rank
         right, left = self._neighbours()
@@ -105,7 +128,29 @@ class TcpEngine(HostEngine):
                     right.post(view, direct=False)
         right.flush()
 
+    def _allreduce_pair(self, buf: np.ndarray, ufunc) -> None:
+        """Two ranks: both stream their whole buffer and reduce the other's into their own.
+        The same bytes per rank as the ring, but no allgather phase, so a rank waits for its
+        peer once per chunk instead of through a two-hop chain (which matters when the ranks
+        compete with other processes for the cores). Commutative ops: identical bits."""
+        link = self.plane.link(1 - self.rank)
+        item = buf.itemsize
+        raw = buf.view(np.uint8)
+        step = max(CHUNK // item, 1)
+        tmp = self._tmp(step * item).view(buf.dtype)
+        link.send_msg(OP_ALLREDUCE, nbytes=buf.nbytes)
+        link.recv_hdr(OP_ALLREDUCE, buf.nbytes)
+        chunks = list(_ranges(0, buf.size, step))
+        tickets = [link.post(memoryview(raw[a * item:b * item]), direct=False)
+                   for a, b in chunks]
+        for (a, b), ticket in zip(chunks, tickets):
+            link.wait_sent(ticket)  # our copy of this chunk left before we overwrite it
+            dst = buf[a:b]
+            link.recv_reduce(dst, dst, ufunc, tmp)
+        link.flush()
+
     # -- reduce-scatter -----------------------------------------------------------------------
+    @_data_op
     def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int],
                         op: ReduceOp) -> None:
         """Ring reduce-scatter; reduces in place in `send` (a scratch buffer of the caller)."""
@@ -140,6 +185,7 @@ class TcpEngine(HostEngine):
         right.flush()
 
     # -- allgather ----------------------------------------------------------------------------
+    @_data_op
     def _allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
         n, r = self.size, self.rank
         offs = _offsets(counts)
@@ -165,6 +211,7 @@ class TcpEngine(HostEngine):
         right.flush()
 
     # -- broadcast ----------------------------------------------------------------------------
+    @_data_op
     def _broadcast(self, buf: np.ndarray, root: int) -> None:
         n, r = self.size, self.rank
         if n == 1:
@@ -197,6 +244,7 @@ class TcpEngine(HostEngine):
             right.flush()
 
     # -- alltoall -----------------------------------------------------------------------------
+    @_data_op
     def _alltoallv(self, send: np.ndarray, sendcounts: list[int], recv: np.ndarray,
                    recvcounts: list[int]) -> None:
         n, r = self.size, self.rank

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import HorovodInternalError
-from .tcp_net import Fabric, Link
+from .tcp_link import Link
+from .tcp_net import Fabric
 
 __all__ = ["ShmLink", "make_link", "RING", "MAX_RECORD"]
 
@@ -43,6 +44,8 @@ _ALIGN = 64
 _CTL = 4096  # after the ring: the writer's count of bytes it released of the peer's ring
 _NOTE = struct.Struct("<QQ")
 
+# Copy into the ring from the posting thread while space is free (see ShmLink.post).
+INLINE = True
 # Tests and benchmarks switch shared memory off to measure the socket path.
 ENABLED = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
@@ -159,14 +162,19 @@ class ShmLink(Link):
     def _free(self) -> int:
         return RING - (self._head - int(self._peer_released[0]))
 
-    def _direct(self, view: memoryview) -> bool:
-        alen = _align(view.nbytes)
-        pos = self._head % RING
-        skip = RING - pos if pos + alen > RING else 0
-        if self._free() < skip + alen:
-            return False  # it would wait for space: the sender thread waits, never this one
-        self._write(view)
-        return True
+    def post(self, view: memoryview, direct: bool = True) -> int:
+        """Copies what fits into the ring now, from the calling thread, and queues the rest
+        for the sender thread (which waits for space). Writing never waits here, so `direct`
+        needs no special care; doing it inline saves a thread hand-off per record."""
+        if not self._pending and INLINE:
+            try:
+                k = self._write(view, wait=False)
+            except OSError as exc:
+                raise self._error(exc, "sending to") from exc
+            if k == view.nbytes:
+                return 0
+            view = view[k:]
+        return self._enqueue(view, False)
 
     def _emit(self, raw: bool, view: memoryview) -> None:
         if raw:
@@ -174,8 +182,9 @@ class ShmLink(Link):
         else:
             self._write(view)
 
-    def _write(self, view: memoryview) -> None:
-        """Copies `view` into the ring as records, each announced by a note."""
+    def _write(self, view: memoryview, wait: bool = True) -> int:
+        """Copies `view` into the ring as records, each announced by a note; without `wait`,
+        stops at the first record that does not fit. Returns the bytes written."""
         src = np.frombuffer(view, dtype=np.uint8)
         n, off = src.size, 0
         while off < n:
@@ -184,6 +193,8 @@ class ShmLink(Link):
             pos = self._head % RING
             skip = RING - pos if pos + alen > RING else 0
             while self._free() < skip + alen:
+                if not wait:
+                    return off
                 self._wait_space()
             self._head += skip
             pos = self._head % RING
@@ -191,6 +202,7 @@ class ShmLink(Link):
             self._head += alen
             self.sock.sendall(_NOTE.pack(pos, m))
             off += m
+        return off
 
     def _wait_space(self) -> None:
         """Blocks until the peer sends a wake-up byte (it stored a new count first)."""
