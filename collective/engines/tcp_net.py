@@ -38,6 +38,8 @@ __all__ = ["Fabric", "PeerInfo", "host_id", "PEER_MAGIC"]
 PEER_MAGIC = b"RVODPR01"
 SOCK_BUF = 4 << 20  # capped by net.core.{w,r}mem_max
 MAX_PENDING_INCOMING = 4096
+# Same-host peers connect over abstract Unix sockets (tests switch this off to run over TCP).
+UNIX_SOCKETS = True
 
 
 def host_id() -> str:
@@ -85,12 +87,14 @@ class Fabric:
     splits; owns the first-failure state."""
 
     def __init__(self, rank: int, secret: bytes, timeout: float, bind_ip: str,
-                 use_unix: bool = True) -> None:
+                 use_unix: bool | None = None) -> None:
         self.rank, self.secret, self.timeout = rank, secret, timeout
         self.session = ""
         self.peers: dict[int, PeerInfo] = {}
         self.me: PeerInfo | None = None
         self._bind_ip = bind_ip
+        if use_unix is None:
+            use_unix = UNIX_SOCKETS
         self._use_unix = use_unix and hasattr(socket, "AF_UNIX")
         self._lock = threading.Condition()
         self._incoming: dict[bytes, socket.socket] = {}

@@ -43,7 +43,8 @@ def run_ranks(scenario: str, n: int, timeout: float = 60.0, gloo_timeout: float 
     try:
         for r in range(n):
             e = dict(os.environ, PYTHONPATH=REPO, GLOO_TEST_TIMEOUT=str(gloo_timeout),
-                     WORKER_DEADLINE=str(timeout - 5), **(env or {}))
+                     WORKER_DEADLINE=str(timeout - 5), TCP_TEST_TRANSPORT="shm")
+            e.update(env or {})
             procs.append(subprocess.Popen(
                 [sys.executable, "-u", os.path.abspath(__file__), "--worker", scenario, str(r),
                  str(n), str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e))
@@ -76,7 +77,10 @@ def run_ranks(scenario: str, n: int, timeout: float = 60.0, gloo_timeout: float 
 
 
 def _plane(rank: int, size: int, port: int, secret: str = SECRET):
-    from collective.engines import tcp
+    from collective.engines import tcp, tcp_net, tcp_shm
+    transport = os.environ.get("TCP_TEST_TRANSPORT", "shm")
+    tcp_net.UNIX_SOCKETS = transport != "tcp"
+    tcp_shm.ENABLED = tcp_shm.ENABLED and transport == "shm"
     cfg = read_env({}, rank=rank, size=size, rendezvous_addr="127.0.0.1",
                    rendezvous_port=port, secret_key=secret,
                    gloo_timeout=float(os.environ["GLOO_TEST_TIMEOUT"]))
@@ -88,6 +92,13 @@ def _plane(rank: int, size: int, port: int, secret: str = SECRET):
 def scenario_ops(rank: int, size: int, port: int) -> None:
     plane, eng = _plane(rank, size, port)
     assert (plane.rank, plane.size) == (rank, size)
+    if size > 1:
+        from collective.engines.tcp_shm import ShmLink
+        link = plane.link((rank + 1) % size)
+        family = {"tcp": socket.AF_INET, "unix": socket.AF_UNIX, "shm": socket.AF_UNIX}
+        transport = os.environ["TCP_TEST_TRANSPORT"]
+        assert link.sock.family == family[transport], link.sock
+        assert isinstance(link, ShmLink) == (transport == "shm"), link
     g = plane.gather(b"r%d" % rank)
     assert g == ([b"r%d" % i for i in range(size)] if rank == 0 else None), g
     assert plane.bcast(b"hi" * 40000 if rank == 0 else None) == b"hi" * 40000
@@ -270,9 +281,11 @@ def scenario_torchrun(rank: int, size: int, port: int) -> None:
 
 # -- tests (pytest side) -----------------------------------------------------------------------
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_primitives_match_numpy(n: int) -> None:
-    run_ranks("ops", n, timeout=200)
+@pytest.mark.parametrize("n,transport", [(1, "shm"), (2, "shm"), (4, "shm"), (2, "unix"),
+                                         (3, "tcp")])
+def test_primitives_match_numpy(n: int, transport: str) -> None:
+    """Shared memory between ranks of a host, plain Unix sockets, and TCP (other hosts)."""
+    run_ranks("ops", n, timeout=200, env={"TCP_TEST_TRANSPORT": transport})
 
 
 @pytest.mark.timeout(120)
@@ -282,10 +295,10 @@ def test_split(n: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [2, 4])
-def test_sigkill_mid_allreduce_raises_on_survivors(n: int) -> None:
+@pytest.mark.parametrize("n,transport", [(2, "shm"), (4, "shm"), (3, "tcp")])
+def test_sigkill_mid_allreduce_raises_on_survivors(n: int, transport: str) -> None:
     outs = run_ranks("kill", n, timeout=90, gloo_timeout=30.0,
-                     expect_rc={n - 1: -signal.SIGKILL})
+                     expect_rc={n - 1: -signal.SIGKILL}, env={"TCP_TEST_TRANSPORT": transport})
     for r in range(n - 1):
         assert "HorovodInternalError" in outs[r], outs[r]
     # The dead rank's neighbours name it; the others may see the cascade first.
