@@ -317,6 +317,7 @@ class Coordinator:
     def _negotiate(self, ps: ProcessSetState) -> tuple[list[Response], bool]:
         now = time.monotonic()
         new = ps.drain()
+        tl = self.timeline if ps.is_global_root else None
         cache_on = ps.cache.capacity > 0 and not ps.join_active
         uncached: list[Request] = ps.carry
         ps.carry = []
@@ -331,6 +332,8 @@ class Coordinator:
             state, bit = ps.cache.lookup(req)
             if state is CacheState.HIT:
                 hits.add(bit, req, now)
+                if tl is not None:
+                    tl.negotiate_start(req.name, req.type.name)
             else:
                 if state is CacheState.INVALID:
                     invalid.add(bit)
@@ -367,6 +370,9 @@ class Coordinator:
                 if bit in hits:
                     uncached.append(hits.pop(bit))
         common = hits.take_common(res)
+        if tl is not None:
+            for b in common:
+                tl.negotiate_end(ps.cache.name_of(b))
         threshold = self.config.fusion_threshold
         if not any_uncached:
             cached = [ps.cache.get(b) for b in common]
@@ -485,6 +491,8 @@ class Coordinator:
             # reach them: fail them here or their waiters hang forever.
             err = shutdown_error(exc)
             for e in entries:
+                if tl is not None:
+                    tl.end_error(e.name)
                 e.handle._set_exception(err)
             raise
 

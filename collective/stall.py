@@ -8,32 +8,11 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from .stall_report import SHUTDOWN_LESS_THAN_WARNING, format_stall_report
+
 __all__ = ["StallInspector", "format_stall_report"]
 
-SHUTDOWN_BELOW_WARNING = ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
-                          "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.")
-
-
-def format_stall_report(missing: dict[int, list[str]], shutdown_ranks: set[int],
-                        warning_time: float, shutdown_time: float) -> str:
-    """Horovod's stall message (API.md §1.7); at most 6 names per rank."""
-    lines = [
-        "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of "
-        "ranks and are waiting for remainder of ranks for more than "
-        f"{int(warning_time) if float(warning_time).is_integer() else warning_time} seconds. "
-        "This may indicate that different ranks are trying to submit different tensors or that "
-        "only subset of ranks is submitting tensors, which will cause deadlock. ",
-        "Missing ranks:",
-    ]
-    for rank in sorted(missing):
-        names = missing[rank]
-        shown = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
-        lines.append(f"{rank}{'!' if rank in shutdown_ranks else ''}: [{shown}]")
-    if shutdown_ranks:
-        lines.append("One or more rank (marked by \"!\") is stalled for longer than "
-                     f"{int(shutdown_time) if float(shutdown_time).is_integer() else shutdown_time}"
-                     " seconds. Will shutdown.")
-    return "\n".join(lines)
+SHUTDOWN_BELOW_WARNING = SHUTDOWN_LESS_THAN_WARNING
 
 
 class StallInspector:
