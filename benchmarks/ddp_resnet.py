@@ -21,6 +21,17 @@ import torch.distributed as dist  # noqa: E402
 import torchvision  # noqa: E402
 
 
+def phases(step_parts, a, show, label):
+    """Host time of forward, backward and step (plus the GPU tail after step) per step."""
+    torch.cuda.synchronize()
+    parts = [step_parts() for _ in range(20)]
+    med = [statistics.median(p[i] for p in parts) * 1e3 for i in range(4)]
+    if show:
+        print(f"PHASES {label} amp={a.amp}: forward {med[0]:.1f} ms, backward {med[1]:.1f} ms, "
+              f"step {med[2]:.1f} ms, gpu tail {med[3]:.1f} ms (host times, median of 20)",
+              flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=64)
@@ -28,6 +39,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--amp", action="store_true")
+    p.add_argument("--phases", action="store_true", help="print host time per step phase")
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     a = p.parse_args()
     rank = int(os.environ.get("RANK", 0))
@@ -56,6 +68,20 @@ def main():
         loss.backward()
         opt.step()
 
+    def step_parts():
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.amp):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
     for _ in range(a.warmup):
         step()
     per = max(a.iters // a.repeats, 1)
@@ -75,6 +101,8 @@ def main():
         print(f"RESULT impl=DDP world={world} amp={a.amp} compression={a.compression} "
               f"batch={a.batch} img_per_sec_total={total:.1f} "
               f"windows={','.join(f'{w:.0f}' for w in ips.tolist())}", flush=True)
+    if a.phases:
+        phases(step_parts, a, rank == 0, "DDP")
     if world > 1:
         dist.destroy_process_group()
 

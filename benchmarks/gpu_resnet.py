@@ -55,6 +55,14 @@ def plot_trace(trace_path: str, png: str, title: str) -> str:
                     if pick(e.get("name", ""))]
             if bars:
                 ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=color)
+    span = (max(e["ts"] + e["dur"] for e in kernels) - t0) / 1000.0
+    for s in streams:
+        mine = [e for e in kernels if e.get("args", {}).get("stream", e.get("tid")) == s]
+        nc = [e for e in mine if "nccl" in e.get("name", "").lower()]
+        print(f"TRACE stream {s}: {len(mine)} kernels, busy {sum(e['dur'] for e in mine) / 1e3:.1f}"
+              f" of {span:.1f} ms, nccl {len(nc)} ({sum(e['dur'] for e in nc) / 1e3:.1f} ms), "
+              f"first {(min(e['ts'] for e in mine) - t0) / 1e3:.1f} last "
+              f"{(max(e['ts'] + e['dur'] for e in mine) - t0) / 1e3:.1f} ms", flush=True)
     ax.set_yticks(range(len(streams)))
     ax.set_yticklabels([f"stream {s}" for s in streams])
     ax.set_xlabel("ms (blue: compute and copies, red: NCCL)")
@@ -66,6 +74,17 @@ def plot_trace(trace_path: str, png: str, title: str) -> str:
     return png
 
 
+def phases(step_parts, a, show, label):
+    """Host time of forward, backward and step (plus the GPU tail after step) per step."""
+    torch.cuda.synchronize()
+    parts = [step_parts() for _ in range(20)]
+    med = [statistics.median(p[i] for p in parts) * 1e3 for i in range(4)]
+    if show:
+        print(f"PHASES {label} amp={a.amp}: forward {med[0]:.1f} ms, backward {med[1]:.1f} ms, "
+              f"step {med[2]:.1f} ms, gpu tail {med[3]:.1f} ms (host times, median of 20)",
+              flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=64)
@@ -73,10 +92,15 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--amp", action="store_true")
+    p.add_argument("--phases", action="store_true", help="print host time per step phase")
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     p.add_argument("--profile", default="", help="directory for a one-step timeline")
     p.add_argument("--tag", default="", help="label printed with the result")
+    p.add_argument("--low-priority", action="store_true", help="engine stream priority 0")
     a = p.parse_args()
+    if a.low_priority:
+        import collective.engines.nccl as _eng
+        _eng.STREAM_PRIORITY = 0
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
@@ -99,6 +123,20 @@ def main() -> int:
         loss.backward()
         opt.step()
 
+    def step_parts():
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.amp):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
     for _ in range(a.warmup):
         step()
     per = max(a.iters // a.repeats, 1)
@@ -118,6 +156,8 @@ def main() -> int:
         print(f"RESULT impl=ringvod{a.tag} world={world} amp={a.amp} "
               f"compression={a.compression} batch={a.batch} img_per_sec_total={total:.1f} "
               f"windows={','.join(f'{w:.0f}' for w in ips.tolist())}", flush=True)
+    if a.phases:
+        phases(step_parts, a, rank == 0, "ringvod" + a.tag)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         for _ in range(2):

@@ -201,13 +201,29 @@ def table(s: Suite, rows: list[dict]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["smoke", "full", "diag"])
+    p.add_argument("mode", choices=["smoke", "full", "diag", "probe"])
     p.add_argument("--budget", type=float, default=480.0, help="seconds for all steps")
     a = p.parse_args()
     out = os.environ.get("OUT") or os.path.join(REPO, "out")
     os.makedirs(out, exist_ok=True)
     s = Suite(out, a.budget)
     rows: list[dict] = []
+    if a.mode == "probe":
+        for cmd in ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                     os.path.join(HERE, "ddp_resnet.py"), "--iters", "20", "--phases"],
+                    s.mpi(2, [os.path.join(HERE, "gpu_resnet.py"), "--iters", "20", "--phases",
+                              "--profile", s.out]),
+                    s.mpi(2, [os.path.join(HERE, "gpu_resnet.py"), "--iters", "20", "--phases",
+                              "--low-priority", "--tag", "-lowprio"])):
+            out = s.run(cmd, 120)
+            s.say("\n".join(ln for ln in out.splitlines()
+                             if ln.startswith(("RESULT", "PHASES", "TRACE", "PROFILE"))))
+        trace = os.path.join(s.out, "timeline_step.json")
+        if os.path.exists(trace):
+            with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+            os.remove(trace)
+        return 0
     if a.mode == "diag":
         allreduce(s, quick=True)
         rows = resnet(s, [(False, "none"), (True, "none")], iters=40, repeats=2, one_gpu=False,

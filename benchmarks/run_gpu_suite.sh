@@ -62,5 +62,6 @@ case "$MODE" in
     full) python3 benchmarks/gpu_suite.py full --budget "$BUDGET" ;;
     diag) run_tests; python3 benchmarks/gpu_suite.py diag --budget "$BUDGET" ;;
     final) run_tests; python3 benchmarks/gpu_suite.py full --budget "$BUDGET" ;;
+    probe) python3 benchmarks/gpu_suite.py probe --budget "$BUDGET" ;;
     *) echo "usage: $0 smoke|full|tests [budget_s]"; exit 2 ;;
 esac
