@@ -46,7 +46,6 @@ from .._log import get_logger
 from ..errors import HorovodInternalError
 from ..rendezvous import KVClient, KVServer
 from .base import ControlPlane
-from . import tcp_link
 from .tcp_link import Link
 from .tcp_net import Fabric, PeerInfo
 from .tcp_shm import make_link
@@ -397,7 +396,6 @@ def create_backend(config: Any, comm: Any = None, scope: str | None = None,
                     "Set the same HOROVOD_SECRET_KEY (hex) on every rank, or launch with hvdrun.")
     server = _serve(job, timeout) if job.serve else None
     fabric = Fabric(job.rank, job.secret, timeout, bind_ip)
-    fabric.spin = tcp_link.CONTROL_SPIN
     kv = KVClient(job.kv_addr, job.kv_port, job.secret, timeout)
     plane = None
     try:

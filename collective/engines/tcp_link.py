@@ -23,19 +23,22 @@ import numpy as np
 from ..errors import CollectiveTimeoutError, HorovodInternalError
 from .tcp_net import Fabric
 
-__all__ = ["Link", "DIRECT_MAX", "HDR_SIZE", "CONTROL_SPIN", "DATA_SPIN"]
+__all__ = ["Link", "DIRECT_MAX", "HDR_SIZE", "SMALL_SPIN", "BULK_SPIN"]
 
 # Sends up to this size go straight from the calling thread: far below any socket buffer, so
 # two ranks sending to each other before receiving cannot block each other.
 DIRECT_MAX = 64 << 10
-# How long (seconds) a receive polls before it blocks, during control ops and during data ops
-# (`Fabric.spin` holds the current one). Waking a blocked thread costs tens of microseconds on
-# an idle host and milliseconds on a loaded one (the 2-core CI box: 16 MiB allreduce 9 ms
-# blocking vs ... polling); MPI polls all the time. Control ops run every cycle even when
-# idle, so they poll briefly; a link whose last wait outlasted the poll blocks at once next
-# time, so a slow peer costs no CPU.
-CONTROL_SPIN = 50e-6
-DATA_SPIN = 0.0  # polling during data ops made them slower when ranks outnumber free cores
+# How long (seconds) a receive polls (yielding the CPU) before it blocks: for headers and
+# small messages, and for the chunks of bulk transfers. Waking a blocked thread costs tens of
+# microseconds on an idle host, more on a busy one, while MPI polls all the time; on the
+# 2-core CI box polling 100 us took a lone 4 KiB allreduce through the runtime from ~300 to
+# ~100 us most of the time. Idle coordinators still exchange a bit vector every cycle, so the
+# poll is short, and a link whose last wait outlasted it blocks at once next time: a slow peer
+# costs no CPU (idle tcp-mode ranks use ~7% of a core; idle MPI-mode ranks ~37%). Polling for
+# bulk chunks made 1-16 MiB allreduces slower when the ranks had to share the cores with
+# other work, so bulk receives block at once.
+SMALL_SPIN = 100e-6
+BULK_SPIN = 0.0
 _HDR = struct.Struct("<IIQ")  # opcode, sequence number, payload bytes
 HDR_SIZE = _HDR.size
 
@@ -204,7 +207,7 @@ class Link:
             raise self._error(self._send_error, "sending to")
 
     # -- receiving ----------------------------------------------------------------------------
-    def recv_raw(self, view: memoryview) -> None:
+    def recv_raw(self, view: memoryview, bulk: bool = False) -> None:
         """Fills `view` (bytes) from the socket.
 
         Raises:
@@ -215,7 +218,7 @@ class Link:
         got = 0
         sock = self.sock
         try:
-            spin = self.fabric.spin
+            spin = BULK_SPIN if bulk else SMALL_SPIN
             if spin > 0 and self._spin_ok:
                 got = self._spin_recv(view, spin)
                 if got == n:
@@ -226,7 +229,8 @@ class Link:
                 if r == 0:
                     raise self._error(None, "receiving from")
                 got += r
-            self._spin_ok = time.perf_counter() - t0 < 2 * spin
+            if spin > 0:
+                self._spin_ok = time.perf_counter() - t0 < 2 * spin
         except OSError as exc:
             raise self._error(exc, "receiving from") from exc
 
@@ -251,7 +255,7 @@ class Link:
 
     def recv_into(self, view: memoryview) -> None:
         """Fills `view` (bytes) with stream data (what the peer `post`ed)."""
-        self.recv_raw(view)
+        self.recv_raw(view, bulk=view.nbytes > DIRECT_MAX)
 
     def recv_reduce(self, a: np.ndarray, out: np.ndarray, ufunc: Any, tmp: np.ndarray) -> None:
         """Receives `a.size` streamed elements x and sets ``out = ufunc(a, x)``; `tmp` is a

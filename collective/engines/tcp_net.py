@@ -103,7 +103,6 @@ class Fabric:
         self._threads: set[threading.Thread] = set()
         self._closing = False
         self.error: BaseException | None = None
-        self.spin = 0.0  # seconds receives poll before blocking (tcp_link.CONTROL_SPIN/DATA_SPIN)
         self._listeners: list[socket.socket] = []
         self._wake_r, self._wake_w = socket.socketpair()
         self._accept_thread: threading.Thread | None = None

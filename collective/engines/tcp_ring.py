@@ -22,7 +22,6 @@ import numpy as np
 from ..types import ReduceOp
 from .base import HostEngine
 from .tcp import TcpControlPlane, small_allreduce
-from . import tcp_link
 from .tcp_link import DIRECT_MAX
 
 __all__ = ["TcpEngine", "CHUNK"]
@@ -38,21 +37,6 @@ OP_ALLREDUCE, OP_ALLREDUCE_OUT, OP_RS, OP_AG, OP_BCAST, OP_A2A = 16, 17, 18, 19,
 
 _REDUCE = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
            ReduceOp.PRODUCT: np.multiply}
-
-
-def _data_op(fn):
-    """Receives of a data op poll longer before blocking (see tcp_link.DATA_SPIN)."""
-    def wrapper(self, *args):
-        fabric = self.plane.fabric
-        if fabric is None:
-            return fn(self, *args)
-        fabric.spin = tcp_link.DATA_SPIN
-        try:
-            return fn(self, *args)
-        finally:
-            fabric.spin = tcp_link.CONTROL_SPIN
-    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
-    return wrapper
 
 
 def _offsets(counts: list[int]) -> list[int]:
@@ -89,7 +73,6 @@ class TcpEngine(HostEngine):
         return self.plane.link((r + 1) % n), self.plane.link((r - 1) % n)
 
     # -- allreduce ----------------------------------------------------------------------------
-    @_data_op
     def _allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
         if self.size == 1 or buf.size == 0:
             return
@@ -150,7 +133,6 @@ class TcpEngine(HostEngine):
         link.flush()
 
     # -- reduce-scatter -----------------------------------------------------------------------
-    @_data_op
     def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int],
                         op: ReduceOp) -> None:
         """Ring reduce-scatter; reduces in place in `send` (a scratch buffer of the caller)."""
@@ -185,7 +167,6 @@ class TcpEngine(HostEngine):
         right.flush()
 
     # -- allgather ----------------------------------------------------------------------------
-    @_data_op
     def _allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
         n, r = self.size, self.rank
         offs = _offsets(counts)
@@ -211,7 +192,6 @@ class TcpEngine(HostEngine):
         right.flush()
 
     # -- broadcast ----------------------------------------------------------------------------
-    @_data_op
     def _broadcast(self, buf: np.ndarray, root: int) -> None:
         n, r = self.size, self.rank
         if n == 1:
@@ -244,7 +224,6 @@ class TcpEngine(HostEngine):
             right.flush()
 
     # -- alltoall -----------------------------------------------------------------------------
-    @_data_op
     def _alltoallv(self, send: np.ndarray, sendcounts: list[int], recv: np.ndarray,
                    recvcounts: list[int]) -> None:
         n, r = self.size, self.rank

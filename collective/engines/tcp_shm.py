@@ -222,7 +222,7 @@ class ShmLink(Link):
 
     # -- receiving ----------------------------------------------------------------------------
     def _next_record(self) -> list[int]:
-        self.recv_raw(memoryview(self._note))
+        self.recv_raw(memoryview(self._note), bulk=True)
         pos, m = _NOTE.unpack(self._note)
         expect = self._tail % RING
         if pos != expect:
