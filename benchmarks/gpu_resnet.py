@@ -97,6 +97,7 @@ def main() -> int:
     p.add_argument("--profile", default="", help="directory for a one-step timeline")
     p.add_argument("--tag", default="", help="label printed with the result")
     p.add_argument("--low-priority", action="store_true", help="engine stream priority 0")
+    p.add_argument("--groups", type=int, default=0, help="DistributedOptimizer(groups=N)")
     a = p.parse_args()
     if a.low_priority:
         import collective.engines.nccl as _eng
@@ -111,7 +112,7 @@ def main() -> int:
         comp = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
                 "bf16": hvd.Compression.bf16}[a.compression]
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       compression=comp)
+                                       compression=comp, groups=a.groups or None)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     x = torch.randn(a.batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (a.batch,), device="cuda")

@@ -209,20 +209,15 @@ def main() -> int:
     s = Suite(out, a.budget)
     rows: list[dict] = []
     if a.mode == "probe":
-        for cmd in ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                     os.path.join(HERE, "ddp_resnet.py"), "--iters", "20", "--phases"],
-                    s.mpi(2, [os.path.join(HERE, "gpu_resnet.py"), "--iters", "20", "--phases",
-                              "--profile", s.out]),
-                    s.mpi(2, [os.path.join(HERE, "gpu_resnet.py"), "--iters", "20", "--phases",
-                              "--low-priority", "--tag", "-lowprio"])):
+        ddp = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               os.path.join(HERE, "ddp_resnet.py"), "--iters", "40", "--repeats", "2", "--phases"]
+        rv = [os.path.join(HERE, "gpu_resnet.py"), "--iters", "40", "--repeats", "2", "--phases"]
+        for cmd in (ddp, s.mpi(2, rv), s.mpi(2, rv + ["--groups", "10", "--tag=-groups10"]),
+                    ddp + ["--amp"], s.mpi(2, rv + ["--amp"]),
+                    s.mpi(2, rv + ["--amp", "--groups", "10", "--tag=-groups10"])):
             out = s.run(cmd, 120)
             s.say("\n".join(ln for ln in out.splitlines()
                              if ln.startswith(("RESULT", "PHASES", "TRACE", "PROFILE"))))
-        trace = os.path.join(s.out, "timeline_step.json")
-        if os.path.exists(trace):
-            with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
-                shutil.copyfileobj(f, g)
-            os.remove(trace)
         return 0
     if a.mode == "diag":
         allreduce(s, quick=True)

@@ -195,7 +195,12 @@ class Coordinator:
         self._thread = threading.Thread(target=self._loop, name="hvd-coordinator", daemon=True)
         self._thread.start()
 
-    def wake(self) -> None:
+    def wake(self, held: bool = False) -> None:
+        """New work. `held`: only device reductions, which the fusion window collects anyway;
+        while a window is open they do not wake the thread (each wake-up costs the submitting
+        gradient hook a GIL hand-off)."""
+        if held and self._hold_since is not None:
+            return
         self._wake.set()
 
     def waiting(self, delta: int) -> None:

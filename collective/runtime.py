@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 from . import _log
 from .config import Config, read_env
-from .coordinator import Coordinator, ProcessSetState, shutdown_error
+from .coordinator import _HELD, Coordinator, ProcessSetState, shutdown_error
 from .engines import create_backend, create_engine
 from .entry import Entry
 from .errors import DuplicateNameError, NotInitializedError, ShutdownError
@@ -309,7 +309,8 @@ class Runtime:
                 state.queue.append(e.request)
         if self.shut_down:  # raced with the loop's exit: fail what we just queued
             state.fail_all(shutdown_error(self.cause))
-        self.coordinator.wake()
+        self.coordinator.wake(held=all(e.request.device >= 0 and e.request.type in _HELD
+                                       for e in entries))
 
     # -- shutdown -----------------------------------------------------------------------------
     def shutdown(self, timeout: float = 60.0) -> None:
