@@ -47,6 +47,8 @@ class Link:
     """A connection to one peer of one plane. Only the coordinator thread calls it (plus the
     link's own sender thread)."""
 
+    zero_copy = False  # True: a post is done only when the peer has read it (tcp_shm CMA)
+
     def __init__(self, fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
                  plane: str) -> None:
         self.fabric, self.sock = fabric, sock

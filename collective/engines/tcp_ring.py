@@ -31,6 +31,8 @@ __all__ = ["TcpEngine", "CHUNK"]
 CHUNK = 1 << 20
 
 # Two ranks allreduce by exchanging whole buffers (see _allreduce_pair); False = the ring.
+# Not over zero-copy links: there a post is done only once the peer read it, and both ranks
+# would wait for that before reading the other's chunk.
 PAIR_ALLREDUCE = True
 
 OP_ALLREDUCE, OP_ALLREDUCE_OUT, OP_RS, OP_AG, OP_BCAST, OP_A2A = 16, 17, 18, 19, 20, 21
@@ -80,7 +82,7 @@ class TcpEngine(HostEngine):
         if buf.nbytes <= DIRECT_MAX:
             small_allreduce(self.plane, buf, ufunc, OP_ALLREDUCE, OP_ALLREDUCE_OUT)
             return
-        if self.size == 2 and PAIR_ALLREDUCE:
+        if self.size == 2 and PAIR_ALLREDUCE and not self.plane.link(1 - self.rank).zero_copy:
             self._allreduce_pair(buf, ufunc)
             return
         n, r = self.size, self.rank

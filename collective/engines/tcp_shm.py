@@ -23,6 +23,7 @@ A dead peer shows up as EOF on the link socket or on the credit channel, like an
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import select
@@ -33,6 +34,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import HorovodInternalError
+from ..rendezvous import recv_exact
+from . import tcp_cma
 from .tcp_link import Link
 from .tcp_net import Fabric
 
@@ -43,9 +46,12 @@ MAX_RECORD = 1 << 20
 _ALIGN = 64
 _CTL = 4096  # after the ring: the writer's count of bytes it released of the peer's ring
 _NOTE = struct.Struct("<QQ")
+_HELLO = struct.Struct("<cQQ16s")  # Y/N, pid, address of the token, token
 
 # Copy into the ring from the posting thread while space is free (see ShmLink.post).
 INLINE = True
+# Read the peer's buffers directly (process_vm_readv) where the kernel allows it.
+CMA = tcp_cma.available()
 # Tests and benchmarks switch shared memory off to measure the socket path.
 ENABLED = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
@@ -80,17 +86,28 @@ def make_link(fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
             _close(out_fd, pair, out_map)
             out_fd, pair, out_map = -1, None, None
     in_fds: list[int] = []
+    # Our hello: Y/N, then our pid and a token in our memory, which the peer reads with
+    # process_vm_readv to find out whether it may read our buffers directly (tcp_cma).
+    token = ctypes.create_string_buffer(os.urandom(16), 16)
+    hello = _HELLO.pack(b"Y" if out_map is not None else b"N", os.getpid(),
+                        ctypes.addressof(token), token.raw)
     try:
         if out_map is not None:
-            socket.send_fds(sock, [b"Y"], [out_fd] + ([pair[1].fileno()] if pair else []))
+            socket.send_fds(sock, [hello], [out_fd] + ([pair[1].fileno()] if pair else []))
         else:
-            sock.sendall(b"N")
+            sock.sendall(hello)
         if hasattr(socket, "recv_fds"):
-            data, in_fds, _, _ = socket.recv_fds(sock, 1, 2)
+            data, in_fds, _, _ = socket.recv_fds(sock, _HELLO.size, 2)
         else:  # pragma: no cover - Python without SCM_RIGHTS helpers
-            data = sock.recv(1)
+            data = sock.recv(_HELLO.size)
         if not data:
             raise ConnectionError("connection closed")
+        if len(data) < _HELLO.size:
+            data += recv_exact(sock, _HELLO.size - len(data))
+        flag, peer_pid, peer_addr, peer_token = _HELLO.unpack(data)
+        can = CMA and tcp_cma.probe(peer_pid, peer_addr, peer_token)
+        sock.sendall(b"C" if can else b"c")  # both ends must be able to read the other
+        peer_can = recv_exact(sock, 1) == b"C"
     except OSError as exc:
         for fd in in_fds:
             os.close(fd)
@@ -103,7 +120,7 @@ def make_link(fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
         os.close(out_fd)  # the mappings (ours and the peer's) keep the memory
     if pair is not None:
         pair[1].close()  # the peer holds that end now; ours must go for EOF to reach us
-    if data != b"Y" or out_map is None or len(in_fds) != (1 if lower else 2):
+    if flag != b"Y" or out_map is None or len(in_fds) != (1 if lower else 2):
         for fd in in_fds:
             os.close(fd)
         _close(-1, pair, out_map)
@@ -113,7 +130,8 @@ def make_link(fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
     finally:
         os.close(in_fds[0])
     credit = pair[0] if pair else socket.socket(fileno=in_fds[1])
-    return ShmLink(fabric, sock, peer, peer_global, plane, out_map, in_map, credit)
+    return ShmLink(fabric, sock, peer, peer_global, plane, out_map, in_map, credit,
+                   peer_pid if can and peer_can else 0)
 
 
 def _close(fd: int, pair: Any, out_map: Any) -> None:
@@ -130,12 +148,19 @@ def _close(fd: int, pair: Any, out_map: Any) -> None:
 
 
 class ShmLink(Link):
-    """A link whose stream data goes through shared-memory rings."""
+    """A same-host link: stream data through shared-memory rings, or read in place from the
+    sender's memory (cross-memory attach) where the kernel allows it."""
 
     def __init__(self, fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
                  plane: str, out_map: mmap.mmap, in_map: mmap.mmap,
-                 credit: socket.socket) -> None:
+                 credit: socket.socket, cma_pid: int = 0) -> None:
         super().__init__(fabric, sock, peer, peer_global, plane)
+        # With a peer pid, stream data is not copied into the ring: notes carry the address
+        # of the sender's memory, the receiver reads it with process_vm_readv, and a post is
+        # done when the peer has read it (its released-byte count passes the post's end).
+        self._cma = cma_pid
+        self.zero_copy = bool(cma_pid)
+        self._posted = 0  # CMA: bytes ever posted
         self._out_map, self._in_map = out_map, in_map
         self._out = np.frombuffer(out_map, dtype=np.uint8)
         self._in = np.frombuffer(in_map, dtype=np.uint8)
@@ -165,7 +190,17 @@ class ShmLink(Link):
     def post(self, view: memoryview, direct: bool = True) -> int:
         """Copies what fits into the ring now, from the calling thread, and queues the rest
         for the sender thread (which waits for space). Writing never waits here, so `direct`
-        needs no special care; doing it inline saves a thread hand-off per record."""
+        needs no special care; doing it inline saves a thread hand-off per record.
+
+        With cross-memory attach, only announces where `view` is (no copy); the ticket
+        completes once the peer has read it."""
+        if self._cma:
+            n = view.nbytes
+            if n:
+                addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+                self._posted += n
+                self.send(_NOTE.pack(addr, n))
+            return self._posted
         if not self._pending and INLINE:
             try:
                 k = self._write(view, wait=False)
@@ -204,6 +239,18 @@ class ShmLink(Link):
             off += m
         return off
 
+    def wait_sent(self, ticket: int) -> None:
+        if not self._cma:
+            super().wait_sent(ticket)
+            return
+        while int(self._peer_released[0]) < ticket:
+            self._wait_space()
+
+    def flush(self) -> None:
+        if self._cma:
+            self.wait_sent(self._posted)
+        super().flush()
+
     def _wait_space(self) -> None:
         """Blocks until the peer sends a wake-up byte (it stored a new count first)."""
         try:
@@ -224,6 +271,9 @@ class ShmLink(Link):
     def _next_record(self) -> list[int]:
         self.recv_raw(memoryview(self._note), bulk=True)
         pos, m = _NOTE.unpack(self._note)
+        if self._cma:
+            self._rec = [pos, m, 0]
+            return self._rec
         expect = self._tail % RING
         if pos != expect:
             if pos != 0 or expect + _align(m) <= RING:
@@ -237,7 +287,7 @@ class ShmLink(Link):
     def _release(self, rec: list[int], k: int) -> None:
         rec[2] += k
         if rec[2] == rec[1]:
-            self._tail += _align(rec[1])
+            self._tail += rec[1] if self._cma else _align(rec[1])
             self._rec = None
             self._released[0] = self._tail
             try:
@@ -254,7 +304,10 @@ class ShmLink(Link):
             rec = self._rec or self._next_record()
             pos, m, used = rec
             k = min(m - used, n - got)
-            dst[got:got + k] = self._in[pos + used:pos + used + k]
+            if self._cma:
+                self._cma_read(dst[got:got + k].ctypes.data, pos + used, k)
+            else:
+                dst[got:got + k] = self._in[pos + used:pos + used + k]
             got += k
             self._release(rec, k)
 
@@ -269,10 +322,21 @@ class ShmLink(Link):
                 super().recv_reduce(a[got:got + 1], out[got:got + 1], ufunc, tmp)
                 got += 1
                 continue
-            inc = np.frombuffer(self._in_map, dtype=a.dtype, count=k, offset=pos + used)
+            if self._cma:
+                k = min(k, tmp.size)
+                inc = tmp[:k]
+                self._cma_read(inc.ctypes.data, pos + used, k * item)
+            else:
+                inc = np.frombuffer(self._in_map, dtype=a.dtype, count=k, offset=pos + used)
             ufunc(a[got:got + k], inc, out=out[got:got + k])
             got += k
             self._release(rec, k * item)
+
+    def _cma_read(self, local: int, remote: int, n: int) -> None:
+        try:
+            tcp_cma.read(self._cma, local, remote, n)
+        except OSError as exc:
+            raise self._error(exc, "reading the memory of") from exc
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -80,7 +80,8 @@ def _plane(rank: int, size: int, port: int, secret: str = SECRET):
     from collective.engines import tcp, tcp_net, tcp_shm
     transport = os.environ.get("TCP_TEST_TRANSPORT", "shm")
     tcp_net.UNIX_SOCKETS = transport != "tcp"
-    tcp_shm.ENABLED = tcp_shm.ENABLED and transport == "shm"
+    tcp_shm.ENABLED = tcp_shm.ENABLED and transport in ("shm", "ring")
+    tcp_shm.CMA = tcp_shm.CMA and transport == "shm"
     cfg = read_env({}, rank=rank, size=size, rendezvous_addr="127.0.0.1",
                    rendezvous_port=port, secret_key=secret,
                    gloo_timeout=float(os.environ["GLOO_TEST_TIMEOUT"]))
@@ -93,12 +94,14 @@ def scenario_ops(rank: int, size: int, port: int) -> None:
     plane, eng = _plane(rank, size, port)
     assert (plane.rank, plane.size) == (rank, size)
     if size > 1:
+        from collective.engines import tcp_cma
         from collective.engines.tcp_shm import ShmLink
         link = plane.link((rank + 1) % size)
-        family = {"tcp": socket.AF_INET, "unix": socket.AF_UNIX, "shm": socket.AF_UNIX}
         transport = os.environ["TCP_TEST_TRANSPORT"]
-        assert link.sock.family == family[transport], link.sock
-        assert isinstance(link, ShmLink) == (transport == "shm"), link
+        want = socket.AF_INET if transport == "tcp" else socket.AF_UNIX
+        assert link.sock.family == want, link.sock
+        assert isinstance(link, ShmLink) == (transport in ("shm", "ring")), link
+        assert link.zero_copy == (transport == "shm" and tcp_cma.available()), link
     g = plane.gather(b"r%d" % rank)
     assert g == ([b"r%d" % i for i in range(size)] if rank == 0 else None), g
     assert plane.bcast(b"hi" * 40000 if rank == 0 else None) == b"hi" * 40000
@@ -281,10 +284,11 @@ def scenario_torchrun(rank: int, size: int, port: int) -> None:
 
 # -- tests (pytest side) -----------------------------------------------------------------------
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("n,transport", [(1, "shm"), (2, "shm"), (4, "shm"), (2, "unix"),
-                                         (3, "tcp")])
+@pytest.mark.parametrize("n,transport", [(1, "shm"), (2, "shm"), (4, "shm"), (2, "ring"),
+                                         (3, "ring"), (2, "unix"), (3, "tcp")])
 def test_primitives_match_numpy(n: int, transport: str) -> None:
-    """Shared memory between ranks of a host, plain Unix sockets, and TCP (other hosts)."""
+    """Ranks of a host: reading each other's memory (shm: cross-memory attach), shared-memory
+    rings (ring), plain Unix sockets (unix); ranks of different hosts: TCP."""
     run_ranks("ops", n, timeout=200, env={"TCP_TEST_TRANSPORT": transport})
 
 
@@ -295,7 +299,7 @@ def test_split(n: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n,transport", [(2, "shm"), (4, "shm"), (3, "tcp")])
+@pytest.mark.parametrize("n,transport", [(2, "shm"), (4, "shm"), (3, "ring"), (3, "tcp")])
 def test_sigkill_mid_allreduce_raises_on_survivors(n: int, transport: str) -> None:
     outs = run_ranks("kill", n, timeout=90, gloo_timeout=30.0,
                      expect_rc={n - 1: -signal.SIGKILL}, env={"TCP_TEST_TRANSPORT": transport})
