@@ -21,6 +21,8 @@ from launcher.api import run  # horovod.run(func, num_proc=...): launcher/api.py
 # (so `Version(horovod.__version__) >= Version("0.21")` checks keep passing).
 __version__ = f"0.28.1+ringvod.{_collective.__version__}"
 
+__all__ = ["__version__", "run"]
+
 # alias prefix -> real package. Other adapters add their line here.
 _ALIASES = {
     "horovod.torch": "frameworks.torch",

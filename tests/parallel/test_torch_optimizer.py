@@ -69,7 +69,7 @@ def train(opt_name: str, bpps: int, compression: str, steps: int = 4, op=hvd.Ave
             f"weights differ across ranks after step {step}"
         tol = TOL[compression]
         torch.testing.assert_close(w, flat_params(ref), rtol=tol, atol=tol,
-                                   msg=lambda m: f"step {step} vs single process: {m}")
+                                   msg=lambda m, step=step: f"step {step} vs single process: {m}")
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
