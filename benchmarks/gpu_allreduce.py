@@ -82,7 +82,6 @@ def main() -> int:
     comm = _new_communicator(n, uid, rank)
     cstream = cupy.cuda.Stream(non_blocking=True)
     rows, lone_rows = [], []
-    counter = [0]
 
     def ringvod(x):
         # One name per size, as a training loop reuses its names (the negotiation cache path).
