@@ -53,9 +53,15 @@ def test_basics():
     assert hvd.size() == SIZE and 0 <= hvd.rank() < SIZE
     assert hvd.local_size() == SIZE and hvd.local_rank() == hvd.rank()
     assert hvd.cross_size() == 1 and hvd.cross_rank() == 0
-    assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.gloo_enabled()
-    assert hvd.gloo_built() is True
-    assert isinstance(hvd.mpi_threads_supported(), bool)
+    import collective
+    mode = collective.mode()  # mpi under mpirun, tcp under hvdrun --gloo
+    assert hvd.mpi_built() and hvd.gloo_built() is True
+    assert hvd.mpi_enabled() == (mode == "mpi") and hvd.gloo_enabled() == (mode == "tcp")
+    if mode == "mpi":
+        assert isinstance(hvd.mpi_threads_supported(), bool)
+    else:
+        with pytest.raises(ValueError):
+            hvd.mpi_threads_supported()
     assert isinstance(hvd.nccl_built(), int)
     assert hvd.cuda_built() == (hvd.nccl_built() > 0)
     assert not hvd.rocm_built() and not hvd.ddl_built() and not hvd.ccl_built()
