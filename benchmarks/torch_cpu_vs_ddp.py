@@ -2,8 +2,8 @@
 
     python benchmarks/torch_cpu_vs_ddp.py --np 2 --model small_cnn --rounds 3
 
-ringvod runs `examples/pytorch/pytorch_synthetic_benchmark.py` under `mpirun`; DDP runs the
-same model, data and timing loop (imported from that example) in `np` processes started
+ringvod runs `examples/pytorch/pytorch_synthetic_benchmark.py` under `mpirun` (or under
+`hvdrun --gloo`, the tcp engine, with `--mode tcp`); DDP runs the same model, data and timing loop (imported from that example) in `np` processes started
 torchrun-style (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) with the gloo backend. Rounds
 alternate ringvod and DDP so that load from other processes hits both alike; the summary gives
 each side's median "Total img/sec" and the ratio ringvod / DDP.
@@ -39,10 +39,14 @@ def _env(a: argparse.Namespace) -> dict[str, str]:
 
 
 def run_ringvod(a: argparse.Namespace) -> tuple[float, str]:
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-           "-np", str(a.np), "-x", "OMP_NUM_THREADS", "-x", "MKL_NUM_THREADS",
-           "-x", "PYTHONPATH", "-x", "OMPI_MCA_mpi_yield_when_idle=1",
-           sys.executable, EXAMPLE, *_bench_args(a)]
+    if a.mode == "tcp":  # ringvod's own launcher and TCP/shared-memory engine
+        cmd = [sys.executable, "-m", "launcher", "--gloo", "-np", str(a.np),
+               sys.executable, EXAMPLE, *_bench_args(a)]
+    else:
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+               "-np", str(a.np), "-x", "OMP_NUM_THREADS", "-x", "MKL_NUM_THREADS",
+               "-x", "PYTHONPATH", "-x", "OMPI_MCA_mpi_yield_when_idle=1",
+               sys.executable, EXAMPLE, *_bench_args(a)]
     out = subprocess.run(cmd, cwd=REPO, env=_env(a), capture_output=True, text=True,
                          timeout=a.timeout)
     m = TOTAL.search(out.stdout)
@@ -141,6 +145,8 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--mode", choices=["mpi", "tcp"], default="mpi",
+                    help="ringvod under mpirun (MPI engine) or hvdrun --gloo (tcp engine)")
     ap.add_argument("--model", default="small_cnn")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--image-size", type=int, default=64)
@@ -154,7 +160,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args()
-    print(f"model={a.model} batch={a.batch_size} image={a.image_size} np={a.np} "
+    print(f"ringvod mode={a.mode} model={a.model} batch={a.batch_size} image={a.image_size} np={a.np} "
           f"threads/rank={a.threads} cpus={os.cpu_count()} iters={a.num_iters}x"
           f"{a.num_batches_per_iter} rounds={a.rounds}", flush=True)
     ours, theirs = [], []
