@@ -17,8 +17,11 @@ of step fail with a clear error instead of reading each other's data.
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
+from ..errors import HorovodInternalError
 from ..types import ReduceOp
 from .base import HostEngine
 from .tcp import TcpControlPlane, small_allreduce
@@ -34,6 +37,8 @@ CHUNK = 1 << 20
 # Not over zero-copy links: there a post is done only once the peer read it, and both ranks
 # would wait for that before reading the other's chunk.
 PAIR_ALLREDUCE = True
+
+_ADDR = struct.Struct("<QQ")  # address and size of a buffer (zero-copy allreduce)
 
 OP_ALLREDUCE, OP_ALLREDUCE_OUT, OP_RS, OP_AG, OP_BCAST, OP_A2A = 16, 17, 18, 19, 20, 21
 
@@ -82,9 +87,14 @@ class TcpEngine(HostEngine):
         if buf.nbytes <= DIRECT_MAX:
             small_allreduce(self.plane, buf, ufunc, OP_ALLREDUCE, OP_ALLREDUCE_OUT)
             return
-        if self.size == 2 and PAIR_ALLREDUCE and not self.plane.link(1 - self.rank).zero_copy:
-            self._allreduce_pair(buf, ufunc)
-            return
+        if self.size == 2:
+            link = self.plane.link(1 - self.rank)
+            if link.zero_copy:
+                self._allreduce_in_place(buf, ufunc, link)
+                return
+            if PAIR_ALLREDUCE:
+                self._allreduce_pair(buf, ufunc)
+                return
         n, r = self.size, self.rank
         right, left = self._neighbours()
         item = buf.itemsize
@@ -112,6 +122,38 @@ class TcpEngine(HostEngine):
                 if s < n - 2:
                     right.post(view, direct=False)
         right.flush()
+
+    def _allreduce_in_place(self, buf: np.ndarray, ufunc, link) -> None:
+        """Two ranks of one host that may read each other's memory (MPI's CMA path): each
+        reduces one half, reading the peer's copy straight from the peer's buffer, then copies
+        the peer's reduced half from it. Three small messages synchronise the whole op, so a
+        rank that the scheduler delays holds the other up at most three times, not per chunk:
+        "here is my buffer", "my half is reduced (and I am done reading yours)", "done"."""
+        r = self.rank
+        item = buf.itemsize
+        half = (buf.size + 1) // 2
+        mine = (0, half) if r == 0 else (half, buf.size)  # the half this rank reduces
+        other = (half, buf.size) if r == 0 else (0, half)
+        base = buf.ctypes.data
+        link.send_msg(OP_ALLREDUCE, _ADDR.pack(base, buf.nbytes))
+        peer, nbytes = _ADDR.unpack(link.recv_msg(OP_ALLREDUCE, _ADDR.size))
+        if nbytes != buf.nbytes:
+            raise link.fabric.fail(HorovodInternalError(
+                f"ranks are out of step: rank {link.fabric.rank} allreduces {buf.nbytes} bytes, "
+                f"rank {link.peer_global} {nbytes}"))
+        step = max(CHUNK // item, 1)
+        tmp = self._tmp(step * item).view(buf.dtype)
+        for a, b in _ranges(mine[0], mine[1], step):
+            link.read_peer(tmp.ctypes.data, peer + a * item, (b - a) * item)
+            dst = buf[a:b]
+            ufunc(dst, tmp[:b - a], out=dst)
+        link.send_msg(OP_ALLREDUCE_OUT)  # my half is final; I no longer read yours
+        link.recv_msg(OP_ALLREDUCE_OUT, 0)
+        a, b = other
+        if b > a:
+            link.read_peer(base + a * item, peer + a * item, (b - a) * item)
+        link.send_msg(OP_ALLREDUCE)  # done reading: the peer may return and reuse its buffer
+        link.recv_msg(OP_ALLREDUCE, 0)
 
     def _allreduce_pair(self, buf: np.ndarray, ufunc) -> None:
         """Two ranks: both stream their whole buffer and reduce the other's into their own.

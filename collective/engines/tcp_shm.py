@@ -332,6 +332,19 @@ class ShmLink(Link):
             got += k
             self._release(rec, k * item)
 
+    @property
+    def peer_pid(self) -> int:
+        """The peer's pid when this link reads its memory in place, else 0."""
+        return self._cma
+
+    def read_peer(self, local: int, remote: int, n: int) -> None:
+        """Copies `n` bytes at address `remote` of the peer to `local` here (zero-copy links).
+
+        Raises:
+            HorovodInternalError: the peer is gone or the kernel refused.
+        """
+        self._cma_read(local, remote, n)
+
     def _cma_read(self, local: int, remote: int, n: int) -> None:
         try:
             tcp_cma.read(self._cma, local, remote, n)
