@@ -61,6 +61,9 @@ OPTIONS: tuple[Option, ...] = (
            "fuse grouped ops only with members of the same group"),
     Option("batch_d2d_memcopies", "HOROVOD_BATCH_D2D_MEMCOPIES", _bool, True, "",
            "pack GPU fusion buffers with one batched copy"),
+    Option("bucket_cap_mb", "HOROVOD_BUCKET_CAP_MB", float, 25.0, "MB",
+           "ringvod: DistributedOptimizer packs gradients into buckets of this size, one "
+           "allreduce each (0 = one allreduce per gradient, as Horovod)", "--bucket-cap-mb"),
     Option("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", int, 1, "",
            "NCCL streams per device", "--num-nccl-streams"),
     Option("thread_affinity", "HOROVOD_THREAD_AFFINITY", str, "", "",
@@ -197,6 +200,7 @@ class Config:
     torus_allreduce: bool
     disable_group_fusion: bool
     batch_d2d_memcopies: bool
+    bucket_cap_mb: float
     num_nccl_streams: int
     thread_affinity: str
     autotune: bool

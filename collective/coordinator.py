@@ -44,6 +44,8 @@ _BUSY_WAIT = 0.0002
 # Device requests collect up to this many bytes before a negotiation starts early (DDP's
 # bucket size is 25 MB).
 _DEVICE_BUCKET = 32 * 1024 * 1024
+# A request this large (a DistributedOptimizer bucket) is negotiated without a fusion window.
+_NO_HOLD_BYTES = 512 * 1024
 _HELD = (RequestType.ALLREDUCE, RequestType.REDUCESCATTER)
 
 
@@ -234,10 +236,13 @@ class Coordinator:
                 if old is not q or seen > len(q):
                     seen, nbytes = 0, 0
                 for req in q[seen:]:
-                    if req.device == CPU_DEVICE or req.type not in _HELD:
+                    rbytes = req.num_elements() * req.dtype.itemsize
+                    # Host work, other op types and already-bucketed gradients go at once.
+                    if (req.device == CPU_DEVICE or req.type not in _HELD
+                            or rbytes >= _NO_HOLD_BYTES):
                         self._hold_since = None
                         return 0.0
-                    nbytes += req.num_elements() * req.dtype.itemsize
+                    nbytes += rbytes
                 self._scanned[ps.id] = (q, len(q), nbytes)
             total += nbytes
         if total == 0 or total >= bucket:

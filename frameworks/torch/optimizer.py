@@ -25,6 +25,7 @@ import collective
 from collective import ProcessSet, ReduceOp, RequestType, global_process_set
 
 from .._common import check_named_parameters, default_parameter_name, split_list
+from ._buckets import Bucket, plan_buckets
 from ._buffers import enqueue
 from .compression import Compression, check_compressor
 from .functions import broadcast_object
@@ -47,7 +48,7 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
 class _Slot:
     """One parameter's gradient and its in-flight allreduce."""
 
-    __slots__ = ("param", "name", "delay", "handle", "send", "cctx", "sparse", "group")
+    __slots__ = ("param", "name", "delay", "handle", "send", "cctx", "sparse", "group", "bucket")
 
     def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
         self.param = param
@@ -58,6 +59,7 @@ class _Slot:
         self.cctx: Any = None  # compression context
         self.sparse = False  # the gradient was sparse and went through sparse_as_dense
         self.group: _Group | None = None
+        self.bucket: Bucket | None = None
 
 
 class _Group:
@@ -133,6 +135,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_should_synchronize = True
         self._hvd_slots: list[_Slot] = []
         self._hvd_groups: list[_Group] = []
+        self._hvd_buckets: list[Bucket] = []
         self._hvd_hooks: list[Any] = []
         ps = process_set
         included = ps is global_process_set or ps.process_set_id == 0 or bool(ps.included())
@@ -150,6 +153,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                  self.backward_passes_per_step))
         if groups is not None:
             self._hvd_form_groups(groups)
+        else:
+            self._hvd_form_buckets()
         ref = weakref.ref(self)
         for slot in self._hvd_slots:
             # A weak reference: hooks of a dropped optimizer must not keep reducing gradients.
@@ -187,6 +192,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 s.group = group
             self._hvd_groups.append(group)
 
+    def _hvd_form_buckets(self) -> None:
+        cap = collective.runtime.current().config.bucket_cap_mb
+        if cap <= 0 or not self._hvd_slots:
+            return
+        slots = self._hvd_slots
+        plan = plan_buckets([s.param for s in slots], [s.name for s in slots],
+                            int(cap * 1024 * 1024))
+        for indices, name in plan:
+            bucket = Bucket([slots[i].param for i in indices], name)
+            for i in indices:
+                slots[i].bucket = bucket
+            self._hvd_buckets.append(bucket)
+
+    def _hvd_launch_bucket(self, bucket: Bucket) -> None:
+        flat = bucket.pack()
+        send, bucket.cctx = self._compression.compress(flat)
+        bucket.send = send
+        pre, post = self._hvd_scale
+        bucket.handle = enqueue(RequestType.ALLREDUCE, [send], outputs=[send], name=bucket.name,
+                                process_set=self.process_set, op=self.op, prescale=pre,
+                                postscale=post)
+
     # -- per-gradient path (hooks) ----------------------------------------------------------------
     def _hvd_on_grad(self, slot: _Slot) -> None:
         if slot.delay <= 0:
@@ -197,6 +224,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_dirty = True
         slot.delay -= 1
         if slot.delay:
+            return
+        bucket = slot.bucket
+        if bucket is not None:
+            if slot.param.grad is not None and slot.param.grad.is_sparse:
+                self._hvd_launch(slot)  # its own (sparse) reduction; zeros in the bucket
+            if bucket.mark_ready():
+                self._hvd_launch_bucket(bucket)
             return
         group = slot.group
         if group is None:
@@ -270,13 +304,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         try:
             for slot in self._hvd_slots:
-                if slot.group is None and slot.handle is None:
+                if slot.group is None and slot.bucket is None and slot.handle is None:
                     self._hvd_launch(slot)
+            for bucket in self._hvd_buckets:
+                if bucket.handle is None:
+                    self._hvd_launch_bucket(bucket)
             for group in self._hvd_groups:
                 if group.handle is None:
                     self._hvd_launch_group(group)
+            for bucket in self._hvd_buckets:
+                bucket.handle.wait()
+                assert bucket.send is not None
+                bucket.unpack(self._compression.decompress(bucket.send, bucket.cctx))
             for slot in self._hvd_slots:
-                if slot.group is not None:
+                if slot.group is not None or (slot.bucket is not None and slot.handle is None):
                     continue
                 if isinstance(slot.handle, collective.Handle):
                     slot.handle.wait()
@@ -298,6 +339,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for group in self._hvd_groups:
             group.ready = 0
             group.handle = None
+        for bucket in self._hvd_buckets:
+            bucket.reset()
         self._hvd_dirty = False
 
     @contextlib.contextmanager
