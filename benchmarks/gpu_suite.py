@@ -201,13 +201,44 @@ def table(s: Suite, rows: list[dict]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["smoke", "full", "diag", "probe"])
+    p.add_argument("mode", choices=["smoke", "full", "diag", "probe", "final2"])
     p.add_argument("--budget", type=float, default=480.0, help="seconds for all steps")
     a = p.parse_args()
     out = os.environ.get("OUT") or os.path.join(REPO, "out")
     os.makedirs(out, exist_ok=True)
     s = Suite(out, a.budget)
     rows: list[dict] = []
+    if a.mode == "final2":
+        # ringvod (default gradient buckets) vs DDP at 2 GPUs, fp32 and bf16 autocast, then
+        # 1 GPU side by side for scaling efficiency; all in one call.
+        ddp = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               os.path.join(HERE, "ddp_resnet.py"), "--iters", "40", "--repeats", "3", "--phases"]
+        rv = [os.path.join(HERE, "gpu_resnet.py"), "--iters", "40", "--repeats", "3", "--phases"]
+        for cmd in (ddp, s.mpi(2, rv), ddp + ["--amp"], s.mpi(2, rv + ["--amp"])):
+            out = s.run(cmd, 120)
+            rows += parse(out)
+            s.say("\n".join(ln for ln in out.splitlines() if ln.startswith(("RESULT", "PHASES"))))
+        if s.left() > 60:  # 1 GPU: ringvod and DDP side by side, one per GPU
+            flags = ["--iters", "40", "--warmup", "15", "--repeats", "3"]
+            procs = [subprocess.Popen([PY, "-u", os.path.join(HERE, script)] + flags, cwd=REPO,
+                                      text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT,
+                                      env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu))
+                     for script, gpu in (("gpu_resnet.py", "0"), ("ddp_resnet.py", "1"))]
+            for p in procs:
+                try:
+                    text, _ = p.communicate(timeout=min(120, max(s.left(), 1)))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    text, _ = p.communicate()
+                s.log.write(text)
+                rows += parse(text)
+                s.say("\n".join(ln for ln in text.splitlines() if ln.startswith("RESULT")))
+        table(s, rows)
+        if rows:
+            write_results(os.path.join(out, "resnet.json"), "gpu_resnet", rows,
+                          params={"batch": 64, "mode": a.mode})
+        return 0
     if a.mode == "probe":
         ddp = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                os.path.join(HERE, "ddp_resnet.py"), "--iters", "40", "--repeats", "2", "--phases"]
