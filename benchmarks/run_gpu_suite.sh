@@ -65,7 +65,7 @@ case "$MODE" in
     probe) python3 benchmarks/gpu_suite.py probe --budget "$BUDGET" ;;
     final2)
         echo "== tests/gpu (mpi mode)" | tee -a "$LOG"
-        RINGVOD_TEST_REQUIRE=gpu,mpi timeout 150 python3 -m pytest -q -p no:cacheprovider \
+        RINGVOD_TEST_REQUIRE=gpu,mpi timeout 100 python3 -m pytest -q -p no:cacheprovider \
             -rfEs tests/gpu -k "spmd and mpi" 2>&1 | tee "$OUT/tests.log" | tail -15
         python3 benchmarks/gpu_suite.py final2 --budget "$BUDGET" ;;
     *) echo "usage: $0 smoke|full|tests [budget_s]"; exit 2 ;;
