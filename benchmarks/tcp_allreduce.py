@@ -141,7 +141,8 @@ def _fmt_size(b: int) -> str:
     return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
 
 
-def print_table(res: dict) -> None:
+def print_table(res: dict, key: str = "median_s") -> None:
+    """Markdown table of latency and busbw per size (key: median_s or p10_s)."""
     variants = list(res["results"])
     head = "| size | " + " | ".join(f"{v} lat (us) | {v} busbw (GB/s)" for v in variants)
     if "tcp" in variants and "mpi" in variants:
@@ -152,10 +153,11 @@ def print_table(res: dict) -> None:
         cells = []
         for v in variants:
             r = res["results"][v][s]
-            cells.append(f"{r['median_s'] * 1e6:.0f} | {r['busbw_GBps']:.2f}")
+            t = r[key]
+            cells.append(f"{t * 1e6:.0f} | {int(s) / t * 2 * (res['np'] - 1) / res['np'] / 1e9:.2f}")
         line = f"| {_fmt_size(int(s))} | " + " | ".join(cells)
         if "tcp" in variants and "mpi" in variants:
-            ratio = res["results"]["tcp"][s]["busbw_GBps"] / res["results"]["mpi"][s]["busbw_GBps"]
+            ratio = res["results"]["mpi"][s][key] / res["results"]["tcp"][s][key]
             line += f" | {ratio:.0%}"
         print(line + " |")
 
@@ -183,6 +185,8 @@ def main() -> None:
     print(f"# {res['date']} {res['host']} ({res['cpus']} CPUs), np={res['np']}, "
           f"{res['rounds']} interleaved rounds, medians of pooled samples")
     print_table(res)
+    print("\n# the same, best decile (p10): what the ranks reach when not preempted")
+    print_table(res, "p10_s")
 
 
 if __name__ == "__main__":
