@@ -29,14 +29,15 @@ __all__ = ["Link", "DIRECT_MAX", "HDR_SIZE", "SMALL_SPIN", "BULK_SPIN"]
 # two ranks sending to each other before receiving cannot block each other.
 DIRECT_MAX = 64 << 10
 # How long (seconds) a receive polls (yielding the CPU) before it blocks: for headers and
-# small messages, and for the chunks of bulk transfers. Waking a blocked thread costs tens of
-# microseconds on an idle host, more on a busy one, while MPI polls all the time; on the
-# 2-core CI box polling 100 us took a lone 4 KiB allreduce through the runtime from ~300 to
-# ~100 us most of the time. Idle coordinators still exchange a bit vector every cycle, so the
-# poll is short, and a link whose last wait outlasted it blocks at once next time: a slow peer
-# costs no CPU (idle tcp-mode ranks use ~7% of a core; idle MPI-mode ranks ~37%). Polling for
-# bulk chunks made 1-16 MiB allreduces slower when the ranks had to share the cores with
-# other work, so bulk receives block at once.
+# small messages, and for the chunks of bulk transfers. MPI polls all the time, and waking a
+# blocked thread costs tens of microseconds on an idle host (hundreds on the loaded 2-core CI
+# box). Idle coordinators still exchange a bit vector every cycle, so the poll is short, and
+# a link whose last wait outlasted it blocks at once next time: a slow peer costs no CPU (idle
+# tcp-mode ranks use ~7% of a core, idle MPI-mode ranks ~30%). On the CI box, polls of 0.1 to
+# 5 ms made no measurable difference to small ops (their latency is set by where the
+# scheduler puts the coordinator threads: HOROVOD_THREAD_AFFINITY=0,1 gave ~95 us instead
+# of ~300), and polling for bulk chunks made 1-16 MiB allreduces slower when the ranks shared
+# the cores with other work, so bulk receives block at once.
 SMALL_SPIN = 100e-6
 BULK_SPIN = 0.0
 _HDR = struct.Struct("<IIQ")  # opcode, sequence number, payload bytes
