@@ -1,6 +1,6 @@
 """CPU allreduce: ringvod (MPI mode) vs raw mpi4py vs torch.distributed (gloo), same run.
 
-Measures, on every rank of one `mpirun` job (default 2 ranks):
+Measures, under `mpirun` (default 2 ranks):
 
 * a single float32 tensor from 4 KiB to 64 MiB: median latency and bus bandwidth
   (busbw = bytes/t x 2(n-1)/n, nccl-tests' definition), for ringvod's synchronous
@@ -13,9 +13,12 @@ Targets (issue 2): >= 90% of raw mpi4py busbw at 16-64 MiB; the 100-tensor case 
 the ideal single call and faster than 100 torch.distributed allreduces; a lone 4 KiB
 synchronous allreduce at most half of torch.distributed's latency.
 
-Run: `python benchmarks/allreduce_cpu.py` (starts `mpirun -np 2` itself, with
-OMPI_MCA_mpi_yield_when_idle=1), or `mpirun ... -np 2 python benchmarks/allreduce_cpu.py`.
-Writes `benchmarks/results/allreduce_cpu.json` and prints a table on rank 0.
+Run: `python benchmarks/allreduce_cpu.py` (with OMPI_MCA_mpi_yield_when_idle=1). It alternates
+two kinds of `mpirun` jobs, one round each, `--rounds` times: the "mpi" part (raw mpi4py and
+ringvod, interleaved per size) and the "gloo" part (torch.distributed). torch runs in processes of
+its own because a process that has run gloo collectives makes every MPI call in it slower
+(measured here: raw 4 KiB Allreduce 4.5 us -> 17 us, ringvod 96 us -> 277 us), which would
+penalise the MPI series. Writes `benchmarks/results/allreduce_cpu.json` and prints tables.
 """
 from __future__ import annotations
 
@@ -49,64 +52,56 @@ def _launch(np_: int, argv: list[str]) -> int:
     return subprocess.call(cmd, env=env)
 
 
-def _timeit(fn, iters: int, barrier) -> list[float]:
-    """Per-iteration seconds; a barrier before each sample aligns the ranks."""
+def _timeit(fn, iters: int, barrier, blocks: int = 5) -> list[float]:
+    """Seconds per op, one sample per block of back-to-back ops (nccl-tests/OSU style); a
+    barrier before each block aligns the ranks."""
     for _ in range(max(3, iters // 5)):  # warm-up (and cache ringvod's names)
         fn()
+    blocks = max(1, min(blocks, iters))
+    per = max(1, iters // blocks)
     out = []
-    for _ in range(iters):
+    for _ in range(blocks):
         barrier()
         t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+        for _ in range(per):
+            fn()
+        out.append((time.perf_counter() - t0) / per)
     return out
 
 
-def _agreed_median(samples: list[float], comm) -> float:
-    """The slowest rank's median (what a training step would see)."""
-    return max(comm.allgather(statistics.median(samples)))
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--np", type=int, default=2, help="ranks when launching mpirun itself")
-    ap.add_argument("--scale", type=float, default=1.0, help="iteration count multiplier")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "allreduce_cpu.json"))
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds")
-    ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed")
-    ap.add_argument("--sizes", default="", help="comma list of byte sizes (default 4K..64M)")
-    a = ap.parse_args()
-    if not os.environ.get("OMPI_COMM_WORLD_SIZE") and not os.environ.get("PMI_SIZE"):
-        return _launch(a.np, sys.argv[1:])
+def _part_main(a: argparse.Namespace) -> int:
+    """One round of one part on every rank; rank 0 writes the samples (per-block maxima)."""
+    import json
 
     import numpy as np
     from mpi4py import MPI
 
-    sys.path.insert(0, HERE)
-    from _report import busbw, format_table, human_bytes, write_results
-
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else SIZES
+    sizes = [int(x) for x in a.sizes.split(",")] if a.sizes else SIZES
     barrier = comm.Barrier
-    samples: dict[tuple[str, int], list[float]] = {}
+    samples: dict[str, list[float]] = {}
+    per = a.scale / a.rounds
 
     def add(series: str, nbytes: int, fn, iters: int) -> None:
-        samples.setdefault((series, nbytes), []).extend(_timeit(fn, iters, barrier))
+        mine = _timeit(fn, iters, barrier)
+        # A block is as slow as its slowest rank (what a training step would see).
+        worst = np.max(np.array(comm.allgather(mine)), axis=0).tolist()
+        samples.setdefault(f"{series}|{nbytes}", []).extend(worst)
 
     fused_bytes = FUSED_N * FUSED_BYTES
-    bufs = {n: (np.ones(n // 4, dtype=np.float32), np.empty(n // 4, dtype=np.float32))
-            for n in sizes + [fused_bytes]}
-    torch_ok = not a.no_torch
-    if torch_ok:
+    reps = max(3, int(40 * per))
+    if a.part == "gloo":
         import torch
         import torch.distributed as dist
         torch.set_num_threads(1)
         port = comm.bcast(_free_port() if rank == 0 else None, root=0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=size)
-        tbufs = {n: torch.ones(n // 4, dtype=torch.float32) for n in sizes}
         tsmall = [torch.ones(FUSED_BYTES // 4) for _ in range(FUSED_N)]
+        warm = torch.ones(1024)
+        for _ in range(300):  # gloo's first collectives are slow (connection warm-up)
+            dist.all_reduce(warm)
 
         def torch_seq():
             for t in tsmall:
@@ -116,59 +111,106 @@ def main() -> int:
             for w in [dist.all_reduce(t, async_op=True) for t in tsmall]:
                 w.wait()
 
-    import collective as hvd
-    xs = [np.ones(FUSED_BYTES // 4, dtype=np.float32) for _ in range(FUSED_N)]
-    names = [f"fused.{i}" for i in range(FUSED_N)]
-
-    def ringvod_fused():
-        hs = [hvd.allreduce_async(x, op=hvd.Sum, name=n) for x, n in zip(xs, names)]
-        for h in hs:
-            hvd.synchronize(h)
-
-    # Rounds interleave the series, and within a round every series runs back to back on the
-    # same (warm) buffers of one size, so that load from other processes on this shared machine
-    # hits every series alike; the medians pool all rounds. ringvod is initialised only around
-    # its own measurements (its idle coordinator would otherwise load the baselines).
-    for rnd in range(a.rounds):
-        per = a.scale / a.rounds
         for n in sizes:
-            send, recv = bufs[n]
+            t = torch.ones(n // 4, dtype=torch.float32)
+            add("torch gloo", n, lambda: dist.all_reduce(t), _iters(n, per))
+        add("torch gloo 100 sequential", fused_bytes, torch_seq, max(3, reps // 2))
+        add("torch gloo 100 async", fused_bytes, torch_async, max(3, reps // 2))
+        dist.destroy_process_group()
+    else:
+        import collective as hvd
+        xs = [np.ones(FUSED_BYTES // 4, dtype=np.float32) for _ in range(FUSED_N)]
+        names = [f"fused.{i}" for i in range(FUSED_N)]
+
+        def ringvod_fused():
+            hs = [hvd.allreduce_async(x, op=hvd.Sum, name=nm) for x, nm in zip(xs, names)]
+            for h in hs:
+                hvd.synchronize(h)
+
+        warm = np.ones(1024, dtype=np.float32)
+        for _ in range(300):  # the same process-level warm-up as the gloo part gets
+            comm.Allreduce(MPI.IN_PLACE, warm, op=MPI.SUM)
+        # The series of one size run back to back on the same warm buffers. ringvod is
+        # initialised only around its own measurements: its idle coordinator negotiates every
+        # cycle and would otherwise load the raw baseline.
+        for n in sizes:
+            send = np.ones(n // 4, dtype=np.float32)
+            recv = np.ones(n // 4, dtype=np.float32)
             it = _iters(n, per)
             add("mpi4py", n, lambda: comm.Allreduce(send, recv, op=MPI.SUM), it)
             add("mpi4py in-place", n, lambda: comm.Allreduce(MPI.IN_PLACE, recv, op=MPI.SUM),
                 it)
-            if torch_ok:
-                t = tbufs[n]
-                add("torch gloo", n, lambda: dist.all_reduce(t), it)
             hvd.init()
+            assert hvd.size() == size and hvd.mode() == "mpi"
             add("ringvod", n, lambda: hvd.allreduce(send, op=hvd.Sum, name=f"oop.{n}"), it)
             add("ringvod in-place", n,
                 lambda: hvd.allreduce_(recv, op=hvd.Sum, name=f"inp.{n}"), it)
             hvd.shutdown()
-        send, recv = bufs[fused_bytes]
-        reps = max(3, int(40 * per))
+        send = np.ones(fused_bytes // 4, dtype=np.float32)
+        recv = np.empty_like(send)
         add("mpi4py one fused call", fused_bytes,
             lambda: comm.Allreduce(send, recv, op=MPI.SUM), reps)
-        if torch_ok:
-            add("torch gloo 100 sequential", fused_bytes, torch_seq, max(3, reps // 2))
-            add("torch gloo 100 async", fused_bytes, torch_async, max(3, reps // 2))
         hvd.init()
-        assert hvd.size() == size and hvd.mode() == "mpi"
         add("ringvod 100 async", fused_bytes, ringvod_fused, reps)
         hvd.shutdown()
-    if torch_ok:
-        dist.destroy_process_group()
+    if rank == 0:
+        with open(a.samples_out, "w") as f:
+            json.dump({"size": size, "samples": samples}, f)
+    return 0
 
+
+def _run_part(a: argparse.Namespace, part: str, out: str) -> dict:
+    import json
+    argv = ["--part", part, "--samples-out", out, "--rounds", str(a.rounds), "--scale",
+            str(a.scale)] + (["--sizes", a.sizes] if a.sizes else [])
+    rc = _launch(a.np, argv)
+    if rc != 0:
+        raise SystemExit(f"the {part} part failed (mpirun exit code {rc})")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--np", type=int, default=2, help="ranks per mpirun job")
+    ap.add_argument("--scale", type=float, default=1.0, help="iteration count multiplier")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "allreduce_cpu.json"))
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of each part")
+    ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed")
+    ap.add_argument("--sizes", default="", help="comma list of byte sizes (default 4K..64M)")
+    ap.add_argument("--part", choices=["mpi", "gloo"], help=argparse.SUPPRESS)
+    ap.add_argument("--samples-out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.part:
+        return _part_main(a)
+
+    import tempfile
+
+    sys.path.insert(0, HERE)
+    from _report import busbw, format_table, human_bytes, write_results
+
+    sizes = [int(x) for x in a.sizes.split(",")] if a.sizes else SIZES
+    fused_bytes = FUSED_N * FUSED_BYTES
+    pooled: dict[str, list[float]] = {}
+    size = a.np
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(a.rounds):
+            for part in ("mpi",) + (() if a.no_torch else ("gloo",)):
+                doc = _run_part(a, part, os.path.join(tmp, f"{part}{rnd}.json"))
+                size = doc["size"]
+                for k, v in doc["samples"].items():
+                    pooled.setdefault(k, []).extend(v)
     rows = []
-    for (series, n), v in samples.items():
-        t = _agreed_median(v, comm)
+    for key, v in pooled.items():
+        series, n = key.rsplit("|", 1)
+        n = int(n)
+        t = statistics.median(v)
         rows.append({"series": series, "bytes": n, "time_us": t * 1e6,
                      "busbw_gbs": busbw(n, t, size), "samples": len(v),
                      **({"case": "fusion"} if n == fused_bytes and series not in (
                          "mpi4py", "mpi4py in-place", "ringvod", "ringvod in-place")
                         else {})})
-    if rank != 0:
-        return 0
     by = {(r["series"], r["bytes"]): r for r in rows}
     nan = float("nan")
 
@@ -182,8 +224,8 @@ def main() -> int:
             "ringvod", "mpi4py", "ringvod in-place", "mpi4py in-place", "torch gloo")] + [
             f"{100 * get('ringvod', n, 'busbw_gbs') / get('mpi4py', n, 'busbw_gbs'):.0f}%",
             f"{100 * get('ringvod in-place', n, 'busbw_gbs') / get('mpi4py in-place', n, 'busbw_gbs'):.0f}%"])
-    print(f"\nallreduce of one float32 tensor, {size} ranks: median us per op (slowest rank's "
-          f"median over {a.rounds} interleaved rounds)")
+    print(f"\nallreduce of one float32 tensor, {size} ranks: median us per op over "
+          f"{a.rounds} alternating rounds (a sample = a block of back-to-back ops, slowest rank)")
     print(format_table(["size", "ringvod", "mpi4py", "ringvod_", "mpi4py IN_PLACE", "gloo",
                         "bw vs mpi4py", "bw_ vs IN_PLACE"], table))
     print("\nbus bandwidth GB/s (bytes/t x 2(n-1)/n):")
@@ -231,7 +273,8 @@ def main() -> int:
     write_results(a.out, "allreduce_cpu", rows,
                   params={"np": size, "sizes": sizes, "fused": [FUSED_N, FUSED_BYTES],
                           "scale": a.scale, "rounds": a.rounds, "mca_yield_when_idle": 1,
-                          "load_average": os.getloadavg()},
+                          "load_average_before": load_before,
+                          "load_average_after": os.getloadavg()},
                   notes=f"targets: {targets}")
     print(f"\nwrote {os.path.relpath(a.out)}")
     return 0
