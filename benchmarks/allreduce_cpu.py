@@ -183,6 +183,9 @@ def main() -> int:
     a = ap.parse_args()
     if a.part:
         return _part_main(a)
+    if os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE"):
+        sys.exit("run `python benchmarks/allreduce_cpu.py` without mpirun: it starts its own "
+                 "mpirun jobs (one per library, alternating)")
 
     import tempfile
 
