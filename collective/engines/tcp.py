@@ -187,7 +187,7 @@ class TcpControlPlane(ControlPlane):
         self._splits += 1
         views = self.allgather(json.dumps(ranks).encode())
         if len(set(views)) > 1:
-            by = {}
+            by: dict[str, list[int]] = {}
             for r, v in enumerate(views):
                 by.setdefault(v.decode(), []).append(self.global_ranks[r])
             raise HorovodInternalError(
@@ -224,7 +224,7 @@ def small_allreduce(plane: TcpControlPlane, buf: np.ndarray, ufunc: Any, op: int
     """In-place allreduce of a small contiguous array: one exchange at two ranks, else reduce
     at rank 0 in rank order (deterministic) and send the result back (two hops)."""
     n, r = plane.size, plane.rank
-    raw = memoryview(buf.reshape(-1).view(np.uint8))
+    raw = buf.reshape(-1).view(np.uint8).data
     nb = raw.nbytes
     if n == 2:
         link = plane.link(1 - r)

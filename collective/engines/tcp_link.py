@@ -264,7 +264,7 @@ class Link:
         """Receives `a.size` streamed elements x and sets ``out = ufunc(a, x)``; `tmp` is a
         scratch array of a's dtype and at least its size."""
         t = tmp[:a.size]
-        self.recv_into(memoryview(t.view(np.uint8)))
+        self.recv_into(t.view(np.uint8).data)
         ufunc(a, t, out=out)
 
     def recv_msg(self, op: int, nbytes: int | None = None,

@@ -111,15 +111,15 @@ class TcpEngine(HostEngine):
             return _ranges(bounds[i], bounds[i + 1], step)
 
         for a, b in seg(r):
-            right.post(memoryview(raw[a * item:b * item]), direct=False)
+            right.post(raw[a * item:b * item].data, direct=False)
         for s in range(n - 1):  # reduce-scatter; the last step yields block r+1, sent at once
             for a, b in seg((r - s - 1) % n):
                 dst = buf[a:b]
                 left.recv_reduce(dst, dst, ufunc, tmp)
-                right.post(memoryview(raw[a * item:b * item]), direct=False)
+                right.post(raw[a * item:b * item].data, direct=False)
         for s in range(n - 1):  # allgather: forward every block but the last one received
             for a, b in seg((r - s) % n):
-                view = memoryview(raw[a * item:b * item])
+                view = raw[a * item:b * item].data
                 left.recv_into(view)
                 if s < n - 2:
                     right.post(view, direct=False)
@@ -170,7 +170,7 @@ class TcpEngine(HostEngine):
         link.send_msg(OP_ALLREDUCE, nbytes=buf.nbytes)
         link.recv_hdr(OP_ALLREDUCE, buf.nbytes)
         chunks = list(_ranges(0, buf.size, step))
-        tickets = [link.post(memoryview(raw[a * item:b * item]), direct=False)
+        tickets = [link.post(raw[a * item:b * item].data, direct=False)
                    for a, b in chunks]
         for (a, b), ticket in zip(chunks, tickets):
             link.wait_sent(ticket)  # our copy of this chunk left before we overwrite it
@@ -198,7 +198,7 @@ class TcpEngine(HostEngine):
         left.recv_hdr(OP_RS, send.nbytes)
         first = (r - 1) % n
         for a, b in _ranges(bounds[first], bounds[first + 1], step):
-            right.post(memoryview(raw[a * item:b * item]), direct=direct)
+            right.post(raw[a * item:b * item].data, direct=direct)
         mine = bounds[r]
         for s in range(n - 1):
             blk = (r - s - 2) % n
@@ -209,7 +209,7 @@ class TcpEngine(HostEngine):
                 else:
                     dst = send[a:b]
                     left.recv_reduce(dst, dst, ufunc, tmp)
-                    right.post(memoryview(raw[a * item:b * item]), direct=direct)
+                    right.post(raw[a * item:b * item].data, direct=direct)
         right.flush()
 
     # -- allgather ----------------------------------------------------------------------------
@@ -227,11 +227,11 @@ class TcpEngine(HostEngine):
         right.send_msg(OP_AG, nbytes=total)
         left.recv_hdr(OP_AG, total)
         for a, b in _ranges(offs[r], offs[r + 1], CHUNK):
-            right.post(memoryview(recv[a:b]), direct=direct)
+            right.post(recv[a:b].data, direct=direct)
         for s in range(n - 1):
             blk = (r - s - 1) % n
             for a, b in _ranges(offs[blk], offs[blk + 1], CHUNK):
-                view = memoryview(recv[a:b])
+                view = recv[a:b].data
                 left.recv_into(view)
                 if s < n - 2:
                     right.post(view, direct=direct)
@@ -243,7 +243,7 @@ class TcpEngine(HostEngine):
         if n == 1:
             return
         nb = buf.nbytes
-        raw = memoryview(buf)
+        raw = buf.data
         if nb <= DIRECT_MAX and n > 2:  # one hop from the root to each rank
             if r == root:
                 links = [self.plane.link(p) for p in range(n) if p != root]
@@ -282,10 +282,10 @@ class TcpEngine(HostEngine):
             nb_out, nb_in = sendcounts[dst], recvcounts[src]
             out.send_msg(OP_A2A, nbytes=nb_out)
             for a, b in _ranges(soff[dst], soff[dst + 1], CHUNK):
-                out.post(memoryview(send[a:b]), direct=nb_out <= DIRECT_MAX)
+                out.post(send[a:b].data, direct=nb_out <= DIRECT_MAX)
             inp.recv_hdr(OP_A2A, nb_in)
             if nb_in:
-                inp.recv_into(memoryview(recv[roff[src]:roff[src + 1]]))
+                inp.recv_into(recv[roff[src]:roff[src + 1]].data)
             used.append(out)
         for link in used:
             link.flush()
