@@ -11,6 +11,7 @@ never fuse; JOIN, BARRIER and ERROR also stop the look-ahead.
 """
 from __future__ import annotations
 
+import re
 from collections import deque
 from typing import Iterable
 
@@ -33,6 +34,17 @@ def _row_elems(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _per_rank(r: Response, group_size: int, align: int) -> list[int]:
+    """Allgather: bytes each rank contributes to the fused buffer."""
+    item = r.dtype.itemsize
+    per_rank = [0] * group_size
+    for t, shape in enumerate(r.shapes):
+        row = _row_elems(shape) * item
+        for rank in range(group_size):
+            per_rank[rank] += _pad(r.sizes[t * group_size + rank] * row, align)
+    return per_rank
+
+
 def response_bytes(r: Response, group_size: int, align: int = 0) -> int:
     """Bytes the response adds to a fusion buffer (allgather: the largest per-rank share)."""
     item = r.dtype.itemsize
@@ -40,19 +52,25 @@ def response_bytes(r: Response, group_size: int, align: int = 0) -> int:
         pad = 0 if r.type == ResponseType.REDUCESCATTER else align
         return sum(_pad(n * item, pad) for n in r.sizes)
     if r.type == ResponseType.ALLGATHER:
-        per_rank = [0] * group_size
-        for t, shape in enumerate(r.shapes):
-            row = _row_elems(shape) * item
-            for rank in range(group_size):
-                per_rank[rank] += _pad(r.sizes[t * group_size + rank] * row, align)
-        return max(per_rank) if per_rank else 0
+        return max(_per_rank(r, group_size, align), default=0)
     return 0
+
+
+_MEMBER = re.compile(r"_\d+of\d+$")
+
+
+def group_key(name: str) -> str:
+    """The grouped op a tensor belongs to (`grouped_allreduce.g_2of3` -> `grouped_allreduce.g`);
+    any other tensor is a group of its own. Derived from the name, so it matches across ranks."""
+    if name.startswith("grouped_"):
+        return _MEMBER.sub("", name)
+    return name
 
 
 def _compatible(a: Response, b: Response, by_group: bool) -> bool:
     if a.type != b.type or a.device != b.device or a.dtype != b.dtype:
         return False
-    if by_group and a.group_ids and b.group_ids and a.group_ids[0] != b.group_ids[0]:
+    if by_group and group_key(a.names[0]) != group_key(b.names[0]):
         return False
     if a.type == ResponseType.ALLGATHER:
         return True
@@ -64,7 +82,6 @@ def _merge(into: Response, other: Response) -> None:
     into.names.extend(other.names)
     into.sizes.extend(other.sizes)
     into.shapes.extend(other.shapes)
-    into.group_ids.extend(other.group_ids)
 
 
 def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
@@ -78,6 +95,9 @@ def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
         if not fusable or threshold <= 0:
             out.append(head)
             continue
+        gather = head.type == ResponseType.ALLGATHER
+        # Allgather fits when every rank's summed share fits (API.md §1.5).
+        ranks_used = _per_rank(head, group_size, align) if gather else []
         used = response_bytes(head, group_size, align)
         skipped: list[Response] = []
         skipped_bytes = 0
@@ -87,6 +107,15 @@ def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
                 break
             nb = response_bytes(nxt, group_size, align)
             if _compatible(head, nxt, disable_group_fusion):
+                if gather:
+                    summed = [a + b for a, b in zip(ranks_used, _per_rank(nxt, group_size,
+                                                                          align))]
+                    if max(summed, default=0) > threshold:
+                        break
+                    ranks_used = summed
+                    _merge(head, queue.popleft())
+                    used = max(summed, default=0)
+                    continue
                 if used + nb > threshold:
                     break
                 _merge(head, queue.popleft())
@@ -105,5 +134,4 @@ def _copy(r: Response) -> Response:
     return Response(type=r.type, names=list(r.names), dtype=r.dtype, device=r.device,
                     sizes=list(r.sizes), reduce_op=r.reduce_op, prescale=r.prescale,
                     postscale=r.postscale, root=r.root, error=r.error,
-                    last_joined_rank=r.last_joined_rank, shapes=list(r.shapes),
-                    group_ids=list(r.group_ids))
+                    last_joined_rank=r.last_joined_rank, shapes=list(r.shapes))

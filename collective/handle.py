@@ -15,21 +15,27 @@ __all__ = ["Handle", "GroupHandle"]
 _log = logging.getLogger("horovod")
 
 PENDING, FINISHED = "PENDING", "FINISHED"
+_allocate_lock = threading.Lock
+# Guards every handle's state/callback transition; held for a few instructions only.
+_STATE_LOCK = threading.Lock()
 
 
 class Handle:
     """Completion of one op (or of one grouped op)."""
 
-    __slots__ = ("name", "_cond", "_state", "_result", "_exception", "_callbacks", "keepalive",
+    __slots__ = ("name", "_latch", "_state", "_result", "_exception", "_callbacks", "keepalive",
                  "__weakref__")
 
     def __init__(self, name: str, keepalive: Any = None) -> None:
         self.name = name
-        self._cond = threading.Condition(threading.Lock())
+        # A held lock is the completion latch: waiters acquire-and-release it, completion
+        # releases it. Cheaper to create than a Condition (one per op on the hot path).
+        self._latch = _allocate_lock()
+        self._latch.acquire()
         self._state = PENDING
         self._result: Any = None
         self._exception: BaseException | None = None
-        self._callbacks: list[Callable[["Handle"], None]] = []
+        self._callbacks: list[Callable[["Handle"], None]] | None = None
         self.keepalive = keepalive  # tensors that must outlive the op (guarded by completion)
 
     def __repr__(self) -> str:
@@ -46,10 +52,10 @@ class Handle:
             TimeoutError: the op did not finish within `timeout` seconds.
             HorovodInternalError: the op failed on this or another rank.
         """
-        with self._cond:
-            if self._state != FINISHED and not self._cond.wait_for(
-                    lambda: self._state == FINISHED, timeout):
+        if self._state != FINISHED:
+            if not self._latch.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
                 raise TimeoutError(f"op {self.name} did not finish within {timeout} s")
+            self._latch.release()  # let the next waiter through
         if self._exception is not None:
             raise self._exception
         return self._result
@@ -62,8 +68,10 @@ class Handle:
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
         """Calls `fn(handle)` when the op finishes (at once if it already has)."""
-        with self._cond:
+        with _STATE_LOCK:
             if self._state != FINISHED:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         self._run_callback(fn)
@@ -78,16 +86,17 @@ class Handle:
         self._finish(None, exc)
 
     def _finish(self, result: Any, exc: BaseException | None) -> None:
-        with self._cond:
+        with _STATE_LOCK:
             if self._state == FINISHED:
                 return
             self._result, self._exception = result, exc
             self._state = FINISHED
             self.keepalive = None
-            callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
-        for fn in callbacks:
-            self._run_callback(fn)
+            callbacks, self._callbacks = self._callbacks, None
+        self._latch.release()
+        if callbacks:
+            for fn in callbacks:
+                self._run_callback(fn)
 
     def _run_callback(self, fn: Callable[["Handle"], None]) -> None:
         try:

@@ -160,7 +160,6 @@ class Response:
     last_joined_rank: int = -1
     # Shapes per tensor (for zeros on joined ranks and for the timeline).
     shapes: list[tuple[int, ...]] = field(default_factory=list)
-    group_ids: list[int] = field(default_factory=list)
 
     def split(self) -> list["Response"]:
         """Splits a fused response back into one response per tensor."""
@@ -174,6 +173,5 @@ class Response:
                 sizes=self.sizes[i * per:(i + 1) * per] if per else [],
                 reduce_op=self.reduce_op, prescale=self.prescale, postscale=self.postscale,
                 root=self.root, shapes=[self.shapes[i]] if self.shapes else [],
-                group_ids=[self.group_ids[i]] if self.group_ids else [],
             ))
         return out

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..entry import Entry
+from ..entry import Entry, default_allocate
 from ..types import DataType, ReduceOp, Response, numpy_dtype
 
 __all__ = ["ControlPlane", "Engine", "HostEngine", "split_rows", "bf16_to_f32", "f32_to_bf16"]
@@ -216,9 +216,26 @@ class HostEngine(Engine):
         return entry.output
 
     def _reduce_typed(self, buf: np.ndarray, dtype: DataType, response: Response,
-                      scatter: tuple[np.ndarray, list[int]] | None = None) -> None:
-        """prescale, reduce (allreduce or reduce-scatter into scatter[0]), postscale."""
+                      scatter: tuple[np.ndarray, list[int]] | None = None,
+                      src: np.ndarray | None = None) -> None:
+        """prescale, reduce (allreduce or reduce-scatter into scatter[0]), postscale.
+
+        With `src`, the input is `src` and `buf` is only the destination (an out-of-place
+        reduction where the transport supports it, saving a copy).
+        """
         op = response.reduce_op
+        if src is not None:
+            direct = (scatter is None and response.prescale == 1.0 and dtype != DataType.BOOL
+                      and dtype != DataType.BFLOAT16
+                      and (dtype != DataType.FLOAT16 or self.reduces_float16))
+            if direct:
+                post = response.postscale
+                if op == ReduceOp.AVERAGE:
+                    op, post = ReduceOp.SUM, post / self.size
+                self._run_reduce_into(src, buf, op)
+                _scale(buf, post)
+                return
+            np.copyto(buf, src)
         post = response.postscale
         if op == ReduceOp.AVERAGE:
             op, post = ReduceOp.SUM, post / self.size
@@ -266,6 +283,21 @@ class HostEngine(Engine):
             if tl is not None:
                 tl.activity_end_all(self._current_names)
 
+    def _run_reduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> None:
+        tl = self.timeline
+        if tl is not None:
+            tl.activity_start_all(self._current_names, f"{self.prefix}_ALLREDUCE")
+        try:
+            self._allreduce_into(src, dst, op)
+        finally:
+            if tl is not None:
+                tl.activity_end_all(self._current_names)
+
+    def _allreduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> None:
+        """Out-of-place allreduce; transports that can do it without the copy override this."""
+        np.copyto(dst, src)
+        self._allreduce(dst, op)
+
     @staticmethod
     def _downcast(work: np.ndarray, out: np.ndarray, dtype: DataType) -> None:
         if dtype == DataType.BFLOAT16:
@@ -282,26 +314,27 @@ class HostEngine(Engine):
         if len(entries) == 1:
             e = entries[0]
             out = self._output(e, e.tensor.shape)
-            if out is not e.tensor:
-                np.copyto(out, e.tensor)
-            self._reduce_typed(out.reshape(-1), dtype, response)
+            src = None if out is e.tensor else e.tensor.reshape(-1)
+            self._reduce_typed(out.reshape(-1), dtype, response, src=src)
             return
         nd = numpy_dtype(dtype)
         total = sum(e.tensor.size for e in entries)
-        buf = self._fusion_buffer(total * nd.itemsize).view(nd)
+        # New-array ops (numpy outputs) get views of one fresh buffer: no per-tensor allocation
+        # and no copy out of the fusion buffer.
+        as_views = all(e.output is None and e.allocate is default_allocate for e in entries)
+        buf = np.empty(total, dtype=nd) if as_views else (
+            self._fusion_buffer(total * nd.itemsize).view(nd))
         with self.activity(entries, "MEMCPY_IN_FUSION_BUFFER"):
-            off = 0
-            for e in entries:
-                n = e.tensor.size
-                buf[off:off + n] = e.tensor.reshape(-1)
-                off += n
+            np.concatenate([e.tensor.reshape(-1) for e in entries], out=buf)
         self._reduce_typed(buf, dtype, response)
         with self.activity(entries, "MEMCPY_OUT_FUSION_BUFFER"):
             off = 0
             for e in entries:
                 n = e.tensor.size
-                out = self._output(e, e.tensor.shape)
-                out.reshape(-1)[...] = buf[off:off + n]
+                if as_views:
+                    e.output = buf[off:off + n].reshape(e.tensor.shape)
+                else:
+                    np.copyto(self._output(e, e.tensor.shape).reshape(-1), buf[off:off + n])
                 off += n
 
     def allgather(self, entries: list[Entry], response: Response) -> None:

@@ -127,6 +127,9 @@ class MPIEngine(HostEngine):
     def _allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
 
+    def _allreduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> None:
+        self.comm.Allreduce(src, dst, op=_OPS[op])
+
     def _allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.comm.Allgatherv([send, MPI.BYTE], [recv, counts, displs, MPI.BYTE])

@@ -246,9 +246,6 @@ def test_grouped_allreduce_is_one_engine_call_with_background_thread():
     run_loopback(2, body)
 
 
-@pytest.mark.xfail(strict=True, reason="runtime bug: responses carry no group_ids (Request."
-                   "group_id is not sent and MessageTable does not fill them), so "
-                   "HOROVOD_DISABLE_GROUP_FUSION=1 has no effect")
 def test_disable_group_fusion_keeps_groups_apart():
     def body(rank):
         calls = count_engine_calls()
