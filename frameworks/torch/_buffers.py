@@ -104,8 +104,11 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None) -> C
     if kind == "cpu":
         if output is not None and output.device.type != "cpu":
             raise ValueError(f"output on {output.device} for an input on the CPU")
-        return CollectiveArgs(_host_view(tensor), _DTYPES[tensor.dtype], tuple(tensor.shape),
-                              CPU_DEVICE, output=None if output is None else _host_view(output))
+        view = _host_view(tensor)
+        # In-place ops pass the very same view as output: engines test `output is tensor`.
+        out = None if output is None else view if output is tensor else _host_view(output)
+        return CollectiveArgs(view, _DTYPES[tensor.dtype], tuple(tensor.shape), CPU_DEVICE,
+                              output=out)
     if kind == "cuda":
         from . import _cuda
         return _cuda.to_collective(tensor, _DTYPES[tensor.dtype], output)
