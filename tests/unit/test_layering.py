@@ -162,9 +162,6 @@ def test_launcher_imports_without_numpy_torch_or_backends_except_numpy():
     assert out == {}, f"launcher modules that need a heavy package: {out}"
 
 
-@pytest.mark.xfail(strict=True, reason="collective/__init__.py imports numpy (through runtime) "
-                   "eagerly, so launcher's `from collective.config import ...` needs numpy; "
-                   "STYLE §4 wants launcher importable with the stdlib alone")
 def test_launcher_imports_with_the_stdlib_alone():
     out = run_fresh("""
         import launcher.cli, launcher.launch
