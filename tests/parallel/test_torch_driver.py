@@ -31,6 +31,16 @@ def test_torch_spmd(np_: int, request: pytest.FixtureRequest) -> None:
 
 @pytest.mark.spmd_driver
 @pytest.mark.mpi
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_torch_optimizer_per_gradient_mode() -> None:
+    """DistributedOptimizer without buckets (HOROVOD_BUCKET_CAP_MB=0: one allreduce per
+    gradient, as Horovod), at 2 ranks."""
+    run_spmd("tests/parallel/test_torch_optimizer.py", 2, TIMEOUT,
+             env={"HOROVOD_BUCKET_CAP_MB": "0"})
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.mpi
 @pytest.mark.timeout(150)
 def test_examples_run_unchanged_with_horovod_torch() -> None:
     """Both PyTorch examples at 2 ranks, with `import horovod.torch as hvd` as written."""
