@@ -68,5 +68,6 @@ case "$MODE" in
         RINGVOD_TEST_REQUIRE=gpu,mpi timeout 100 python3 -m pytest -q -p no:cacheprovider \
             -rfEs tests/gpu -k "spmd and mpi" 2>&1 | tee "$OUT/tests.log" | tail -15
         python3 benchmarks/gpu_suite.py final2 --budget "$BUDGET" ;;
-    *) echo "usage: $0 smoke|full|tests [budget_s]"; exit 2 ;;
+    scaling) python3 benchmarks/scaling.py --budget "$BUDGET" ${GPUS:+--gpus "$GPUS"} ;;
+    *) echo "usage: $0 smoke|full|tests|final2|scaling [budget_s]"; exit 2 ;;
 esac
