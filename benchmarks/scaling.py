@@ -108,6 +108,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=40, help="timed steps per window")
     p.add_argument("--quick-sweep", action="store_true", help="allreduce up to 256 MiB only")
     p.add_argument("--skip-sweep", action="store_true")
+    p.add_argument("--configs", default="fp32,bf16", help="fp32 and/or bf16 (autocast)")
     a = p.parse_args()
     out = os.environ.get("OUT") or os.path.join(os.path.dirname(HERE), "out")
     os.makedirs(out, exist_ok=True)
@@ -116,7 +117,7 @@ def main() -> int:
     rows: list[dict] = []
     sweeps: dict[int, dict] = {}
     for n in counts:
-        for amp in (False, True):
+        for amp in [c == "bf16" for c in a.configs.split(",") if c in ("fp32", "bf16")]:
             if s.left() < 60:
                 s.say(f"-- budget spent: skipping ResNet-50 at {n} GPUs")
                 break
