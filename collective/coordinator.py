@@ -41,6 +41,8 @@ _NOT_SHUTDOWN, _NOT_UNCACHED, _NOT_INVALID = 1, 2, 4
 # again (a submit wakes the thread at once): short enough to meet peers that are about to
 # submit, long enough not to steal the GIL from the training thread.
 _BUSY_WAIT = 0.0002
+# With nothing pending on this rank, the longest sleep between negotiations (see _loop).
+_IDLE_WAIT = 0.05
 # Device requests collect up to this many bytes before a negotiation starts early (DDP's
 # bucket size is 25 MB).
 _DEVICE_BUCKET = 32 * 1024 * 1024
@@ -283,11 +285,18 @@ class Coordinator:
                     break
                 if self._idle_cycles == 0:  # progress: more is likely ready at once
                     continue
-                remaining = cycle - (time.monotonic() - start)
-                if any(ps.pending() for ps in self.rt.member_sets()):
-                    remaining = min(remaining, _BUSY_WAIT)
-                if remaining > 0:
-                    self._wake.wait(remaining)
+                if any(ps.pending() for ps in self.rt.member_sets()) or self.rt.has_changes():
+                    remaining = min(cycle - (time.monotonic() - start), _BUSY_WAIT)
+                    if remaining > 0:
+                        self._wake.wait(remaining)
+                elif self.rt.size == 1:
+                    self._wake.wait()  # nobody else needs us: sleep until work arrives
+                else:
+                    # Idle: a peer's op cannot complete without our own submit of it, which
+                    # wakes us, so only shutdown and stall reports need periodic cycles. Waking
+                    # every 1 ms instead cost host-bound GPU training up to 18% (bf16 ResNet-50
+                    # on one H200 with ringvod merely initialised), through GIL hand-offs.
+                    self._wake.wait(max(cycle, _IDLE_WAIT))
         except BaseException as exc:  # noqa: BLE001 - everything pending must learn the cause
             cause = exc
             _log_.error("Horovod background loop uncaught exception: %s", exc, exc_info=True)

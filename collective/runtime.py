@@ -242,6 +242,9 @@ class Runtime:
         self.coordinator.wake()
         return h
 
+    def has_changes(self) -> bool:
+        return bool(self._ps_changes)
+
     def _sync_process_set_changes(self) -> None:
         """Coordinator thread, every cycle in dynamic mode: apply changes all ranks agree on."""
         with self._lock:
