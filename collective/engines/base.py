@@ -144,6 +144,14 @@ def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
     out[...] = r
 
 
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """True when `a` and `b` are the same buffer (an in-place op), even as distinct views."""
+    if a is b:
+        return True
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.nbytes == b.nbytes)
+
+
 def _scale(buf: np.ndarray, factor: float) -> None:
     if factor == 1.0:
         return
@@ -226,6 +234,7 @@ class HostEngine(Engine):
         op = response.reduce_op
         if src is not None:
             direct = (scatter is None and response.prescale == 1.0 and dtype != DataType.BOOL
+                      and not np.may_share_memory(src, buf)
                       and dtype != DataType.BFLOAT16
                       and (dtype != DataType.FLOAT16 or self.reduces_float16))
             if direct:
@@ -314,7 +323,7 @@ class HostEngine(Engine):
         if len(entries) == 1:
             e = entries[0]
             out = self._output(e, e.tensor.shape)
-            src = None if out is e.tensor else e.tensor.reshape(-1)
+            src = None if _same_memory(out, e.tensor) else e.tensor.reshape(-1)
             self._reduce_typed(out.reshape(-1), dtype, response, src=src)
             return
         nd = numpy_dtype(dtype)
