@@ -205,7 +205,8 @@ class Coordinator:
         gradient hook a GIL hand-off)."""
         if held and self._hold_since is not None:
             return
-        self._wake.set()
+        if not self._wake.is_set():  # setting an Event takes its lock; most submits find it set
+            self._wake.set()
 
     def waiting(self, delta: int) -> None:
         """A user thread starts (+1) or stops (-1) blocking on a device op's handle. While one
