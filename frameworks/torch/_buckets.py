@@ -50,7 +50,7 @@ class Bucket:
     """Consecutive same-dtype, same-device parameters reduced as one flat tensor."""
 
     __slots__ = ("params", "name", "numel", "offsets", "_buffers", "_parity", "ready",
-                 "handle", "send", "cctx", "flat", "lock")
+                 "handle", "send", "cctx", "flat", "lock", "_views")
 
     def __init__(self, params: list[torch.Tensor], name: str) -> None:
         self.params = params
@@ -62,6 +62,7 @@ class Bucket:
             n += p.numel()
         self.numel = n
         self._buffers: list[torch.Tensor] = []
+        self._views: list[list[torch.Tensor] | None] = [None, None]  # per buffer: grad views
         self._parity = 0
         self.ready = 0  # members whose gradient is final this step
         self.handle: Any = None
@@ -105,11 +106,24 @@ class Bucket:
         return flat
 
     def unpack(self, reduced: torch.Tensor) -> None:
-        """Points every member's `.grad` at its slice of the reduced flat tensor."""
-        for p, off in zip(self.params, self.offsets):
-            g = p.grad
-            like = g if g is not None and not g.is_sparse else p
-            p.grad = _unflat(reduced[off:off + p.numel()], like)
+        """Points every member's `.grad` at its slice of the reduced flat tensor.
+
+        When `reduced` is one of the bucket's own buffers (no compression), the views are made
+        once per buffer and reused: re-assigning a view costs a fraction of creating it, and
+        this runs for every parameter on every step.
+        """
+        slot = next((i for i, b in enumerate(self._buffers) if b is reduced), None)
+        views = self._views[slot] if slot is not None else None
+        if views is None:
+            views = []
+            for p, off in zip(self.params, self.offsets):
+                g = p.grad
+                like = g if g is not None and not g.is_sparse else p
+                views.append(_unflat(reduced[off:off + p.numel()], like))
+            if slot is not None:
+                self._views[slot] = views
+        for p, v in zip(self.params, views):
+            p.grad = v
 
     def reset(self) -> None:
         self.ready = 0
