@@ -105,6 +105,27 @@ def allreduce(s: Suite, quick: bool) -> None:
     s.say("\n".join(line for line in out.splitlines() if not line.startswith("[")))
 
 
+def one_gpu_pair(s: Suite, flags: list[str], gpus: tuple[str, str]) -> list[dict]:
+    """Runs ringvod (gpus[0]) and DDP (gpus[1]) at 1 GPU each, side by side."""
+    procs = []
+    for script, gpu in (("gpu_resnet.py", gpus[0]), ("ddp_resnet.py", gpus[1])):
+        cmd = [PY, "-u", os.path.join(HERE, script)] + flags
+        s.log.write(f"$ CUDA_VISIBLE_DEVICES={gpu} {' '.join(cmd)}\n")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT,
+                                      env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)))
+    rows: list[dict] = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=min(150, max(s.left(), 1)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        s.log.write(out)
+        rows += parse(out)
+    return rows
+
+
 def resnet(s: Suite, configs: list[tuple], iters: int, repeats: int, one_gpu: bool,
            variants: list[tuple[str, dict]]) -> list[dict]:
     rows: list[dict] = []
@@ -117,22 +138,7 @@ def resnet(s: Suite, configs: list[tuple], iters: int, repeats: int, one_gpu: bo
             break
         if one_gpu and comp == "none":
             # 1 GPU: ringvod and DDP side by side, one per GPU (alternating which gets which).
-            g_rv, g_ddp = ("0", "1") if not amp else ("1", "0")
-            procs = []
-            for cmd, gpu in (([PY, "-u", os.path.join(HERE, "gpu_resnet.py")] + flags, g_rv),
-                             ([PY, "-u", os.path.join(HERE, "ddp_resnet.py")] + flags, g_ddp)):
-                s.log.write(f"$ CUDA_VISIBLE_DEVICES={gpu} {' '.join(cmd)}\n")
-                procs.append(subprocess.Popen(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT,
-                                              env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)))
-            for p in procs:
-                try:
-                    out, _ = p.communicate(timeout=min(150, max(s.left(), 1)))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    out, _ = p.communicate()
-                s.log.write(out)
-                rows += parse(out)
+            rows += one_gpu_pair(s, flags, ("0", "1") if not amp else ("1", "0"))
         out = s.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                      os.path.join(HERE, "ddp_resnet.py")] + flags, 150)
         rows += parse(out)
@@ -219,21 +225,10 @@ def main() -> int:
             rows += parse(out)
             s.say("\n".join(ln for ln in out.splitlines() if ln.startswith(("RESULT", "PHASES"))))
         if s.left() > 60:  # 1 GPU: ringvod and DDP side by side, one per GPU
-            flags = ["--iters", "40", "--warmup", "15", "--repeats", "3"]
-            procs = [subprocess.Popen([PY, "-u", os.path.join(HERE, script)] + flags, cwd=REPO,
-                                      text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT,
-                                      env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu))
-                     for script, gpu in (("gpu_resnet.py", "0"), ("ddp_resnet.py", "1"))]
-            for p in procs:
-                try:
-                    text, _ = p.communicate(timeout=min(120, max(s.left(), 1)))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    text, _ = p.communicate()
-                s.log.write(text)
-                rows += parse(text)
-                s.say("\n".join(ln for ln in text.splitlines() if ln.startswith("RESULT")))
+            pair = one_gpu_pair(s, ["--iters", "40", "--warmup", "15", "--repeats", "3"],
+                                ("0", "1"))
+            rows += pair
+            s.say("\n".join(f"RESULT {r}" for r in pair))
         table(s, rows)
         if rows:
             write_results(os.path.join(out, "resnet.json"), "gpu_resnet", rows,
