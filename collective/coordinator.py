@@ -476,8 +476,10 @@ class Coordinator:
         entries: list[Entry] = []
         device = resp.device
         engine = self._engine(ps, device)
+        with ps.lock:
+            popped = [ps.table.pop(name, None) for name in resp.names]
         for i, name in enumerate(resp.names):
-            e = ps.pop(name)
+            e = popped[i]
             if e is None:  # this rank joined: contribute zeros of the agreed size
                 shape = resp.shapes[i] if resp.shapes else (resp.sizes[i],)
                 z = engine.zeros(shape, resp.dtype, device)

@@ -87,10 +87,11 @@ def _merge(into: Response, other: Response) -> None:
 def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
                 align: int = 0, disable_group_fusion: bool = False) -> list[Response]:
     """Returns the fused responses in execution order. Inputs are not modified."""
-    queue = deque(_copy(r) for r in responses)
+    queue = deque(responses)
     out: list[Response] = []
     while queue:
         head = queue.popleft()
+        merged = False  # head is copied before its first merge, so inputs stay untouched
         fusable = head.type in _REDUCTIONS or head.type == ResponseType.ALLGATHER
         if not fusable or threshold <= 0:
             out.append(head)
@@ -113,11 +114,15 @@ def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
                     if max(summed, default=0) > threshold:
                         break
                     ranks_used = summed
+                    if not merged:
+                        head, merged = _copy(head), True
                     _merge(head, queue.popleft())
                     used = max(summed, default=0)
                     continue
                 if used + nb > threshold:
                     break
+                if not merged:
+                    head, merged = _copy(head), True
                 _merge(head, queue.popleft())
                 used += nb
             elif used + skipped_bytes + nb <= threshold:
