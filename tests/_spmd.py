@@ -19,8 +19,8 @@ tracebacks into its log), waits a moment, then SIGKILLs the ranks and the launch
 report names the first failure (by CLOCK_MONOTONIC, shared by the processes of one host) as
 the root cause and prints every rank's failures and log tail.
 
-Modes: "mpi" (`mpirun --allow-run-as-root --oversubscribe`); "tcp" is a hook that the tcp
-engine's owner fills through `register_launcher("tcp", ...)` (see `_tcp_command`).
+Modes: "mpi" (`mpirun --allow-run-as-root --oversubscribe`) and "tcp" (`hvdrun --gloo`, see
+`_tcp_command`); `register_launcher` can replace either.
 """
 from __future__ import annotations
 
@@ -184,11 +184,9 @@ def _mpi_command(np_: int, child: list[str], env: dict) -> tuple[list[str], dict
 
 
 def _tcp_command(np_: int, child: list[str], env: dict) -> tuple[list[str], dict]:
-    """Hook for the tcp mode: the tcp engine's owner registers a launcher that starts `np_`
-    ranks through `hvdrun --tcp` (or `launcher` directly) with `child` as the command."""
-    skip_or_fail("run_spmd mode='tcp' has no launcher registered yet "
-                 "(tests._spmd.register_launcher('tcp', fn))", "tcp")
-    raise AssertionError("unreachable")
+    """The tcp mode: ranks started by `hvdrun --gloo` (the launcher's own spawning, rendezvous
+    and fail-fast), as a user would start them."""
+    return [sys.executable, "-m", "launcher", "--gloo", "-np", str(np_), *child], env
 
 
 _LAUNCHERS: dict[str, LauncherFn] = {"mpi": _mpi_command, "tcp": _tcp_command}

@@ -21,14 +21,7 @@ import numpy as np
 import pytest
 
 import collective as hvd
-from tests._spmd import REPO, register_launcher, run_spmd
-
-
-def _hvdrun_tcp(np_: int, child: list[str], env: dict) -> tuple[list[str], dict]:
-    return [sys.executable, "-m", "launcher", "--gloo", "-np", str(np_), *child], env
-
-
-register_launcher("tcp", _hvdrun_tcp)
+from tests._spmd import REPO, run_spmd
 
 SHARED = ["tests/parallel/test_ops.py", "tests/parallel/test_process_sets.py",
           "tests/parallel/test_errors.py", "tests/parallel/test_join.py"]
