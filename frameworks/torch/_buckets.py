@@ -28,22 +28,28 @@ __all__ = ["Bucket", "plan_buckets", "FIRST_BUCKET_BYTES"]
 FIRST_BUCKET_BYTES = 1024 * 1024
 
 
-def _flat(g: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of `g` in memory order (no copy for contiguous and channels_last tensors)."""
-    if g.is_contiguous():
-        return g.view(-1)
-    if g.dim() == 4 and g.is_contiguous(memory_format=torch.channels_last):
+def _channels_last(t: torch.Tensor) -> bool:
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(
+        memory_format=torch.channels_last)
+
+
+def _flat(g: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`g` as 1-D in the memory order of `param`'s layout (a view when `g` has that layout).
+
+    The order follows the parameter, not the gradient, so that every rank packs a bucket in
+    the same element order even if its gradients came out with another layout.
+    """
+    if _channels_last(param):
         return g.permute(0, 2, 3, 1).reshape(-1)
-    return g.contiguous().view(-1)
+    return g.reshape(-1)
 
 
-def _unflat(seg: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`seg` (1-D, memory order) viewed with `like`'s shape and layout."""
-    if like.dim() == 4 and not like.is_contiguous() and like.is_contiguous(
-            memory_format=torch.channels_last):
-        n, c, h, w = like.shape
+def _unflat(seg: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`seg` (1-D, in `param`'s memory order) viewed with `param`'s shape and layout."""
+    if _channels_last(param):
+        n, c, h, w = param.shape
         return seg.view(n, h, w, c).permute(0, 3, 1, 2)
-    return seg.view(like.shape)
+    return seg.view(param.shape)
 
 
 class Bucket:
@@ -92,7 +98,7 @@ class Bucket:
                 missing.append((off, p.numel()))
                 parts.append(None)
             else:
-                parts.append(_flat(g.detach()))
+                parts.append(_flat(g.detach(), p))
         if not missing:
             torch.cat(parts, out=flat)  # one batched copy kernel
         else:
@@ -117,9 +123,7 @@ class Bucket:
         if views is None:
             views = []
             for p, off in zip(self.params, self.offsets):
-                g = p.grad
-                like = g if g is not None and not g.is_sparse else p
-                views.append(_unflat(reduced[off:off + p.numel()], like))
+                views.append(_unflat(reduced[off:off + p.numel()], p))
             if slot is not None:
                 self._views[slot] = views
         for p, v in zip(self.params, views):
