@@ -385,6 +385,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
         self._hvd_reset()
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Adds a parameter group; its parameters' gradients are averaged too (each with its
+        own allreduce, named `allreduce.noname.<group>.<index>`; they join no bucket, since
+        buckets must match across ranks and were planned at wrap time). Every rank must add
+        the same groups in the same order."""
+        super().add_param_group(param_group)
+        if not getattr(self, "_hvd_active", False):  # during construction, or a single rank
+            return
+        gi = len(self.param_groups) - 1
+        known = {id(s.param) for s in self._hvd_slots}
+        ref = weakref.ref(self)
+        for pi, p in enumerate(self.param_groups[gi]["params"]):
+            if not p.requires_grad or id(p) in known:
+                continue
+            name = self._parameter_names.get(p) or default_parameter_name(gi, pi)
+            self._parameter_names[p] = name
+            slot = _Slot(p, name, self.backward_passes_per_step)
+            self._hvd_slots.append(slot)
+
+            def hook(_p: torch.Tensor, slot: _Slot = slot) -> None:
+                opt = ref()
+                if opt is not None:
+                    opt._hvd_on_grad(slot)
+            self._hvd_hooks.append(p.register_post_accumulate_grad_hook(hook))
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads the wrapped optimizer's state and forgets in-flight gradient reductions."""
         super().load_state_dict(state_dict)

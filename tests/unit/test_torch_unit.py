@@ -165,3 +165,20 @@ def test_optimizer_hooks_with_loopback_ranks():
     g0, g1 = run_loopback(2, body, timeout=60)
     torch.testing.assert_close(g0, torch.full((1, 3), 1.5))
     assert torch.equal(g0, g1)
+
+
+def test_add_param_group_after_wrapping_is_averaged():
+    """Parameters added after wrapping get hooks too (Horovod left them out)."""
+    def body(rank: int):
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(2, 1, bias=False)
+        opt = ft.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=1.0))
+        opt.add_param_group({"params": b.parameters()})
+        x = torch.ones(1, 2) * (rank + 1)
+        (a(x) + b(x)).sum().backward()
+        opt.synchronize()
+        return a.weight.grad.clone(), b.weight.grad.clone()
+
+    (a0, b0), (a1, b1) = run_loopback(2, body, timeout=60)
+    torch.testing.assert_close(b0, torch.full((1, 2), 1.5))
+    assert torch.equal(a0, a1) and torch.equal(b0, b1)
