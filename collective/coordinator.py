@@ -295,8 +295,8 @@ class Coordinator:
                 else:
                     # Idle: a peer's op cannot complete without our own submit of it, which
                     # wakes us, so only shutdown and stall reports need periodic cycles. Waking
-                    # every 1 ms instead cost host-bound GPU training up to 18% (bf16 ResNet-50
-                    # on one H200 with ringvod merely initialised), through GIL hand-offs.
+                    # every 1 ms takes the GIL from the training thread 1000 times a second, a
+                    # suspected (not yet measured) cost for host-bound GPU training.
                     self._wake.wait(max(cycle, _IDLE_WAIT))
         except BaseException as exc:  # noqa: BLE001 - everything pending must learn the cause
             cause = exc

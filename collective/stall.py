@@ -10,9 +10,7 @@ from typing import Callable
 
 from .stall_report import SHUTDOWN_LESS_THAN_WARNING, format_stall_report
 
-__all__ = ["StallInspector", "format_stall_report"]
-
-SHUTDOWN_BELOW_WARNING = SHUTDOWN_LESS_THAN_WARNING
+__all__ = ["StallInspector"]
 
 
 class StallInspector:
@@ -23,7 +21,7 @@ class StallInspector:
         self.shutdown_time = shutdown_time
         if shutdown_time > 0 and shutdown_time < warning_time:
             if warn is not None:
-                warn(SHUTDOWN_BELOW_WARNING)
+                warn(SHUTDOWN_LESS_THAN_WARNING)
             self.shutdown_time = 0.0
         self._clock = clock
         self._last_check = clock()

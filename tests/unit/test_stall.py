@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from collective.stall import SHUTDOWN_BELOW_WARNING, StallInspector, format_stall_report
+from collective.stall import StallInspector
+from collective.stall_report import SHUTDOWN_LESS_THAN_WARNING as SHUTDOWN_BELOW_WARNING
+from collective.stall_report import format_stall_report
 
 pytestmark = pytest.mark.timeout(30)
 
