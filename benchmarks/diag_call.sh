@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One diagnostic device call (run through run_gpu_suite.sh exec): where the lone-op latency and
+# the bf16 step tail go. Writes logs under $OUT; prints a short summary last.
+set -u
+cd "$(dirname "$0")/.."
+PY=$(command -v python3)
+MPI=(mpirun --allow-run-as-root --bind-to none -np 2 -x NCCL_NVLS_ENABLE
+     -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONPATH -x PATH
+     -x LD_LIBRARY_PATH)
+SUM="$OUT/summary.txt"
+: >"$SUM"
+step() { echo "== $*" | tee -a "$OUT/diag.log"; timeout 150 "$@" 2>&1 | tee -a "$OUT/diag.log" \
+         | grep -E "^(  |lone|RESULT|BREAKDOWN|PHASES)" | tee -a "$SUM"; }
+what="${1:-all}"
+if [[ $what == all || $what == lat ]]; then
+    step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --bytes 4096
+    step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --bytes 67108864 --iters 100
+fi
+if [[ $what == all || $what == bf16 ]]; then
+    for r in 1 2; do
+        step "${MPI[@]}" "$PY" -u benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 \
+            --repeats 3 --breakdown
+        step "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+            benchmarks/ddp_resnet.py --amp --iters 60 --warmup 15 --repeats 3 --phases
+    done
+fi
+if [[ $what == all || $what == spy ]] && [[ -n "${PYSPY:-}" ]]; then
+    step "${MPI[@]}" sh -c 'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then exec '"$PYSPY"' record \
+        --nonblocking --threads -r 400 -f raw -o '"$OUT"'/pyspy_bf16.txt -- '"$PY"' -u \
+        benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3; else exec '"$PY"' -u \
+        benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3; fi'
+fi
+echo "==== summary"; cat "$SUM"
