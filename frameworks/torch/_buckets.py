@@ -11,10 +11,12 @@ Parameters are assigned in reverse registration order (backward visits them roug
 first bucket is small so communication starts early. Every rank builds the same buckets from
 the same parameter order, so the bucket names match across ranks.
 
-Each bucket keeps two flat buffers and alternates between them: after synchronize, `p.grad` is a
-view into the buffer just reduced, and the next step packs into the other one, so a gradient
-that still aliases the old buffer (zero_grad(set_to_none=False) + accumulation) is never packed
-onto itself.
+Packing and unpacking cost one call each, whatever the bucket's size: the bucket keeps views of
+its flat buffer shaped (and strided) like its parameters, made once, and moves every gradient
+with one `torch._foreach_copy_` (a multi-tensor kernel) into the buffer before the allreduce and
+back into the same `p.grad` tensors after it, as Horovod's in-place allreduce of `p.grad` does.
+Gradients never alias the buffer, so one buffer per bucket is enough: the next step's pack is
+ordered after this step's unpack on the training stream.
 """
 from __future__ import annotations
 
@@ -55,8 +57,8 @@ def _unflat(seg: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 class Bucket:
     """Consecutive same-dtype, same-device parameters reduced as one flat tensor."""
 
-    __slots__ = ("params", "name", "numel", "offsets", "_buffers", "_parity", "ready",
-                 "handle", "send", "cctx", "flat", "lock", "_views")
+    __slots__ = ("params", "name", "numel", "offsets", "flat", "views", "ready", "handle",
+                 "send", "cctx", "lock")
 
     def __init__(self, params: list[torch.Tensor], name: str) -> None:
         self.params = params
@@ -67,14 +69,12 @@ class Bucket:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
-        self._buffers: list[torch.Tensor] = []
-        self._views: list[list[torch.Tensor] | None] = [None, None]  # per buffer: grad views
-        self._parity = 0
+        self.flat: torch.Tensor | None = None  # allocated at the first pack
+        self.views: list[torch.Tensor] = []  # per parameter: its slice of `flat`, param-shaped
         self.ready = 0  # members whose gradient is final this step
         self.handle: Any = None
         self.send: torch.Tensor | None = None
         self.cctx: Any = None
-        self.flat: torch.Tensor | None = None
         self.lock = threading.Lock()  # hooks may fire on several autograd threads
 
     def mark_ready(self) -> bool:
@@ -83,55 +83,55 @@ class Bucket:
             self.ready += 1
             return self.ready == len(self.params)
 
+    def _buffer(self) -> torch.Tensor:
+        if self.flat is None:
+            p0 = self.params[0]
+            self.flat = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
+            self.views = [_unflat(self.flat[off:off + p.numel()], p)
+                          for p, off in zip(self.params, self.offsets)]
+        return self.flat
+
     def pack(self) -> torch.Tensor:
-        """Copies every member's gradient into the next flat buffer (zeros where none)."""
-        p0 = self.params[0]
-        if len(self._buffers) < 2:
-            self._buffers.append(torch.empty(self.numel, dtype=p0.dtype, device=p0.device))
-        flat = self._buffers[self._parity]
-        self._parity ^= 1
-        parts = []
-        missing = []
-        for p, off in zip(self.params, self.offsets):
-            g = p.grad
-            if g is None or g.is_sparse:
-                missing.append((off, p.numel()))
-                parts.append(None)
-            else:
-                parts.append(_flat(g.detach(), p))
-        if not missing:
-            torch.cat(parts, out=flat)  # one batched copy kernel
-        else:
-            for (p, off), part in zip(zip(self.params, self.offsets), parts):
-                seg = flat[off:off + p.numel()]
-                if part is None:
-                    seg.zero_()
+        """Copies every member's gradient into the flat buffer (zeros where there is none).
+
+        Raises:
+            AssertionError: a gradient requires grad (backward(create_graph=True)).
+        """
+        flat = self._buffer()
+        grads = [p.grad for p in self.params]
+        if any(g is None or g.is_sparse or g.requires_grad for g in grads):
+            for g, view in zip(grads, self.views):
+                if g is not None and g.requires_grad:
+                    raise AssertionError("DistributedOptimizer does not support gradients that "
+                                         "require grad (backward(create_graph=True))")
+                if g is None or g.is_sparse:  # sparse ones are reduced on their own
+                    view.zero_()
                 else:
-                    seg.copy_(part)
-        self.flat = flat
+                    view.copy_(g)
+        else:
+            torch._foreach_copy_(self.views, grads)  # any layout: copies follow each view
         return flat
 
     def unpack(self, reduced: torch.Tensor) -> None:
-        """Points every member's `.grad` at its slice of the reduced flat tensor.
-
-        When `reduced` is one of the bucket's own buffers (no compression), the views are made
-        once per buffer and reused: re-assigning a view costs a fraction of creating it, and
-        this runs for every parameter on every step.
-        """
-        slot = next((i for i, b in enumerate(self._buffers) if b is reduced), None)
-        views = self._views[slot] if slot is not None else None
-        if views is None:
-            views = []
-            for p, off in zip(self.params, self.offsets):
-                views.append(_unflat(reduced[off:off + p.numel()], p))
-            if slot is not None:
-                self._views[slot] = views
-        for p, v in zip(self.params, views):
-            p.grad = v
+        """Writes the reduced values back into every member's `.grad` (in place; a member
+        without a gradient gets a new tensor). `reduced` is the flat buffer itself, or a
+        decompressed copy of it."""
+        flat = self._buffer()
+        if reduced is not flat:
+            flat.copy_(reduced)
+        grads = [p.grad for p in self.params]
+        if any(g is None or g.is_sparse for g in grads):
+            for p, g, view in zip(self.params, grads, self.views):
+                if g is None:
+                    p.grad = view.clone()
+                elif not g.is_sparse:
+                    g.copy_(view)
+        else:
+            torch._foreach_copy_(grads, self.views)
 
     def reset(self) -> None:
         self.ready = 0
-        self.handle = self.send = self.cctx = self.flat = None
+        self.handle = self.send = self.cctx = None
 
 
 def plan_buckets(params: Sequence[torch.Tensor], names: Sequence[str], cap_bytes: int,

@@ -216,22 +216,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- per-gradient path (hooks) ----------------------------------------------------------------
     def _hvd_on_grad(self, slot: _Slot) -> None:
+        # Runs once per parameter per backward pass on the autograd thread, holding the GIL
+        # while backward's kernels wait to be launched: keep it short (bucket packing checks
+        # the gradients once per bucket).
         if slot.delay <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
-        if slot.param.grad is not None and slot.param.grad.requires_grad:
-            raise AssertionError("DistributedOptimizer does not support gradients that require "
-                                 "grad (backward(create_graph=True))")
         self._hvd_dirty = True
         slot.delay -= 1
         if slot.delay:
             return
         bucket = slot.bucket
         if bucket is not None:
-            if slot.param.grad is not None and slot.param.grad.is_sparse:
+            grad = slot.param.grad
+            if grad is not None and grad.is_sparse:
                 self._hvd_launch(slot)  # its own (sparse) reduction; zeros in the bucket
             if bucket.mark_ready():
                 self._hvd_launch_bucket(bucket)
             return
+        grad = slot.param.grad
+        if grad is not None and grad.requires_grad:
+            raise AssertionError("DistributedOptimizer does not support gradients that require "
+                                 "grad (backward(create_graph=True))")
         group = slot.group
         if group is None:
             self._hvd_launch(slot)

@@ -22,29 +22,44 @@ def test_plan_is_reverse_order_small_first_bucket_and_split_by_dtype():
 
 
 def test_pack_order_follows_the_parameter_layout_not_the_gradient():
-    p = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    p = torch.nn.Parameter(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
     g = torch.randn(2, 3, 4, 5)  # contiguous gradient of a channels_last parameter
-    assert torch.equal(_flat(g, p), _flat(g.to(memory_format=torch.channels_last), p))
-    back = _unflat(_flat(g, p).clone(), p)
-    assert torch.equal(back, g) and back.is_contiguous(memory_format=torch.channels_last)
+    bucket = Bucket([p], "b")
+    p.grad = g.clone()
+    flat_a = bucket.pack().clone()
+    p.grad = g.to(memory_format=torch.channels_last)
+    assert torch.equal(bucket.pack(), flat_a)  # same bytes whatever the gradient's layout
+    assert torch.equal(flat_a, _flat(g, p))  # the parameter's memory order
+    grad = p.grad
+    bucket.unpack(flat_a * 2)
+    assert p.grad is grad and torch.equal(p.grad, g * 2)  # written back in place
 
 
-def test_pack_unpack_zeros_for_missing_grads_and_alternating_buffers():
+def test_pack_unpack_zeros_for_missing_grads_and_in_place_write_back():
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 2))
     bucket = Bucket([a, b], "bucket.a+1")
     a.grad = torch.tensor([1.0, 2.0, 3.0])
-    flat1 = bucket.pack()
-    assert flat1.tolist() == [1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]  # b has no gradient: zeros
-    bucket.unpack(flat1)
-    assert a.grad.data_ptr() == flat1.data_ptr() and b.grad.shape == (2, 2)
-    flat2 = bucket.pack()  # packs into the other buffer: the grads alias flat1
-    assert flat2.data_ptr() != flat1.data_ptr() and torch.equal(flat2, flat1)
-    bucket.unpack(flat2)
-    views = [a.grad, b.grad]
-    assert bucket.pack().data_ptr() == flat1.data_ptr()  # back to the first buffer
-    bucket.unpack(flat1)
-    bucket.unpack(flat2)
-    assert a.grad is views[0] and b.grad is views[1]  # views made once per buffer, reused
+    flat = bucket.pack()
+    assert flat.tolist() == [1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]  # b has no gradient: zeros
+    ga = a.grad
+    flat.mul_(2)
+    bucket.unpack(flat)
+    assert a.grad is ga and a.grad.tolist() == [2.0, 4.0, 6.0]  # same tensor, new values
+    assert b.grad.tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    assert b.grad.data_ptr() != flat.data_ptr() + 12  # a copy: no alias of the buffer
+    flat2 = bucket.pack()
+    assert flat2.data_ptr() == flat.data_ptr()  # one buffer, reused every step
+    assert flat2.tolist() == [2.0, 4.0, 6.0, 0.0, 0.0, 0.0, 0.0]
+    bucket.unpack(flat2.to(torch.float16))  # a decompressed copy is written back too
+    assert a.grad is ga and a.grad.tolist() == [2.0, 4.0, 6.0]
+
+
+def test_create_graph_gradients_are_rejected_at_pack():
+    a = torch.nn.Parameter(torch.ones(2))
+    bucket = Bucket([a], "b")
+    a.grad = torch.ones(2, requires_grad=True)
+    with pytest.raises(AssertionError, match="create_graph"):
+        bucket.pack()
 
 
 def test_mark_ready_completes_once_per_step():
