@@ -10,18 +10,23 @@ MPI=(mpirun --allow-run-as-root --bind-to none -np 2 -x NCCL_NVLS_ENABLE
 SUM="$OUT/summary.txt"
 : >"$SUM"
 step() { echo "== $*" | tee -a "$OUT/diag.log"; timeout 150 "$@" 2>&1 | tee -a "$OUT/diag.log" \
-         | grep -E "^(  |lone|RESULT|BREAKDOWN|PHASES)" | tee -a "$SUM"; }
+         | grep -E "^(  |lone|RESULT|BREAKDOWN|PHASES|size|----|[0-9]+ [KMG]iB|allreduce float)" | tee -a "$SUM"; }
 what="${1:-all}"
 if [[ $what == all || $what == lat ]]; then
     step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --bytes 4096
+    step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --bytes 4096 --sync-api
     step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --bytes 67108864 --iters 100
+fi
+if [[ $what == all || $what == sweep ]]; then
+    step "${MPI[@]}" "$PY" -u benchmarks/gpu_allreduce.py --json "$OUT/allreduce.json" \
+        --lone-sizes 4096 --max-bytes 268435456
 fi
 if [[ $what == all || $what == bf16 ]]; then
     for r in 1 2; do
-        step "${MPI[@]}" "$PY" -u benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 \
+        step "${MPI[@]}" "$PY" -u benchmarks/gpu_resnet.py --amp --iters 90 --warmup 15 \
             --repeats 3 --breakdown
         step "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
-            benchmarks/ddp_resnet.py --amp --iters 60 --warmup 15 --repeats 3 --phases
+            benchmarks/ddp_resnet.py --amp --iters 90 --warmup 15 --repeats 3 --phases
     done
 fi
 if [[ $what == all || $what == spy ]] && [[ -n "${PYSPY:-}" ]]; then
@@ -29,5 +34,10 @@ if [[ $what == all || $what == spy ]] && [[ -n "${PYSPY:-}" ]]; then
         --nonblocking --threads -r 400 -f raw -o '"$OUT"'/pyspy_bf16.txt -- '"$PY"' -u \
         benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3; else exec '"$PY"' -u \
         benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3; fi'
+fi
+if [[ $what == all || $what == tests ]]; then
+    echo "== tests/gpu (mpi mode)" | tee -a "$SUM"
+    RINGVOD_TEST_REQUIRE=gpu,mpi timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rfEs \
+        tests/gpu -k "spmd and mpi" 2>&1 | tee "$OUT/tests.log" | tail -3 | tee -a "$SUM"
 fi
 echo "==== summary"; cat "$SUM"

@@ -11,8 +11,8 @@ Measures, per size (float32, Sum, in place):
 * pipelined: `iters` back-to-back ops, then one device synchronize (nccl-tests' method; for
   ringvod each op is `allreduce_async_` + `synchronize`, which only orders the stream);
   busbw = bytes / time × 2(n−1)/n;
-* lone: one op followed by a host wait for the GPU, repeated; the median (what a program that
-  needs the value at once sees).
+* lone: one synchronous op (`hvd.allreduce_`, `dist.all_reduce`) followed by a host wait for
+  the GPU, repeated; the median (what a program that needs the value at once sees).
 """
 from __future__ import annotations
 
@@ -87,6 +87,9 @@ def main() -> int:
         # One name per size, as a training loop reuses its names (the negotiation cache path).
         hvd.synchronize(hvd.allreduce_async_(x, op=hvd.Sum, name=f"bw.{x.numel()}"))
 
+    def ringvod_sync(x):  # the synchronous API: hvd.allreduce_ returns when x can be used
+        hvd.allreduce_(x, op=hvd.Sum, name=f"bw.{x.numel()}")
+
     def torchdist(x):
         dist.all_reduce(x)
 
@@ -116,7 +119,7 @@ def main() -> int:
     for nb in [int(s) for s in a.lone_sizes.split(",") if s]:
         x = torch.ones(nb // 4, device="cuda")
         iters = 100 if a.quick else 300
-        for label, fn in (("ringvod", ringvod), ("CuPy NCCL", raw_sync),
+        for label, fn in (("ringvod", ringvod_sync), ("CuPy NCCL", raw_sync),
                           ("torch.distributed", torchdist)):
             t = lone(lambda: fn(x), iters)
             lone_rows.append({"series": label, "bytes": nb, "lone_us": t * 1e6})

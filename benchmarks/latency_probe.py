@@ -70,6 +70,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--bytes", type=int, default=4096)
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--sync-api", action="store_true", help="hvd.allreduce_ instead of "
+                   "allreduce_async_ + synchronize")
     a = p.parse_args()
     hvd.init()
     dev = a.device
@@ -86,9 +88,12 @@ def main() -> int:
     for _ in range(a.iters):
         _marks.clear()
         t0 = _now()
-        h = hvd.allreduce_async_(x, op=hvd.Sum, name="probe")
-        _mark("enqueued")
-        hvd.synchronize(h)
+        if a.sync_api:
+            hvd.allreduce_(x, op=hvd.Sum, name="probe")
+        else:
+            h = hvd.allreduce_async_(x, op=hvd.Sum, name="probe")
+            _mark("enqueued")
+            hvd.synchronize(h)
         _mark("returned")
         sync()
         _mark("synced")
@@ -107,7 +112,8 @@ def main() -> int:
         med[s] = statistics.median(vals) if vals else float("nan")
     # also cycles per op
     if hvd.rank() == 0:
-        print(f"lone {a.bytes} B allreduce on {dev}, {hvd.size()} ranks, {a.iters} ops; median "
+        api = "allreduce_" if a.sync_api else "allreduce_async_ + synchronize"
+        print(f"lone {a.bytes} B {api} on {dev}, {hvd.size()} ranks, {a.iters} ops; median "
               "us from the call to the first occurrence of each stage (count per op):")
         for s in stages:
             print(f"  {s:10s} {med[s]:8.1f}   x{counts[s]:.2f}")

@@ -54,13 +54,14 @@ _HELD = (RequestType.ALLREDUCE, RequestType.REDUCESCATTER)
 class PendingHits:
     """Requests found in the response cache, waiting until every rank has them.
 
-    Keeps the bit vector up to date incrementally, so that a cycle that finds nothing new costs
-    O(words), not O(pending tensors).
+    The bit set is a Python int kept up to date incrementally (int bit operations cost tens
+    of nanoseconds, numpy scalar operations a microsecond), so a cycle that finds nothing new
+    costs O(words), not O(pending tensors).
     """
 
     def __init__(self) -> None:
         self._by_bit: dict[int, tuple[Request, float]] = {}
-        self._words = np.zeros(1, dtype=np.uint64)
+        self._mask = 0
 
     def __bool__(self) -> bool:
         return bool(self._by_bit)
@@ -69,23 +70,18 @@ class PendingHits:
         return bit in self._by_bit
 
     def add(self, bit: int, req: Request, now: float) -> None:
-        w = bit // 64
-        if w >= len(self._words):
-            grown = np.zeros(max(w + 1, 2 * len(self._words)), dtype=np.uint64)
-            grown[:len(self._words)] = self._words
-            self._words = grown
         self._by_bit[bit] = (req, now)
-        self._words[w] |= np.uint64(1 << (bit % 64))
+        self._mask |= 1 << bit
 
     def pop(self, bit: int) -> Request:
         req, _ = self._by_bit.pop(bit)
-        self._words[bit // 64] &= ~np.uint64(1 << (bit % 64))
+        self._mask &= ~(1 << bit)
         return req
 
     def drain(self) -> list[Request]:
         reqs = [r for r, _ in self._by_bit.values()]
         self._by_bit.clear()
-        self._words[:] = 0
+        self._mask = 0
         return reqs
 
     def older_than(self, deadline: float) -> list[int]:
@@ -95,19 +91,21 @@ class PendingHits:
         """[status word] + hit bits for `nbits` cache bits (status word left 0)."""
         n = (nbits + 63) // 64
         out = np.zeros(1 + n, dtype=np.uint64)
-        m = min(n, len(self._words))
-        out[1:1 + m] = self._words[:m]
+        mask = self._mask & ((1 << (64 * n)) - 1)
+        if mask:
+            out[1:] = np.frombuffer(mask.to_bytes(8 * n, "little"), dtype="<u8")
         return out
 
     def take_common(self, res: np.ndarray) -> list[int]:
         """Removes and returns (ascending) the bits set in the AND result `res`."""
-        if not self._by_bit:
+        if not self._mask:
             return []
-        n = min(len(res) - 1, len(self._words))
-        both = res[1:1 + n] & self._words[:n]
-        if not both.any():
-            return []
-        bits = _bits(np.concatenate([np.zeros(1, dtype=np.uint64), both]))
+        both = int.from_bytes(res[1:].astype("<u8", copy=False).tobytes(), "little") & self._mask
+        bits = []
+        while both:
+            low = both & -both
+            bits.append(low.bit_length() - 1)
+            both ^= low
         for b in bits:
             self.pop(b)
         return bits
@@ -116,7 +114,7 @@ class PendingHits:
         """Re-keys by the cache's new bit numbers; returns requests that are no longer hits."""
         items = list(self._by_bit.values())
         self._by_bit.clear()
-        self._words[:] = 0
+        self._mask = 0
         lost = []
         for req, t in items:
             state, bit = cache.lookup(req)
@@ -213,7 +211,10 @@ class Coordinator:
         waits, device requests are negotiated at once instead of collecting for a window."""
         with self._waiters_lock:
             self._waiters += delta
-        if delta > 0:
+        # Wake a thread that may be collecting; with nothing queued the submit will wake it
+        # (waking it now would cost an empty negotiation round).
+        if delta > 0 and (self._hold_since is not None
+                          or any(ps.queue for ps in self.rt.member_sets())):
             self._wake.set()
 
     def _device_hold(self) -> float:
@@ -228,11 +229,13 @@ class Coordinator:
         """
         window = self.config.cycle_time
         bucket = min(self.config.fusion_threshold, _DEVICE_BUCKET)
-        if window <= 0 or bucket <= 0 or self._waiters > 0 or self.shutdown_requested:
+        sets = self.rt.member_sets()
+        if (window <= 0 or bucket <= 0 or self._waiters > 0 or self.shutdown_requested
+                or not any(ps.queue for ps in sets)):  # a list's truth needs no lock
             self._hold_since = None
             return 0.0
         total = 0
-        for ps in self.rt.member_sets():
+        for ps in sets:
             with ps.lock:
                 q = ps.queue
                 old, seen, nbytes = self._scanned.get(ps.id, (None, 0, 0))
@@ -284,9 +287,9 @@ class Coordinator:
                     continue
                 if not self.run_cycle():
                     break
-                if self._idle_cycles == 0:  # progress: more is likely ready at once
-                    continue
                 if any(ps.pending() for ps in self.rt.member_sets()) or self.rt.has_changes():
+                    if self._idle_cycles == 0:  # progress: more is likely ready at once
+                        continue
                     remaining = min(cycle - (time.monotonic() - start), _BUSY_WAIT)
                     if remaining > 0:
                         self._wake.wait(remaining)

@@ -91,6 +91,7 @@ _SUM, _PROD, _MAX, _MIN, _AVG = 0, 1, 2, 3, 4
 _NCCL_OP = {ReduceOp.SUM: _SUM, ReduceOp.PRODUCT: _PROD, ReduceOp.MAX: _MAX,
             ReduceOp.MIN: _MIN}
 _H2D, _D2D = 1, 3  # cudaMemcpyKind
+_FREE_EVENTS = 64  # completion events kept for reuse
 _SLOTS = 16  # staging slots for copy tables (host side of the H2D upload)
 
 _rt = cupy.cuda.runtime
@@ -222,6 +223,7 @@ class NCCLEngine(Engine):
         self._has_avg = False
         self._broken: BaseException | None = None
         self._inflight: collections.deque = collections.deque()  # (event, entries)
+        self._free_events: list[Any] = []  # completion events of finished ops, for reuse
         self._fusion_obj: Any = None
         self._fusion_ptr = 0
         self._fusion_bytes = 0
@@ -345,7 +347,10 @@ class NCCLEngine(Engine):
                     last = ev
             self._allocated.clear()
             fn(entries, *args)
-            ev = cupy.cuda.Event(block=False, disable_timing=True)
+            # Events of finished ops are recorded again: a result still holding one then waits
+            # for a later op of this stream, which is later still (never a cycle).
+            free = self._free_events
+            ev = free.pop() if free else cupy.cuda.Event(block=False, disable_timing=True)
             ev.record(self.stream)
             self._last_done = _Completion(ev)
             self._inflight.append((ev, entries))
@@ -374,8 +379,11 @@ class NCCLEngine(Engine):
 
     def _reap(self) -> None:
         q = self._inflight
+        free = self._free_events
         while q and q[0][0].done:
-            q.popleft()
+            ev = q.popleft()[0]
+            if len(free) < _FREE_EVENTS:
+                free.append(ev)
         check = getattr(self.comm, "check_async_error", None)
         if check is not None:
             check()

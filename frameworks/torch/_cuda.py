@@ -31,6 +31,14 @@ from collective.engines.device import DeviceBuffer, DeviceResult, allocation_str
 __all__ = ["to_collective", "from_collective", "wrap_handle", "settle"]
 
 _streams: dict[tuple[int, int], Any] = {}  # (stream handle, device) -> torch ExternalStream
+# The current stream's handle without building a torch.cuda.Stream (a few µs per op).
+_raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(dev: int) -> int:
+    if _raw_current is not None:
+        return int(_raw_current(dev))
+    return torch.cuda.current_stream(dev).cuda_stream
 
 
 def _buffer(t: torch.Tensor) -> DeviceBuffer:
@@ -81,10 +89,10 @@ def settle(result: Any) -> Any:
         out = result.output
         t = out.obj if type(out) is DeviceBuffer else out
         if isinstance(t, torch.Tensor):
-            stream = torch.cuda.current_stream(t.get_device())
-            result.wait(stream.cuda_stream)
+            dev = t.get_device()
+            result.wait(_current_stream(dev))
             if result.allocated:
-                t.record_stream(stream)
+                t.record_stream(torch.cuda.current_stream(dev))
         else:  # a CuPy array (zeros of a joined rank): order on the device's current stream
             result.synchronize()
         if result.kind == "alltoall":

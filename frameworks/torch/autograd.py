@@ -24,7 +24,7 @@ from .compression import Compression, check_compressor
 from .ops import (_splits_array, allgather_async, allreduce_async, alltoall_async,
                   broadcast_async, grouped_allgather_async, grouped_allreduce_async,
                   grouped_reducescatter_async, process_set_rank, process_set_size,
-                  reducescatter_async, synchronize)
+                  reducescatter_async, synchronize, wait_now)
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
            "alltoall", "reducescatter", "grouped_reducescatter"]
@@ -39,12 +39,12 @@ class HorovodAllreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
                 post: float, ps: ProcessSet) -> torch.Tensor:
         ctx.name, ctx.op, ctx.pre, ctx.post, ctx.ps = name, op, pre, post, ps
-        return synchronize(allreduce_async(tensor, None, name, op, pre, post, ps))
+        return wait_now(allreduce_async, tensor, None, name, op, pre, post, ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        out = synchronize(allreduce_async(grad.contiguous(), None, _grad_name(ctx.name), ctx.op,
-                                          ctx.pre, ctx.post, ctx.ps))
+        out = wait_now(allreduce_async, grad.contiguous(), None, _grad_name(ctx.name), ctx.op,
+                                          ctx.pre, ctx.post, ctx.ps)
         return out, None, None, None, None, None
 
 
@@ -53,14 +53,14 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float,
                 ps: ProcessSet, *tensors: torch.Tensor) -> tuple:
         ctx.name, ctx.op, ctx.pre, ctx.post, ctx.ps = name, op, pre, post, ps
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, pre,
-                                                         post, ps)))
+        return tuple(wait_now(grouped_allreduce_async, list(tensors), None, name, op, pre,
+                                                         post, ps))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        outs = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None,
+        outs = wait_now(grouped_allreduce_async, [g.contiguous() for g in grads], None,
                                                    _grad_name(ctx.name), ctx.op, ctx.pre,
-                                                   ctx.post, ctx.ps))
+                                                   ctx.post, ctx.ps)
         return (None, None, None, None, None, *outs)
 
 
@@ -117,8 +117,8 @@ class HorovodAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        reduced = synchronize(allreduce_async(grad.contiguous(), None, _grad_name(ctx.name),
-                                              ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps))
+        reduced = wait_now(allreduce_async, grad.contiguous(), None, _grad_name(ctx.name),
+                                              ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
         offset = _my_offset(ctx.dim0, ctx.name, ctx.ps)
         return reduced.narrow(0, offset, ctx.dim0), None, None
 
@@ -132,9 +132,9 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         from .ops import grouped_allreduce_async
-        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None,
+        reduced = wait_now(grouped_allreduce_async, [g.contiguous() for g in grads], None,
                                                       _grad_name(ctx.name), ReduceOp.AVERAGE,
-                                                      1.0, 1.0, ctx.ps))
+                                                      1.0, 1.0, ctx.ps)
         dims = synchronize(allgather_async(torch.tensor([ctx.dims], dtype=torch.int64),
                                            _grad_name(ctx.name, "grad.dims"), ctx.ps))
         before = dims[:process_set_rank(ctx.ps)].sum(0)
@@ -170,8 +170,8 @@ class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         from collective import rank
-        reduced = synchronize(allreduce_async(grad.contiguous(), None, _grad_name(ctx.name),
-                                              ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps))
+        reduced = wait_now(allreduce_async, grad.contiguous(), None, _grad_name(ctx.name),
+                                              ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
         if rank() != ctx.root:
             reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
@@ -223,7 +223,7 @@ class HorovodReducescatter(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, ps: ProcessSet,
                 pre: float, post: float) -> torch.Tensor:
         ctx.name, ctx.op, ctx.ps, ctx.pre, ctx.post = name, op, ps, pre, post
-        return synchronize(reducescatter_async(tensor, name, op, ps, pre, post))
+        return wait_now(reducescatter_async, tensor, name, op, ps, pre, post)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -246,8 +246,8 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
                 post: float, *tensors: torch.Tensor) -> tuple:
         ctx.name, ctx.op, ctx.ps, ctx.pre, ctx.post = name, op, ps, pre, post
         ctx.grouped = True
-        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, ps, pre,
-                                                             post)))
+        return tuple(wait_now(grouped_reducescatter_async, list(tensors), name, op, ps, pre,
+                                                             post))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:

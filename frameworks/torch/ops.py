@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import collective
+from collective import runtime as _runtime
 from collective import (Handle, HorovodInternalError, ProcessSet, ReduceOp, RequestType,
                         global_process_set, resolve_op)
 
@@ -124,8 +125,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     Raises:
         HorovodInternalError: the op failed on some rank (plus `allreduce_async`'s errors).
     """
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    return wait_now(allreduce_async_, tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set)
 
 
 def grouped_allreduce_async(tensors: Tensors, average: bool | None = None,
@@ -162,8 +163,8 @@ def grouped_allreduce_(tensors: Tensors, average: bool | None = None, name: str 
                        postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """In-place grouped allreduce; returns the tensors."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+    return wait_now(grouped_allreduce_async_, tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set)
 
 
 # -- allgather / broadcast / alltoall / reducescatter ---------------------------------------------
@@ -335,6 +336,20 @@ def poll(handle: int) -> bool:
     if isinstance(handle, Handle):
         return handle.done()
     return handles.poll(handle)
+
+
+def wait_now(start: Callable[..., Any], *args: Any) -> Any:
+    """`synchronize(start(*args))`, telling the coordinator first that this thread blocks on
+    the op, so that a device reduction is negotiated at once instead of collecting for the
+    fusion window (the synchronous functions use it)."""
+    coord = getattr(_runtime.current_or_none(), "coordinator", None)
+    if coord is None:
+        return synchronize(start(*args))
+    coord.waiting(1)
+    try:
+        return synchronize(start(*args))
+    finally:
+        coord.waiting(-1)
 
 
 def synchronize(handle: int) -> Any:
