@@ -10,7 +10,7 @@ MPI=(mpirun --allow-run-as-root --bind-to none -np 2 -x NCCL_NVLS_ENABLE
 SUM="$OUT/summary.txt"
 : >"$SUM"
 step() { echo "== $*" | tee -a "$OUT/diag.log"; timeout 150 "$@" 2>&1 | tee -a "$OUT/diag.log" \
-         | grep -E "^(  |lone|RESULT|BREAKDOWN|PHASES|size|----|[0-9]+ [KMG]iB|allreduce float)" | tee -a "$SUM"; }
+         | grep -E "^(  |host cost|lone|RESULT|BREAKDOWN|PHASES|size|----|[0-9]+ [KMG]iB|allreduce float)" | tee -a "$SUM"; }
 what="${1:-all}"
 if [[ $what == all || $what == lat ]]; then
     step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --bytes 4096
@@ -34,6 +34,16 @@ if [[ $what == all || $what == spy ]] && [[ -n "${PYSPY:-}" ]]; then
         --nonblocking --threads -r 400 -f raw -o '"$OUT"'/pyspy_bf16.txt -- '"$PY"' -u \
         benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3; else exec '"$PY"' -u \
         benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3; fi'
+fi
+if [[ $what == ab ]]; then  # enqueue costs; bf16 A/B of the control plane's waiting
+    step "$PY" -u benchmarks/enqueue_micro.py
+    R=(benchmarks/gpu_resnet.py --amp --iters 90 --warmup 15 --repeats 3 --breakdown)
+    step "${MPI[@]}" "$PY" -u "${R[@]}"
+    step "${MPI[@]}" -x OMPI_MCA_mpi_yield_when_idle=1 "$PY" -u "${R[@]}" --tag yield
+    step "$PY" -m launcher -np 2 --tcp "$PY" -u "${R[@]}" --tag tcp
+    step "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+        benchmarks/ddp_resnet.py --amp --iters 90 --warmup 15 --repeats 3 --phases
+    lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node\(s\))" | tee -a "$SUM"
 fi
 if [[ $what == all || $what == tests ]]; then
     echo "== tests/gpu (mpi mode)" | tee -a "$SUM"
