@@ -11,6 +11,7 @@ peer), every pending handle fails with that cause and later submits raise `Shutd
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -191,6 +192,13 @@ class Coordinator:
         self._waiters_lock = threading.Lock()
         self._hold_since: float | None = None
         self._scanned: dict[int, tuple[Any, int, int]] = {}  # ps id -> (queue, len, bytes)
+        # Cycles may also run on a user thread that is about to block on its op (`drive`):
+        # one cycle at a time, under this lock; what such a cycle raises or decides (shutdown)
+        # is handed to the coordinator thread, whose loop ends the job as usual.
+        self._cycle_lock = threading.Lock()
+        self._promised = 0  # threads that will drive right after their submit (no wake-up)
+        self._handoff: BaseException | None = None
+        self._ended_by_driver = False
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -201,7 +209,7 @@ class Coordinator:
         """New work. `held`: only device reductions, which the fusion window collects anyway;
         while a window is open they do not wake the thread (each wake-up costs the submitting
         gradient hook a GIL hand-off)."""
-        if held and self._hold_since is not None:
+        if (held and self._hold_since is not None) or self._promised:
             return
         if not self._wake.is_set():  # setting an Event takes its lock; most submits find it set
             self._wake.set()
@@ -215,6 +223,47 @@ class Coordinator:
         # (waking it now would cost an empty negotiation round).
         if delta > 0 and (self._hold_since is not None
                           or any(ps.queue for ps in self.rt.member_sets())):
+            self._wake.set()
+
+    def promise(self, delta: int) -> None:
+        """A thread will call `drive()` right after its submit (+1), or has (-1): its submit
+        then skips waking the coordinator thread, which would only race it for the cycle."""
+        with self._waiters_lock:
+            self._promised += delta
+
+    def drive(self) -> None:
+        """Runs one cycle on the calling thread if no cycle is running, for a thread about to
+        block on an op it just submitted: it saves two thread hand-offs (the wake-up of the
+        coordinator thread and the wake-up of the caller) on a lone synchronous op.
+
+        Whatever the cycle raises, or a shutdown it agrees on, goes to the coordinator thread,
+        which ends the job as when the error happened there; the caller's handle fails with
+        it. Afterwards the coordinator thread is woken if work is left."""
+        if self.stopped.is_set() or self._thread is threading.current_thread():
+            return
+        nccl = sys.modules.get("collective.engines.nccl")
+        if nccl is None and any(r.device != CPU_DEVICE for ps in self.rt.member_sets()
+                                for r in ps.queue):
+            self._wake.set()  # the first device op binds the GPU on the coordinator thread
+            return
+        if self._cycle_lock.acquire(blocking=False):
+            try:
+                if self._handoff is None and not self._ended_by_driver:
+                    # A device engine makes its GPU and stream current on the thread it runs
+                    # on: give the caller's thread its own back afterwards.
+                    saved = nccl.guest_enter() if nccl is not None else None
+                    try:
+                        if not self.run_cycle():
+                            self._ended_by_driver = True
+                    except BaseException as exc:  # noqa: BLE001 - the loop ends the job
+                        self._handoff = exc
+                    finally:
+                        if nccl is not None:
+                            nccl.guest_exit(saved)
+            finally:
+                self._cycle_lock.release()
+        if (self._handoff is not None or self._ended_by_driver
+                or any(ps.pending() for ps in self.rt.member_sets())):
             self._wake.set()
 
     def _device_hold(self) -> float:
@@ -281,12 +330,20 @@ class Coordinator:
             while True:
                 start = time.monotonic()
                 self._wake.clear()
+                if self._handoff is not None or self._ended_by_driver:
+                    with self._cycle_lock:
+                        if self._handoff is not None:  # a cycle on a user thread failed
+                            raise self._handoff
+                        break  # a cycle on a user thread agreed to shut down
                 hold = self._device_hold()
                 if hold > 0:
                     self._wake.wait(hold)
                     continue
-                if not self.run_cycle():
-                    break
+                with self._cycle_lock:
+                    if self._handoff is not None:  # a cycle on a user thread failed
+                        raise self._handoff
+                    if self._ended_by_driver or not self.run_cycle():
+                        break
                 if any(ps.pending() for ps in self.rt.member_sets()) or self.rt.has_changes():
                     if self._idle_cycles == 0:  # progress: more is likely ready at once
                         continue

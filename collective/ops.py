@@ -29,7 +29,7 @@ __all__ = [
     "grouped_allgather_async", "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "poll",
-    "synchronize",
+    "synchronize", "wait_now",
 ]
 
 Average, Sum, Adasum = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
@@ -180,8 +180,8 @@ def allreduce(tensor: np.ndarray, average: bool | None = None, name: str | None 
               postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Synchronous `allreduce_async`; returns the reduced array (input unchanged)."""
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
-                                       postscale_factor, process_set))
+    return wait_now(synchronize, allreduce_async, tensor, average, name, op, prescale_factor,
+                    postscale_factor, process_set)
 
 
 def allreduce_async_(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
@@ -199,8 +199,8 @@ def allreduce_(tensor: np.ndarray, average: bool | None = None, name: str | None
                op: ReduceOp | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> np.ndarray:
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    return wait_now(synchronize, allreduce_async_, tensor, average, name, op, prescale_factor,
+                    postscale_factor, process_set)
 
 
 def grouped_allreduce_async(tensors: Sequence[np.ndarray], average: bool | None = None,
@@ -218,8 +218,8 @@ def grouped_allreduce(tensors: Sequence[np.ndarray], average: bool | None = None
                       name: str | None = None, op: ReduceOp | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
-                                               postscale_factor, process_set))
+    return wait_now(synchronize, grouped_allreduce_async, tensors, average, name, op,
+                    prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: bool | None = None,
@@ -237,8 +237,8 @@ def grouped_allreduce_(tensors: Sequence[np.ndarray], average: bool | None = Non
                        name: str | None = None, op: ReduceOp | None = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+    return wait_now(synchronize, grouped_allreduce_async_, tensors, average, name, op,
+                    prescale_factor, postscale_factor, process_set)
 
 
 # -- allgather / broadcast / alltoall / reducescatter -------------------------------------------
@@ -251,7 +251,7 @@ def allgather_async(tensor: np.ndarray, name: str | None = None,
 
 def allgather(tensor: np.ndarray, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
-    return synchronize(allgather_async(tensor, name, process_set))
+    return wait_now(synchronize, allgather_async, tensor, name, process_set)
 
 
 def grouped_allgather_async(tensors: Sequence[np.ndarray], name: str | None = None,
@@ -262,7 +262,7 @@ def grouped_allgather_async(tensors: Sequence[np.ndarray], name: str | None = No
 
 def grouped_allgather(tensors: Sequence[np.ndarray], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    return wait_now(synchronize, grouped_allgather_async, tensors, name, process_set)
 
 
 def broadcast_async(tensor: np.ndarray, root_rank: int, name: str | None = None,
@@ -274,7 +274,7 @@ def broadcast_async(tensor: np.ndarray, root_rank: int, name: str | None = None,
 
 def broadcast(tensor: np.ndarray, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    return wait_now(synchronize, broadcast_async, tensor, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor: np.ndarray, root_rank: int, name: str | None = None,
@@ -286,7 +286,7 @@ def broadcast_async_(tensor: np.ndarray, root_rank: int, name: str | None = None
 
 def broadcast_(tensor: np.ndarray, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> np.ndarray:
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return wait_now(synchronize, broadcast_async_, tensor, root_rank, name, process_set)
 
 
 def alltoall_async(tensor: np.ndarray, splits: Any = None, name: str | None = None,
@@ -299,7 +299,7 @@ def alltoall_async(tensor: np.ndarray, splits: Any = None, name: str | None = No
 def alltoall(tensor: np.ndarray, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Returns the output, or (output, received_splits) when `splits` is given."""
-    out, recv = synchronize(alltoall_async(tensor, splits, name, process_set))
+    out, recv = wait_now(synchronize, alltoall_async, tensor, splits, name, process_set)
     return out if splits is None else (out, recv)
 
 
@@ -322,8 +322,8 @@ def reducescatter_async(tensor: np.ndarray, name: str | None = None,
 def reducescatter(tensor: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> np.ndarray:
-    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
-                                           postscale_factor))
+    return wait_now(synchronize, reducescatter_async, tensor, name, op, process_set,
+                    prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter_async(tensors: Sequence[np.ndarray], name: str | None = None,
@@ -342,8 +342,8 @@ def grouped_reducescatter(tensors: Sequence[np.ndarray], name: str | None = None
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[np.ndarray]:
-    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set,
-                                                   prescale_factor, postscale_factor))
+    return wait_now(synchronize, grouped_reducescatter_async, tensors, name, op, process_set,
+                    prescale_factor, postscale_factor)
 
 
 # -- barrier / join / handles -------------------------------------------------------------------
@@ -373,6 +373,27 @@ def join(device: int = -1) -> int:
 def poll(handle: Handle) -> bool:
     """True when the op behind `handle` has finished. Never blocks."""
     return handle.done()
+
+
+def wait_now(sync: Callable[[Any], Any], start: Callable[..., Any], *args: Any) -> Any:
+    """`sync(start(*args))` for a synchronous function: the thread that will block on the op
+    tells the coordinator (so a device reduction does not wait for the fusion window) and runs
+    the negotiation cycle itself when the coordinator thread is not in one
+    (`Coordinator.drive`), which saves the two thread hand-offs of a lone op."""
+    coord = getattr(_rt.current_or_none(), "coordinator", None)
+    if coord is None:
+        return sync(start(*args))
+    coord.waiting(1)
+    try:
+        coord.promise(1)
+        try:
+            h = start(*args)
+        finally:
+            coord.promise(-1)
+        coord.drive()
+        return sync(h)
+    finally:
+        coord.waiting(-1)
 
 
 def synchronize(handle: Handle) -> Any:

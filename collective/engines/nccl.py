@@ -68,7 +68,8 @@ except ImportError as exc:  # pragma: no cover - the registry reports it
         "GPU tensors need CuPy with NCCL: `pip install ringvod[gpu]` (CUDA 12) or "
         "`pip install ringvod[gpu-cu13]` (CUDA 13)") from exc
 
-__all__ = ["NCCLEngine", "create_engine", "versions", "COMM_INIT_TIMEOUT", "CLOSE_TIMEOUT"]
+__all__ = ["NCCLEngine", "create_engine", "versions", "guest_enter", "guest_exit",
+           "COMM_INIT_TIMEOUT", "CLOSE_TIMEOUT"]
 
 _log_ = _log.get_logger()
 
@@ -198,6 +199,23 @@ def _new_communicator(size: int, raw: bytes, rank: int) -> Any:
             last = exc
     assert last is not None
     raise last
+
+
+def guest_enter() -> tuple[int, Any]:
+    """Before a coordinator cycle runs on a user thread (`Coordinator.drive`): that thread's
+    CUDA device and CuPy stream, for `guest_exit`."""
+    return int(_rt.getDevice()), cupy.cuda.get_current_stream()
+
+
+def guest_exit(saved: tuple[int, Any]) -> None:
+    """After such a cycle: gives the thread its device and stream back if an engine took them."""
+    if getattr(_tls, "engine", None) is None:
+        return
+    _tls.engine = None
+    dev, stream = saved
+    if int(_rt.getDevice()) != dev:
+        _rt.setDevice(dev)
+    stream.use()
 
 
 def exchange_unique_id(control: ControlPlane) -> bytes:

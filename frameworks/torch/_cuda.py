@@ -143,6 +143,7 @@ class _OrderedHandle(Handle):
             return settle(inner.wait(timeout))
         waiting(1)
         try:
+            coord.drive()  # negotiate on this thread if no cycle is running
             result = inner.wait(timeout)
         finally:
             waiting(-1)

@@ -44,7 +44,7 @@ class HorovodAllreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         out = wait_now(allreduce_async, grad.contiguous(), None, _grad_name(ctx.name), ctx.op,
-                                          ctx.pre, ctx.post, ctx.ps)
+                       ctx.pre, ctx.post, ctx.ps)
         return out, None, None, None, None, None
 
 
@@ -53,14 +53,13 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float,
                 ps: ProcessSet, *tensors: torch.Tensor) -> tuple:
         ctx.name, ctx.op, ctx.pre, ctx.post, ctx.ps = name, op, pre, post, ps
-        return tuple(wait_now(grouped_allreduce_async, list(tensors), None, name, op, pre,
-                                                         post, ps))
+        return tuple(wait_now(grouped_allreduce_async, list(tensors), None, name, op, pre, post,
+                              ps))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         outs = wait_now(grouped_allreduce_async, [g.contiguous() for g in grads], None,
-                                                   _grad_name(ctx.name), ctx.op, ctx.pre,
-                                                   ctx.post, ctx.ps)
+                        _grad_name(ctx.name), ctx.op, ctx.pre, ctx.post, ctx.ps)
         return (None, None, None, None, None, *outs)
 
 
@@ -103,8 +102,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 
 
 def _my_offset(dim0: int, name: str | None, ps: ProcessSet) -> int:
-    dims = synchronize(allgather_async(torch.tensor([dim0], dtype=torch.int64),
-                                       _grad_name(name, "grad.dims"), ps))
+    dims = wait_now(allgather_async, torch.tensor([dim0], dtype=torch.int64),
+                    _grad_name(name, "grad.dims"), ps)
     return int(dims[:process_set_rank(ps)].sum())
 
 
@@ -113,12 +112,12 @@ class HorovodAllgather(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
                 ps: ProcessSet) -> torch.Tensor:
         ctx.dim0, ctx.name, ctx.ps = tensor.shape[0], name, ps
-        return synchronize(allgather_async(tensor, name, ps))
+        return wait_now(allgather_async, tensor, name, ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         reduced = wait_now(allreduce_async, grad.contiguous(), None, _grad_name(ctx.name),
-                                              ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
+                           ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
         offset = _my_offset(ctx.dim0, ctx.name, ctx.ps)
         return reduced.narrow(0, offset, ctx.dim0), None, None
 
@@ -127,16 +126,15 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, ps: ProcessSet, *tensors: torch.Tensor) -> tuple:
         ctx.dims, ctx.name, ctx.ps = [t.shape[0] for t in tensors], name, ps
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, ps)))
+        return tuple(wait_now(grouped_allgather_async, list(tensors), name, ps))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         from .ops import grouped_allreduce_async
         reduced = wait_now(grouped_allreduce_async, [g.contiguous() for g in grads], None,
-                                                      _grad_name(ctx.name), ReduceOp.AVERAGE,
-                                                      1.0, 1.0, ctx.ps)
-        dims = synchronize(allgather_async(torch.tensor([ctx.dims], dtype=torch.int64),
-                                           _grad_name(ctx.name, "grad.dims"), ctx.ps))
+                           _grad_name(ctx.name), ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
+        dims = wait_now(allgather_async, torch.tensor([ctx.dims], dtype=torch.int64),
+                        _grad_name(ctx.name, "grad.dims"), ctx.ps)
         before = dims[:process_set_rank(ctx.ps)].sum(0)
         outs = [r.narrow(0, int(before[i]), d) for i, (r, d) in enumerate(zip(reduced,
                                                                               ctx.dims))]
@@ -165,13 +163,13 @@ class HorovodBroadcast(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
                 ps: ProcessSet) -> torch.Tensor:
         ctx.root, ctx.name, ctx.ps = root_rank, name, ps
-        return synchronize(broadcast_async(tensor, root_rank, name, ps))
+        return wait_now(broadcast_async, tensor, root_rank, name, ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         from collective import rank
         reduced = wait_now(allreduce_async, grad.contiguous(), None, _grad_name(ctx.name),
-                                              ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
+                           ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
         if rank() != ctx.root:
             reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
@@ -192,15 +190,15 @@ class HorovodAlltoall(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
                 ps: ProcessSet) -> tuple:
         ctx.name, ctx.ps = name, ps
-        out, received = synchronize(alltoall_async(tensor, splits, name, ps))
+        out, received = wait_now(alltoall_async, tensor, splits, name, ps)
         ctx.received = received
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
-        out, _r = synchronize(alltoall_async(grad.contiguous(), ctx.received,
-                                             _grad_name(ctx.name), ctx.ps))
+        out, _r = wait_now(alltoall_async, grad.contiguous(), ctx.received, _grad_name(ctx.name),
+                           ctx.ps)
         return out, None, None, None
 
 
@@ -236,8 +234,8 @@ def _reducescatter_grad(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.T
         factor *= process_set_size(ctx.ps)
     grads = [g * factor if factor != 1.0 else g.contiguous() for g in grads]
     if len(grads) == 1 and not getattr(ctx, "grouped", False):
-        return [synchronize(allgather_async(grads[0], _grad_name(ctx.name), ctx.ps))]
-    return synchronize(grouped_allgather_async(grads, _grad_name(ctx.name), ctx.ps))
+        return [wait_now(allgather_async, grads[0], _grad_name(ctx.name), ctx.ps)]
+    return wait_now(grouped_allgather_async, grads, _grad_name(ctx.name), ctx.ps)
 
 
 class HorovodGroupedReducescatter(torch.autograd.Function):
@@ -246,8 +244,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
                 post: float, *tensors: torch.Tensor) -> tuple:
         ctx.name, ctx.op, ctx.ps, ctx.pre, ctx.post = name, op, ps, pre, post
         ctx.grouped = True
-        return tuple(wait_now(grouped_reducescatter_async, list(tensors), name, op, ps, pre,
-                                                             post))
+        return tuple(wait_now(grouped_reducescatter_async, list(tensors), name, op, ps, pre, post))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:

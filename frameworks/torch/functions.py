@@ -16,7 +16,7 @@ import collective
 from collective import ProcessSet, global_process_set
 
 from .._common import dumps, loads
-from .ops import allgather_async, broadcast_async_, process_set_size, synchronize
+from .ops import allgather_async, broadcast_async_, process_set_size, synchronize, wait_now
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
@@ -80,12 +80,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         sz = torch.tensor([len(data)], dtype=torch.int64)
     else:
         sz = torch.zeros(1, dtype=torch.int64)
-    synchronize(broadcast_async_(sz, root_rank, f"{name}.sz", process_set))
+    wait_now(broadcast_async_, sz, root_rank, f"{name}.sz", process_set)
     if is_root:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     else:
         buf = torch.empty(int(sz[0]), dtype=torch.uint8)
-    synchronize(broadcast_async_(buf, root_rank, f"{name}.t", process_set))
+    wait_now(broadcast_async_, buf, root_rank, f"{name}.t", process_set)
     return obj if is_root else loads(buf.numpy().tobytes())
 
 
@@ -100,10 +100,10 @@ def allgather_object(obj: Any, name: str | None = None,
     """
     name = name or "allgather_object"
     data = dumps(obj)
-    sizes = synchronize(allgather_async(torch.tensor([len(data)], dtype=torch.int64),
-                                        f"{name}.sz", process_set))
-    gathered = synchronize(allgather_async(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                                           f"{name}.t", process_set))
+    sizes = wait_now(allgather_async, torch.tensor([len(data)], dtype=torch.int64), f"{name}.sz",
+                     process_set)
+    gathered = wait_now(allgather_async, torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                        f"{name}.t", process_set)
     raw = gathered.numpy().tobytes()
     out, off = [], 0
     for n in sizes.tolist()[:process_set_size(process_set)]:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import collective
-from collective import runtime as _runtime
+from collective.ops import wait_now as _collective_wait_now
 from collective import (Handle, HorovodInternalError, ProcessSet, ReduceOp, RequestType,
                         global_process_set, resolve_op)
 
@@ -125,8 +125,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     Raises:
         HorovodInternalError: the op failed on some rank (plus `allreduce_async`'s errors).
     """
-    return wait_now(allreduce_async_, tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set)
+    return wait_now(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor,
+                    process_set)
 
 
 def grouped_allreduce_async(tensors: Tensors, average: bool | None = None,
@@ -164,7 +164,7 @@ def grouped_allreduce_(tensors: Tensors, average: bool | None = None, name: str 
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """In-place grouped allreduce; returns the tensors."""
     return wait_now(grouped_allreduce_async_, tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set)
+                    postscale_factor, process_set)
 
 
 # -- allgather / broadcast / alltoall / reducescatter ---------------------------------------------
@@ -207,7 +207,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast; returns `tensor`."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return wait_now(broadcast_async_, tensor, root_rank, name, process_set)
 
 
 def _splits_array(splits: Any) -> np.ndarray | None:
@@ -339,17 +339,9 @@ def poll(handle: int) -> bool:
 
 
 def wait_now(start: Callable[..., Any], *args: Any) -> Any:
-    """`synchronize(start(*args))`, telling the coordinator first that this thread blocks on
-    the op, so that a device reduction is negotiated at once instead of collecting for the
-    fusion window (the synchronous functions use it)."""
-    coord = getattr(_runtime.current_or_none(), "coordinator", None)
-    if coord is None:
-        return synchronize(start(*args))
-    coord.waiting(1)
-    try:
-        return synchronize(start(*args))
-    finally:
-        coord.waiting(-1)
+    """`synchronize(start(*args))` for the synchronous functions (see `collective.wait_now`:
+    no fusion-window wait, and the negotiation runs on this thread when it can)."""
+    return _collective_wait_now(synchronize, start, *args)
 
 
 def synchronize(handle: int) -> Any:

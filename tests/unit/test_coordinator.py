@@ -531,3 +531,69 @@ def test_cache_eviction_warning_logged_once(horovod_log):
     warnings = [r for r in horovod_log.records
                 if "A response has been evicted from cache" in r.getMessage()]
     assert 1 <= len(warnings) <= 2  # once per process (here: per rank runtime at most)
+
+
+# -- cycles driven by the thread that waits (Coordinator.drive) ---------------------------------
+def _perform_threads():
+    """Records the name of the thread that executes each response."""
+    coord = current().coordinator
+    names = []
+    orig = coord._perform
+
+    def wrapped(ps, resp):
+        names.append(threading.current_thread().name)
+        return orig(ps, resp)
+
+    coord._perform = wrapped
+    return names
+
+
+def test_synchronous_op_runs_its_cycle_on_the_calling_thread():
+    def body(rank):
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="warm-up")  # past the threads' first cycles
+        time.sleep(0.2)
+        names = _perform_threads()
+        for i in range(5):
+            np.testing.assert_allclose(hvd.allreduce(np.ones(2), op=hvd.Sum, name=f"s{i}"),
+                                       np.full(2, 2.0))
+        return names
+
+    # With a 5 s cycle the coordinator thread only wakes when a submit asks it to; the
+    # synchronous calls promise to drive, so every response runs on the caller's thread.
+    for names in run_loopback(2, body, cycle_time_ms=5000.0):
+        assert len(names) == 5
+        assert "hvd-coordinator" not in names, names
+
+
+def test_error_in_a_driven_cycle_ends_the_job_on_the_coordinator_thread(horovod_log):
+    def body(rank):
+        rt = current()
+        if rank == 0:
+            def broken(*a, **kw):
+                raise RuntimeError("injected failure in a driven cycle")
+
+            rt.member_sets()[0].host_engine._allreduce = broken
+        with pytest.raises(hvd.HorovodInternalError):
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name="boom")
+        assert rt.coordinator.stopped.wait(10), "the coordinator thread did not stop"
+        with pytest.raises((hvd.HorovodInternalError, hvd.ShutdownError)):
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name="later")
+        return threading.current_thread().name
+
+    run_loopback(2, body, world_timeout=5.0, cycle_time_ms=5000.0)
+    assert "uncaught exception: injected failure in a driven cycle" in horovod_log.text()
+
+
+def test_shutdown_agreed_in_a_driven_cycle_stops_the_coordinator():
+    def body(rank):
+        rt = current()
+        if rank == 1:
+            time.sleep(0.3)
+            rt.shutdown()
+            return "left"
+        with pytest.raises(hvd.ShutdownError):
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name="orphan")  # drives the final cycle
+        assert rt.coordinator.stopped.wait(10)
+        return "failed"
+
+    assert run_loopback(2, body, cycle_time_ms=5000.0) == ["failed", "left"]
