@@ -2,6 +2,7 @@
 
     OUT=out python3 benchmarks/final_runs.py issue5 --budget 500   # 2 GPUs (and 1)
     OUT=out python3 benchmarks/final_runs.py scale --gpus 4          # N GPUs: sweep + ResNet
+    OUT=out python3 benchmarks/final_runs.py recheck --gpus 4        # after a fix: both, shorter
 
 `issue5`: tests/gpu (MPI and tcp modes), the lone-op latency breakdown, the allreduce sweep
 (ringvod vs CuPy NCCL vs torch.distributed), ResNet-50 at 1 GPU (ringvod and DDP, fp32 and bf16
@@ -109,6 +110,35 @@ def scale(s: Suite, n: int, iters: int) -> list[dict]:
     return rows
 
 
+def recheck(s: Suite, n: int, iters: int) -> list[dict]:
+    """After a fix: tests (MPI mode), latency, the 2-GPU sweep, bf16 at 2 GPUs twice (DDP and
+    ringvod alternating), then the scaling runs at 1 and `n` GPUs."""
+    s.say("== tests/gpu (MPI mode)")
+    out = s.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "tests/gpu",
+                 "-k", "spmd and mpi"], 150, env={"RINGVOD_TEST_REQUIRE": "gpu,mpi"})
+    tail = out.splitlines()[-1] if out.strip() else ""
+    s.say(tail)
+    if "passed" not in tail or "failed" in tail or "error" in tail:
+        s.say("!! tests/gpu did not pass: no benchmarks")
+        return []
+    s.say("== lone synchronous allreduce, per stage")
+    out = s.run(s.mpi(2, [os.path.join(HERE, "latency_probe.py"), "--device", "cuda",
+                          "--sync-api"]), 90)
+    s.say("\n".join(line for line in out.splitlines() if not line.startswith("[")))
+    s.say("== allreduce sweep, 2 GPUs")
+    sweep(s, 2, png=True)
+    rows = []
+    for rnd, order in ((1, ("DDP", "ringvod")), (2, ("ringvod", "DDP"))):
+        for impl in order:
+            v = resnet(s, 2, impl, "bf16", iters)
+            rows.append({"gpus": 2, "config": "bf16", "impl": impl, "round": rnd, "img_s": v})
+    for cfg in ("fp32", "bf16"):
+        for impl in ("ringvod", "DDP"):
+            v = resnet(s, 1, impl, cfg, iters)
+            rows.append({"gpus": 1, "config": cfg, "impl": impl, "round": 1, "img_s": v})
+    return rows + scale(s, n, iters)
+
+
 def table(s: Suite, rows: list[dict]) -> None:
     def med(n, cfg, impl):
         vals = [r["img_s"] for r in rows if r["gpus"] == n and r["config"] == cfg
@@ -132,7 +162,7 @@ def table(s: Suite, rows: list[dict]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["issue5", "scale"])
+    p.add_argument("part", choices=["issue5", "scale", "recheck"])
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--budget", type=float, default=560.0)
     p.add_argument("--iters", type=int, default=90, help="timed steps (3 windows)")
@@ -141,7 +171,12 @@ def main() -> int:
     os.makedirs(out, exist_ok=True)
     s = Suite(out, a.budget)
     s.failures = 0
-    rows = issue5(s, a.iters) if a.part == "issue5" else scale(s, a.gpus, a.iters)
+    if a.part == "issue5":
+        rows = issue5(s, a.iters)
+    elif a.part == "scale":
+        rows = scale(s, a.gpus, a.iters)
+    else:
+        rows = recheck(s, a.gpus, a.iters)
     write_results(os.path.join(out, f"final_{a.part}.json"), f"final_{a.part}", rows,
                   params={"batch": 64, "iters": a.iters})
     table(s, rows)

@@ -266,6 +266,12 @@ class Coordinator:
                 or any(ps.pending() for ps in self.rt.member_sets())):
             self._wake.set()
 
+    def _has_work(self) -> bool:
+        """Something for a cycle to do on this rank: queued or pending ops, a shutdown to
+        announce, process-set changes."""
+        return (self.shutdown_requested or self.rt.has_changes()
+                or any(ps.queue or ps.pending() for ps in self.rt.member_sets()))
+
     def _device_hold(self) -> float:
         """Seconds to keep collecting queued device reductions before negotiating (0 = now).
 
@@ -327,6 +333,7 @@ class Coordinator:
         cause: BaseException | None = None
         try:
             cycle = self.config.cycle_time
+            timed_out = True  # the first cycle always runs
             while True:
                 start = time.monotonic()
                 self._wake.clear()
@@ -342,9 +349,14 @@ class Coordinator:
                 with self._cycle_lock:
                     if self._handoff is not None:  # a cycle on a user thread failed
                         raise self._handoff
-                    if self._ended_by_driver or not self.run_cycle():
+                    if self._ended_by_driver:
+                        break
+                    # Woken with nothing to do (a waiting thread already drove the cycle):
+                    # an empty negotiation round would only make the peers wait for it.
+                    if (timed_out or self._has_work()) and not self.run_cycle():
                         break
                 if any(ps.pending() for ps in self.rt.member_sets()) or self.rt.has_changes():
+                    timed_out = True  # pending work: cycle again whatever wakes us
                     if self._idle_cycles == 0:  # progress: more is likely ready at once
                         continue
                     remaining = min(cycle - (time.monotonic() - start), _BUSY_WAIT)
@@ -352,12 +364,12 @@ class Coordinator:
                         self._wake.wait(remaining)
                 elif self.rt.size == 1:
                     self._wake.wait()  # nobody else needs us: sleep until work arrives
+                    timed_out = False
                 else:
                     # Idle: a peer's op cannot complete without our own submit of it, which
-                    # wakes us, so only shutdown and stall reports need periodic cycles. Waking
-                    # every 1 ms takes the GIL from the training thread 1000 times a second, a
-                    # suspected (not yet measured) cost for host-bound GPU training.
-                    self._wake.wait(max(cycle, _IDLE_WAIT))
+                    # wakes us, so only shutdown and stall reports need periodic cycles.
+                    # Every wake-up takes the GIL from the training thread.
+                    timed_out = not self._wake.wait(max(cycle, _IDLE_WAIT))
         except BaseException as exc:  # noqa: BLE001 - everything pending must learn the cause
             cause = exc
             _log_.error("Horovod background loop uncaught exception: %s", exc, exc_info=True)
