@@ -139,6 +139,26 @@ def recheck(s: Suite, n: int, iters: int) -> list[dict]:
     return rows + scale(s, n, iters)
 
 
+def ab(s: Suite, iters: int) -> list[dict]:
+    """Drive on/off for the lone synchronous op (alternating), the 2-GPU sweep, a bf16 pair."""
+    s.say("== tests/gpu (MPI mode)")
+    out = s.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "tests/gpu",
+                 "-k", "spmd and mpi"], 150, env={"RINGVOD_TEST_REQUIRE": "gpu,mpi"})
+    s.say(out.splitlines()[-1] if out.strip() else "(no output)")
+    for flags in ([], ["--no-drive"], [], ["--no-drive"]):
+        out = s.run(s.mpi(2, [os.path.join(HERE, "latency_probe.py"), "--device", "cuda",
+                              "--sync-api"] + flags), 60)
+        s.say("\n".join(line for line in out.splitlines()
+                        if line.startswith(("lone", "  cycle", "  words", "  set", "  synced"))))
+    s.say("== allreduce sweep, 2 GPUs")
+    sweep(s, 2, png=True)
+    rows = []
+    for impl in ("ringvod", "DDP"):
+        v = resnet(s, 2, impl, "bf16", iters)
+        rows.append({"gpus": 2, "config": "bf16", "impl": impl, "round": 3, "img_s": v})
+    return rows
+
+
 def table(s: Suite, rows: list[dict]) -> None:
     def med(n, cfg, impl):
         vals = [r["img_s"] for r in rows if r["gpus"] == n and r["config"] == cfg
@@ -162,7 +182,7 @@ def table(s: Suite, rows: list[dict]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["issue5", "scale", "recheck"])
+    p.add_argument("part", choices=["issue5", "scale", "recheck", "ab"])
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--budget", type=float, default=560.0)
     p.add_argument("--iters", type=int, default=90, help="timed steps (3 windows)")
@@ -175,6 +195,8 @@ def main() -> int:
         rows = issue5(s, a.iters)
     elif a.part == "scale":
         rows = scale(s, a.gpus, a.iters)
+    elif a.part == "ab":
+        rows = ab(s, a.iters)
     else:
         rows = recheck(s, a.gpus, a.iters)
     write_results(os.path.join(out, f"final_{a.part}.json"), f"final_{a.part}", rows,

@@ -72,8 +72,13 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--sync-api", action="store_true", help="hvd.allreduce_ instead of "
                    "allreduce_async_ + synchronize")
+    p.add_argument("--no-drive", action="store_true", help="A/B: the coordinator thread runs "
+                   "every cycle (Coordinator.drive and promise disabled)")
     a = p.parse_args()
     hvd.init()
+    if a.no_drive:
+        coord_mod.Coordinator.drive = lambda self: None
+        coord_mod.Coordinator.promise = lambda self, delta: None
     dev = a.device
     if dev == "cuda":
         torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
@@ -113,6 +118,7 @@ def main() -> int:
     # also cycles per op
     if hvd.rank() == 0:
         api = "allreduce_" if a.sync_api else "allreduce_async_ + synchronize"
+        api += " (no drive)" if a.no_drive else ""
         print(f"lone {a.bytes} B {api} on {dev}, {hvd.size()} ranks, {a.iters} ops; median "
               "us from the call to the first occurrence of each stage (count per op):")
         for s in stages:

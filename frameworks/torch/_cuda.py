@@ -137,13 +137,14 @@ class _OrderedHandle(Handle):
         # Tell the coordinator someone blocks on device work, so it negotiates at once
         # instead of letting device requests collect for its fusion window.
         rt = _runtime.current_or_none()
-        coord = getattr(rt, "coordinator", None)
-        waiting = getattr(coord, "waiting", None)
+        waiting = getattr(getattr(rt, "coordinator", None), "waiting", None)
         if waiting is None:
             return settle(inner.wait(timeout))
         waiting(1)
         try:
-            coord.drive()  # negotiate on this thread if no cycle is running
+            # Not `coord.drive()`: the submit already woke the coordinator thread, and two
+            # threads active at once trade the GIL at every CUDA call (measured: pipelined
+            # allreduces slower). Synchronous functions promise to drive before they submit.
             result = inner.wait(timeout)
         finally:
             waiting(-1)
