@@ -597,3 +597,19 @@ def test_shutdown_agreed_in_a_driven_cycle_stops_the_coordinator():
         return "failed"
 
     assert run_loopback(2, body, cycle_time_ms=5000.0) == ["failed", "left"]
+
+
+def test_a_synchronous_cached_op_costs_one_negotiation_round():
+    # The latency of a lone op is mostly rounds and thread hand-offs: a cached synchronous op
+    # must take exactly one round (no empty round after it, none for a spurious wake-up).
+    def body(rank):
+        p = plane()
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="c")  # slow path once, then cached
+        time.sleep(0.2)
+        before = p.calls["words_and"]
+        for _ in range(10):
+            hvd.allreduce(np.ones(2), op=hvd.Sum, name="c")
+        time.sleep(0.2)  # any trailing round would happen now
+        return p.calls["words_and"] - before
+
+    assert run_loopback(2, body, control=CountingPlane, cycle_time_ms=5000.0) == [10, 10]
