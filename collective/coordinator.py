@@ -24,8 +24,9 @@ from .entry import Entry
 from .errors import HorovodInternalError, MismatchError, ShutdownError
 from .fusion import plan_fusion
 from .handle import Handle
-from .negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, MessageTable, ResponseCache,
-                          decode_requests, decode_responses, encode_requests, encode_responses)
+from .negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, MessageTable, PendingHits,
+                          ResponseCache, decode_requests, decode_responses, encode_requests,
+                          encode_responses)
 from .stall import StallInspector
 from .types import CPU_DEVICE, Request, RequestType, Response, ResponseType
 
@@ -50,80 +51,6 @@ _DEVICE_BUCKET = 32 * 1024 * 1024
 # A request this large (a DistributedOptimizer bucket) is negotiated without a fusion window.
 _NO_HOLD_BYTES = 512 * 1024
 _HELD = (RequestType.ALLREDUCE, RequestType.REDUCESCATTER)
-
-
-class PendingHits:
-    """Requests found in the response cache, waiting until every rank has them.
-
-    The bit set is a Python int kept up to date incrementally (int bit operations cost tens
-    of nanoseconds, numpy scalar operations a microsecond), so a cycle that finds nothing new
-    costs O(words), not O(pending tensors).
-    """
-
-    def __init__(self) -> None:
-        self._by_bit: dict[int, tuple[Request, float]] = {}
-        self._mask = 0
-
-    def __bool__(self) -> bool:
-        return bool(self._by_bit)
-
-    def __contains__(self, bit: int) -> bool:
-        return bit in self._by_bit
-
-    def add(self, bit: int, req: Request, now: float) -> None:
-        self._by_bit[bit] = (req, now)
-        self._mask |= 1 << bit
-
-    def pop(self, bit: int) -> Request:
-        req, _ = self._by_bit.pop(bit)
-        self._mask &= ~(1 << bit)
-        return req
-
-    def drain(self) -> list[Request]:
-        reqs = [r for r, _ in self._by_bit.values()]
-        self._by_bit.clear()
-        self._mask = 0
-        return reqs
-
-    def older_than(self, deadline: float) -> list[int]:
-        return [b for b, (_, t) in self._by_bit.items() if t < deadline]
-
-    def vector(self, nbits: int) -> np.ndarray:
-        """[status word] + hit bits for `nbits` cache bits (status word left 0)."""
-        n = (nbits + 63) // 64
-        out = np.zeros(1 + n, dtype=np.uint64)
-        mask = self._mask & ((1 << (64 * n)) - 1)
-        if mask:
-            out[1:] = np.frombuffer(mask.to_bytes(8 * n, "little"), dtype="<u8")
-        return out
-
-    def take_common(self, res: np.ndarray) -> list[int]:
-        """Removes and returns (ascending) the bits set in the AND result `res`."""
-        if not self._mask:
-            return []
-        both = int.from_bytes(res[1:].astype("<u8", copy=False).tobytes(), "little") & self._mask
-        bits = []
-        while both:
-            low = both & -both
-            bits.append(low.bit_length() - 1)
-            both ^= low
-        for b in bits:
-            self.pop(b)
-        return bits
-
-    def remap(self, cache: ResponseCache) -> list[Request]:
-        """Re-keys by the cache's new bit numbers; returns requests that are no longer hits."""
-        items = list(self._by_bit.values())
-        self._by_bit.clear()
-        self._mask = 0
-        lost = []
-        for req, t in items:
-            state, bit = cache.lookup(req)
-            if state is CacheState.HIT:
-                self.add(bit, req, t)
-            else:
-                lost.append(req)
-        return lost
 
 
 class ProcessSetState:
