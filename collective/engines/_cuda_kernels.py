@@ -15,13 +15,13 @@ where first[i] is the first block of copy i and first[n] the number of blocks.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ..types import DataType
 
-__all__ = ["CHUNK", "THREADS", "Kernels", "copy_table"]
+__all__ = ["CHUNK", "THREADS", "Kernels", "CopyStager", "copy_table"]
 
 CHUNK = 32 * 1024  # bytes per block of the batched copy
 THREADS = 256
@@ -182,3 +182,81 @@ class Kernels:
                 self._sms = 132
         blocks = max(1, min((count + THREADS - 1) // THREADS, self._sms * 8))
         fn((blocks,), (THREADS,), (np.uint64(ptr), np.uint64(count), np.float64(factor)))
+
+
+_SLOTS = 16  # staging slots: a slot is reused 16 uploads later
+_H2D = 1  # cudaMemcpyHostToDevice
+
+
+class CopyStager:
+    """Uploads copy tables through pinned memory and launches the batched copies on `stream`.
+
+    Each upload takes the next of `_SLOTS` pinned slots and copies it to a device table with one
+    host-to-device copy on the stream; an event per slot guards its reuse (the host waits only if
+    the copy from 16 uploads ago has not run yet). The slots grow (after draining the stream) when
+    a table does not fit.
+    """
+
+    def __init__(self, cupy: Any, kernels: Kernels, stream: Any) -> None:
+        self._cp = cupy
+        self._kernels = kernels
+        self._stream = stream
+        self._pin: np.ndarray | None = None  # pinned host memory, _SLOTS slots
+        self._pin_ptr = 0
+        self._slot_words = 0
+        self._slot = 0
+        self._events: list[Any] = []
+        self._dtab: Any = None  # device copy of the slots
+
+    def copies(self, pack: tuple[list[int], list[int], list[int]],
+               unpack: tuple[list[int], list[int], list[int]] | None) -> Callable[[], None]:
+        """Uploads both tables now, launches the pack copies, returns a function for unpack."""
+        tp, bp = copy_table(*pack)
+        tabs = [tp]
+        if unpack is not None:
+            tu, bu = copy_table(*unpack)
+            tabs.append(tu)
+        ptrs = self._upload(tabs)
+        kern = self._kernels
+        kern.batched_copy(ptrs[0], (tp.size - 1) // 4, bp)
+        if unpack is None:
+            return lambda: None
+        return lambda: kern.batched_copy(ptrs[1], (tu.size - 1) // 4, bu)
+
+    def _upload(self, tables: list[np.ndarray]) -> list[int]:
+        """Copies the tables to the device in one H2D copy; returns their device addresses."""
+        words = sum(t.size for t in tables)
+        if words > self._slot_words:
+            self._grow(words)
+        k = self._slot
+        self._slot = (k + 1) % _SLOTS
+        ev = self._events[k]
+        if ev is not None and not ev.done:
+            ev.synchronize()  # that slot's copy (16 uploads ago) has not run yet
+        base = k * self._slot_words
+        assert self._pin is not None
+        view = self._pin[base:base + words]
+        dptr = int(self._dtab.ptr)
+        out, off = [], 0
+        for t in tables:
+            view[off:off + t.size] = t
+            out.append(dptr + off * 8)
+            off += t.size
+        self._cp.cuda.runtime.memcpyAsync(dptr, self._pin_ptr + base * 8, words * 8, _H2D,
+                                          int(self._stream.ptr))
+        if ev is None:
+            ev = self._events[k] = self._cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(self._stream)
+        return out
+
+    def _grow(self, words: int) -> None:
+        import cupyx  # only where CuPy is
+
+        if self._pin is not None:
+            self._stream.synchronize()  # old staging memory may still feed pending copies
+        self._slot_words = max(8192, 1 << (words - 1).bit_length())
+        self._pin = cupyx.empty_pinned((self._slot_words * _SLOTS,), dtype=np.uint64)
+        self._pin_ptr = int(self._pin.ctypes.data)
+        self._dtab = self._cp.cuda.alloc(self._slot_words * 8)
+        self._events = [None] * _SLOTS
+        self._slot = 0

@@ -1,43 +1,24 @@
 """NCCL engine: collectives on GPU tensors through CuPy's NCCL binding (`cupy.cuda.nccl`).
 
-One engine per process set (the coordinator creates it on the set's first device response) and
-one NCCL communicator per engine. Only the coordinator thread calls it. DESIGN.md §4 "GPU
-ordering", as built here:
+One engine per process set (the coordinator creates it on the set's first device response), one
+communicator per engine, bound to the GPU of the op's tensors. DESIGN.md §4 "GPU ordering" and
+docs/gpu.md ("How it works") describe it; in short:
 
-* Binding. On its first op the engine takes the device of the op's tensors (one GPU per
-  process), makes it current on the coordinator thread, creates its own non-blocking stream of
-  the highest priority (Horovod's choice: collectives win the race for free SMs) and makes it
-  CuPy's current stream on that thread, then creates the communicator collectively: every rank
-  reports over the control plane whether it can (so no rank hangs in NCCL's init while a peer
-  failed), group rank 0 makes the unique id, the control plane broadcasts it, and the init runs
-  on a helper thread with a deadline (`COMM_INIT_TIMEOUT`), because CuPy exposes no
-  non-blocking init.
-* Ordering. Each op first makes the engine stream wait on every entry's ready event (recorded
-  by the adapter on the producer's stream at enqueue; see `device.py`), then enqueues pack,
-  scaling, the NCCL call and unpack on the engine stream, and records one completion event.
-  The handle completes on the host at once; its `DeviceResult` lets the caller's stream wait on
-  the event. Nothing here blocks the host on the GPU, except reusing a staging slot whose copy
-  has not run yet (16 ops behind) and `close()`.
-* Memory. Outputs and the fusion buffer come from the entry's allocator with the engine stream
-  as allocation stream (PyTorch's caching allocator then orders reuse on it); CuPy arrays get
-  CuPy's pool. The fusion buffer is kept and grown, never shrunk. Every op's entries (and so
-  their tensors) stay referenced until its completion event has fired.
-* Fusion. A fused response is packed by ONE batched-copy launch (`_cuda_kernels.py`) from a
-  table uploaded with one host-to-device copy, reduced by one NCCL call, and unpacked by one
-  more launch. Each tensor starts at a 16-byte boundary so the copies move 16-byte words.
-* Ops. allreduce (Sum/Min/Max/Product; Average is ncclAvg for floats, Sum then ÷size for
-  integers, as the host engines; pre/postscale by a scaling kernel), allgather (ncclAllGather
-  when every rank sends the same bytes, else grouped ncclBroadcast from each rank), broadcast,
-  alltoall (grouped send/recv; splits exchanged over the control plane), reducescatter
-  (ncclReduceScatter, over blocks padded to the largest share when dim 0 does not divide
-  evenly). bool reduces as uint8 with max (Sum/Max) or min (Min/Product); bfloat16 is
-  ncclBfloat16.
-* Failures. A dtype NCCL cannot reduce fails that op on every rank (the check is
-  deterministic). A CUDA or NCCL error, or an asynchronous NCCL error found at the start of an
-  op, fails the op's handles with `HorovodInternalError`, aborts the communicator and ends the
-  coordinator loop (every pending handle then fails). `abort()` calls ncclCommAbort so that
-  kernels stuck on a dead peer return; `close()` destroys the communicator when the stream is
-  idle and aborts it when the stream does not drain within `CLOSE_TIMEOUT`.
+* Binding: every rank reports over the control plane whether it can use its GPU before group
+  rank 0's unique id is broadcast; the init runs on a helper thread with a deadline
+  (`COMM_INIT_TIMEOUT`), since CuPy has no non-blocking init.
+* Ordering: the engine's own high-priority stream waits on each entry's ready event, runs pack,
+  scaling, the NCCL call and unpack, and records one completion event per op; the handle
+  completes on the host at once and its `DeviceResult` orders the caller's stream. Nothing
+  blocks the host except a staging slot still in use (`CopyStager`) and `close()`.
+* Memory: outputs and the fusion buffer come from the entry's allocator with the engine stream
+  as allocation stream; an op's entries stay referenced until its completion event fired.
+* Fusion: one batched-copy launch packs a fused response, one NCCL call reduces it, one more
+  launch unpacks it (`_cuda_kernels.py`).
+* Failures: a dtype NCCL cannot reduce fails that op on every rank; a CUDA/NCCL error fails the
+  op's handles with `HorovodInternalError`, aborts the communicator and ends the coordinator
+  loop; `abort()` (ncclCommAbort) frees kernels stuck on a dead peer; `close()` destroys the
+  communicator once the stream drained, else aborts it after `CLOSE_TIMEOUT`.
 """
 from __future__ import annotations
 
@@ -49,19 +30,18 @@ import threading
 import time
 from typing import Any, Callable
 
-import numpy as np
-
 from .. import _log
 from ..entry import Entry, default_allocate
 from ..errors import CollectiveTimeoutError, EngineUnavailableError, HorovodInternalError
 from ..types import DataType, ReduceOp, Response, numpy_dtype
-from ._cuda_kernels import Kernels, copy_table
-from .base import ControlPlane, Engine, split_rows
+from . import _nccl_layouts as _layouts
+from ._cuda_kernels import CopyStager, Kernels
+from ._nccl_layouts import _pad16
+from .base import ControlPlane, Engine
 from .device import DeviceResult, pointer_of, set_allocation_stream
 
 try:
     import cupy
-    import cupyx
     from cupy.cuda import nccl
 except ImportError as exc:  # pragma: no cover - the registry reports it
     raise EngineUnavailableError(
@@ -91,9 +71,8 @@ _NCCL_TYPE = {
 _SUM, _PROD, _MAX, _MIN, _AVG = 0, 1, 2, 3, 4
 _NCCL_OP = {ReduceOp.SUM: _SUM, ReduceOp.PRODUCT: _PROD, ReduceOp.MAX: _MAX,
             ReduceOp.MIN: _MIN}
-_H2D, _D2D = 1, 3  # cudaMemcpyKind
+_D2D = 3  # cudaMemcpyKind
 _FREE_EVENTS = 64  # completion events kept for reuse
-_SLOTS = 16  # staging slots for copy tables (host side of the H2D upload)
 
 _rt = cupy.cuda.runtime
 _tls = threading.local()  # which engine's stream is CuPy's current stream on this thread
@@ -136,25 +115,6 @@ def _event_ptr(ev: Any) -> int:
     if h is None:
         h = ev.ptr
     return int(h)
-
-
-def _pad16(n: int) -> int:
-    return (n + 15) & ~15
-
-
-def _row_elems(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape[1:]:
-        n *= d
-    return n
-
-
-def _cumsum0(values: list[int]) -> list[int]:
-    out, acc = [], 0
-    for v in values:
-        out.append(acc)
-        acc += v
-    return out
 
 
 def _nccl_version_text(v: int) -> str:
@@ -245,12 +205,7 @@ class NCCLEngine(Engine):
         self._fusion_obj: Any = None
         self._fusion_ptr = 0
         self._fusion_bytes = 0
-        self._pin_np: np.ndarray | None = None  # pinned staging memory for copy tables
-        self._pin_ptr = 0
-        self._slot_words = 0
-        self._slot = 0
-        self._slot_events: list[Any] = []
-        self._dtab: Any = None  # device copy table
+        self._stager: CopyStager | None = None  # uploads copy tables, launches the copies
         self._last_done: _Completion | None = None
         self._allocated: set[int] = set()  # ids of entries whose output the engine allocated
         self._zero_ids: set[int] = set()  # ids of zero tensors made for joined ranks
@@ -434,56 +389,13 @@ class NCCLEngine(Engine):
             self._fusion_bytes = want
         return self._fusion_ptr
 
-    def _upload(self, tables: list[np.ndarray]) -> list[int]:
-        """Copies the tables to the device in one H2D copy; returns their device addresses."""
-        words = sum(t.size for t in tables)
-        if words > self._slot_words:
-            self._grow_staging(words)
-        k = self._slot
-        self._slot = (k + 1) % _SLOTS
-        ev = self._slot_events[k]
-        if ev is not None and not ev.done:
-            ev.synchronize()  # that slot's copy (16 ops ago) has not run yet
-        base = k * self._slot_words
-        assert self._pin_np is not None
-        view = self._pin_np[base:base + words]
-        dptr = int(self._dtab.ptr)
-        out, off = [], 0
-        for t in tables:
-            view[off:off + t.size] = t
-            out.append(dptr + off * 8)
-            off += t.size
-        _rt.memcpyAsync(dptr, self._pin_ptr + base * 8, words * 8, _H2D, self._sp)
-        if ev is None:
-            ev = self._slot_events[k] = cupy.cuda.Event(block=False, disable_timing=True)
-        ev.record(self.stream)
-        return out
-
-    def _grow_staging(self, words: int) -> None:
-        if self._pin_np is not None:
-            self.stream.synchronize()  # old staging memory may still feed pending copies
-        self._slot_words = max(8192, 1 << (words - 1).bit_length())
-        self._pin_np = cupyx.empty_pinned((self._slot_words * _SLOTS,), dtype=np.uint64)
-        self._pin_ptr = int(self._pin_np.ctypes.data)
-        self._dtab = cupy.cuda.alloc(self._slot_words * 8)
-        self._slot_events = [None] * _SLOTS
-        self._slot = 0
-
     def _copies(self, pack: tuple[list[int], list[int], list[int]],
                 unpack: tuple[list[int], list[int], list[int]] | None) -> Callable[[], None]:
-        """Uploads both tables now, launches the pack copies, returns a function for unpack."""
-        kern = self._kernels
-        assert kern is not None
-        tp, bp = copy_table(*pack)
-        tabs = [tp]
-        if unpack is not None:
-            tu, bu = copy_table(*unpack)
-            tabs.append(tu)
-        ptrs = self._upload(tabs)
-        kern.batched_copy(ptrs[0], (tp.size - 1) // 4, bp)
-        if unpack is None:
-            return lambda: None
-        return lambda: kern.batched_copy(ptrs[1], (tu.size - 1) // 4, bu)
+        """Uploads both copy tables, launches the pack copies, returns a function for unpack."""
+        if self._stager is None:
+            assert self._kernels is not None
+            self._stager = CopyStager(cupy, self._kernels, self.stream)
+        return self._stager.copies(pack, unpack)
 
     def _activity(self, entries: list[Entry], name: str) -> list[str] | None:
         tl = self.timeline
@@ -587,64 +499,6 @@ class NCCLEngine(Engine):
         unpack()
         self._activity_end(act)
 
-    def _gatherv(self, src: int, dst: int, counts: list[int]) -> None:
-        """Every rank's `counts[r]` bytes into `dst` in rank order (src may lie inside dst)."""
-        comm, sp = self.comm, self._sp
-        if all(c == counts[0] for c in counts):
-            if counts[0]:
-                comm.allGather(src, dst, counts[0], _UINT8, sp)
-            return
-        displ = _cumsum0(counts)
-        nccl.groupStart()
-        try:
-            for r, c in enumerate(counts):
-                if c:
-                    comm.broadcast(src if r == self.rank else dst + displ[r], dst + displ[r], c,
-                                   _UINT8, r, sp)
-        finally:
-            nccl.groupEnd()
-
-    def _allgather(self, entries: list[Entry], resp: Response) -> None:
-        size, me, k = self.size, self.rank, len(entries)
-        item = resp.dtype.itemsize
-        rows = [resp.sizes[t * size:(t + 1) * size] for t in range(k)]
-        rbytes = [_row_elems(e.request.shape) * item for e in entries]
-        outs = [self._out_ptr(e, (sum(rows[t]),) + tuple(e.request.shape[1:]))
-                for t, e in enumerate(entries)]
-        if k == 1:
-            act = self._activity(entries, "NCCL_ALLGATHER")
-            self._gatherv(pointer_of(entries[0].tensor)[0], outs[0],
-                          [rows[0][r] * rbytes[0] for r in range(size)])
-            self._activity_end(act)
-            return
-        nbytes = [[rows[t][r] * rbytes[t] for t in range(k)] for r in range(size)]
-        piece_off = [_cumsum0([_pad16(n) for n in nbytes[r]]) for r in range(size)]
-        block = [sum(_pad16(n) for n in nbytes[r]) for r in range(size)]
-        displ = _cumsum0(block)
-        total = sum(block)
-        if total == 0:
-            return
-        buf = self._fusion_buffer(total, entries[0])
-        mine = buf + displ[me]
-        pack = ([pointer_of(e.tensor)[0] for e in entries],
-                [mine + piece_off[me][t] for t in range(k)], nbytes[me])
-        out_off = [_cumsum0([nbytes[r][t] for r in range(size)]) for t in range(k)]
-        us, ud, un = [], [], []
-        for r in range(size):
-            for t in range(k):
-                us.append(buf + displ[r] + piece_off[r][t])
-                ud.append(outs[t] + out_off[t][r])
-                un.append(nbytes[r][t])
-        act = self._activity(entries, "MEMCPY_IN_FUSION_BUFFER")
-        unpack = self._copies(pack, (us, ud, un))
-        self._activity_end(act)
-        act = self._activity(entries, "NCCL_ALLGATHER")
-        self._gatherv(mine, buf, block)
-        self._activity_end(act)
-        act = self._activity(entries, "MEMCPY_OUT_FUSION_BUFFER")
-        unpack()
-        self._activity_end(act)
-
     def _broadcast(self, entries: list[Entry], root: int) -> None:
         e = entries[0]
         src, nbytes = pointer_of(e.tensor)
@@ -654,89 +508,14 @@ class NCCLEngine(Engine):
             self.comm.broadcast(src, dst, nbytes, _UINT8, root, self._sp)
             self._activity_end(act)
 
+    def _allgather(self, entries: list[Entry], resp: Response) -> None:
+        _layouts.allgather(self, entries, resp)
+
     def _alltoall(self, entries: list[Entry]) -> None:
-        e = entries[0]
-        size, me, comm, sp = self.size, self.rank, self.comm, self._sp
-        splits = np.asarray(e.splits, dtype=np.int64)
-        mat = [np.frombuffer(b, dtype=np.int64)
-               for b in self.control.allgather(splits.tobytes())]
-        recv = np.array([int(mat[r][me]) for r in range(size)], dtype=np.int64)
-        rb = _row_elems(e.request.shape) * e.request.dtype.itemsize
-        shape = (int(recv.sum()),) + tuple(e.request.shape[1:])
-        out = self._out_ptr(e, shape)
-        src = pointer_of(e.tensor)[0]
-        sc = [int(s) * rb for s in splits]
-        rc = [int(s) * rb for s in recv]
-        sd, rd = _cumsum0(sc), _cumsum0(rc)
-        if sc[me]:
-            _rt.memcpyAsync(out + rd[me], src + sd[me], sc[me], _D2D, sp)
-        act = self._activity(entries, "NCCL_ALLTOALL")
-        nccl.groupStart()
-        try:
-            for r in range(size):
-                if r == me:
-                    continue
-                if sc[r]:
-                    comm.send(src + sd[r], sc[r], _UINT8, r, sp)
-                if rc[r]:
-                    comm.recv(out + rd[r], rc[r], _UINT8, r, sp)
-        finally:
-            nccl.groupEnd()
-        self._activity_end(act)
-        e.received_splits = recv.astype(np.int32)
+        _layouts.alltoall(self, entries)
 
     def _reducescatter(self, entries: list[Entry], resp: Response) -> None:
-        dt = resp.dtype
-        ntype, op, pre, post = self._reduction(dt, resp)
-        item, size, me, k = dt.itemsize, self.size, self.rank, len(entries)
-        comm, sp, kern = self.comm, self._sp, self._kernels
-        assert kern is not None
-        lay = [(split_rows(e.request.shape[0], size), _row_elems(e.request.shape))
-               for e in entries]
-        counts = [[rs[r] * row for r in range(size)] for rs, row in lay]  # elements
-        outs = [self._out_ptr(e, (lay[t][0][me],) + tuple(e.request.shape[1:]))
-                for t, e in enumerate(entries)]
-        per_rank = [sum(counts[t][r] for t in range(k)) for r in range(size)]
-        act_name = "NCCL_REDUCESCATTER"
-        if k == 1 and pre == 1.0 and all(c == per_rank[0] for c in per_rank):
-            c = per_rank[0]
-            if c:
-                act = self._activity(entries, act_name)
-                comm.reduceScatter(pointer_of(entries[0].tensor)[0], outs[0], c, ntype, op, sp)
-                self._activity_end(act)
-                kern.scale(outs[0], c, dt, post)
-            return
-        piece = [[_pad16(counts[t][r] * item) for t in range(k)] for r in range(size)]
-        in_block = [_cumsum0(piece[r]) for r in range(size)]
-        block = max(sum(piece[r]) for r in range(size))
-        if block == 0:
-            return
-        buf = self._fusion_buffer(size * block + block, entries[0])
-        recv = buf + size * block
-        ps, pd, pn = [], [], []
-        for t, e in enumerate(entries):
-            src = pointer_of(e.tensor)[0]
-            start = 0
-            for r in range(size):
-                nb = counts[t][r] * item
-                ps.append(src + start)
-                pd.append(buf + r * block + in_block[r][t])
-                pn.append(nb)
-                start += nb
-        unpack = ([recv + in_block[me][t] for t in range(k)], outs,
-                  [counts[t][me] * item for t in range(k)])
-        act = self._activity(entries, "MEMCPY_IN_FUSION_BUFFER")
-        run_unpack = self._copies((ps, pd, pn), unpack)
-        self._activity_end(act)
-        count = block // item
-        kern.scale(buf, size * count, dt, pre)
-        act = self._activity(entries, act_name)
-        comm.reduceScatter(buf, recv, count, ntype, op, sp)
-        self._activity_end(act)
-        kern.scale(recv, count, dt, post)
-        act = self._activity(entries, "MEMCPY_OUT_FUSION_BUFFER")
-        run_unpack()
-        self._activity_end(act)
+        _layouts.reducescatter(self, entries, resp)
 
     # -- results, zeros, lifecycle ------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype: DataType, device: int) -> Any:
