@@ -613,3 +613,21 @@ def test_a_synchronous_cached_op_costs_one_negotiation_round():
         return p.calls["words_and"] - before
 
     assert run_loopback(2, body, control=CountingPlane, cycle_time_ms=5000.0) == [10, 10]
+
+
+def test_large_new_host_outputs_are_left_to_the_coordinator_thread():
+    # On the main thread glibc returns each freed output to the OS, so a driven cycle that
+    # allocates a large host output would page-fault it in again every time.
+    def body(rank):
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="warm-up")
+        time.sleep(0.2)
+        names = _perform_threads()
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="small")  # driven
+        big = np.ones(64 * 1024, dtype=np.float32)  # 256 KiB, new output
+        hvd.allreduce(big, op=hvd.Sum, name="big")
+        hvd.allreduce_(big, op=hvd.Sum, name="big-inplace")  # no allocation: driven
+        return names
+
+    for names in run_loopback(2, body, cycle_time_ms=5000.0):
+        assert names[0] != "hvd-coordinator" and names[2] != "hvd-coordinator", names
+        assert names[1] == "hvd-coordinator", names
