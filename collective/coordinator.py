@@ -166,8 +166,10 @@ class Coordinator:
         coordinator thread and the wake-up of the caller) on a lone synchronous op.
 
         Whatever the cycle raises, or a shutdown it agrees on, goes to the coordinator thread,
-        which ends the job as when the error happened there; the caller's handle fails with
-        it. Afterwards the coordinator thread is woken if work is left."""
+        which ends the job as when the error happened there (a cycle cut short leaves the
+        peers mid-negotiation); the caller's handle fails with it. A KeyboardInterrupt or
+        SystemExit is also raised again in the caller. Afterwards the coordinator thread is
+        woken if work is left."""
         if self.stopped.is_set() or self._thread is threading.current_thread():
             return
         nccl = sys.modules.get("collective.engines.nccl")
@@ -176,6 +178,7 @@ class Coordinator:
                 or any(_allocates_host_output(ps) for ps in sets)):
             self._wake.set()  # left to the coordinator thread (see _allocates_host_output)
             return
+        interrupt: BaseException | None = None
         if self._cycle_lock.acquire(blocking=False):
             try:
                 if self._handoff is None and not self._ended_by_driver:
@@ -187,6 +190,8 @@ class Coordinator:
                             self._ended_by_driver = True
                     except BaseException as exc:  # noqa: BLE001 - the loop ends the job
                         self._handoff = exc
+                        if not isinstance(exc, Exception):
+                            interrupt = exc
                     finally:
                         if nccl is not None:
                             nccl.guest_exit(saved)
@@ -195,6 +200,8 @@ class Coordinator:
         if (self._handoff is not None or self._ended_by_driver
                 or any(ps.pending() for ps in self.rt.member_sets())):
             self._wake.set()
+        if interrupt is not None:
+            raise interrupt
 
     def _has_work(self) -> bool:
         """Something for a cycle to do on this rank: queued or pending ops, a shutdown to

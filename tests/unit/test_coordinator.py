@@ -631,3 +631,24 @@ def test_large_new_host_outputs_are_left_to_the_coordinator_thread():
     for names in run_loopback(2, body, cycle_time_ms=5000.0):
         assert names[0] != "hvd-coordinator" and names[2] != "hvd-coordinator", names
         assert names[1] == "hvd-coordinator", names
+
+
+def test_keyboard_interrupt_in_a_driven_cycle_reaches_the_caller_and_ends_the_job():
+    def body(rank):
+        rt = current()
+        hvd.allreduce(np.ones(1), op=hvd.Sum, name="warm-up")
+        time.sleep(0.2)
+        if rank == 0:
+            def interrupted(*a, **kw):
+                raise KeyboardInterrupt
+
+            rt.member_sets()[0].host_engine._allreduce = interrupted
+            with pytest.raises(KeyboardInterrupt):
+                hvd.allreduce(np.ones(1), op=hvd.Sum, name="x")
+        else:
+            with pytest.raises((hvd.HorovodInternalError, hvd.ShutdownError)):
+                hvd.allreduce(np.ones(1), op=hvd.Sum, name="x")
+        assert rt.coordinator.stopped.wait(10), "the coordinator thread did not stop"
+        return True
+
+    run_loopback(2, body, world_timeout=5.0, cycle_time_ms=5000.0)
