@@ -388,8 +388,11 @@ def wait_now(sync: Callable[[Any], Any], start: Callable[..., Any], *args: Any) 
         coord.promise(1)
         try:
             h = start(*args)
-        finally:
+        except BaseException:
             coord.promise(-1)
+            coord.wake()  # another thread's submit may have skipped its wake-up for ours
+            raise
+        coord.promise(-1)
         coord.drive()
         return sync(h)
     finally:
