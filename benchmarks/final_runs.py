@@ -64,21 +64,30 @@ def sweep(s: Suite, n: int, png: bool) -> None:
     s.say("\n".join(line for line in out.splitlines() if not line.startswith("[")))
 
 
-def issue5(s: Suite, iters: int) -> list[dict]:
-    s.say("== tests/gpu (2 ranks; MPI and tcp modes)")
-    out = s.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "tests/gpu"], 240,
+def tests_and_latency(s: Suite, select: str | None) -> bool:
+    """tests/gpu (optionally `-k select`), the lone-op breakdown and the 2-GPU sweep; False
+    (and nothing else runs) when the tests do not pass."""
+    s.say(f"== tests/gpu (2 ranks; {select or 'MPI and tcp modes'})")
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "tests/gpu"]
+    out = s.run(cmd + (["-k", select] if select else []), 240,
                 env={"RINGVOD_TEST_REQUIRE": "gpu,mpi"})
     tail = out.splitlines()[-1] if out.strip() else ""
     s.say("\n".join(out.splitlines()[-4:]))
     if "passed" not in tail or "failed" in tail or "error" in tail:
         s.say("!! tests/gpu did not pass: no benchmarks")
-        return []
+        return False
     s.say("== lone synchronous allreduce, per stage")
     out = s.run(s.mpi(2, [os.path.join(HERE, "latency_probe.py"), "--device", "cuda",
                           "--sync-api"]), 90)
     s.say("\n".join(line for line in out.splitlines() if not line.startswith("[")))
     s.say("== allreduce sweep, 2 GPUs")
     sweep(s, 2, png=True)
+    return True
+
+
+def issue5(s: Suite, iters: int) -> list[dict]:
+    if not tests_and_latency(s, None):
+        return []
     rows = []
     for cfg in ("fp32", "bf16"):
         for impl in ("ringvod", "DDP"):
@@ -113,20 +122,8 @@ def scale(s: Suite, n: int, iters: int) -> list[dict]:
 def recheck(s: Suite, n: int, iters: int) -> list[dict]:
     """After a fix: tests (MPI mode), latency, the 2-GPU sweep, bf16 at 2 GPUs twice (DDP and
     ringvod alternating), then the scaling runs at 1 and `n` GPUs."""
-    s.say("== tests/gpu (MPI mode)")
-    out = s.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "tests/gpu",
-                 "-k", "spmd and mpi"], 150, env={"RINGVOD_TEST_REQUIRE": "gpu,mpi"})
-    tail = out.splitlines()[-1] if out.strip() else ""
-    s.say(tail)
-    if "passed" not in tail or "failed" in tail or "error" in tail:
-        s.say("!! tests/gpu did not pass: no benchmarks")
+    if not tests_and_latency(s, "spmd and mpi"):
         return []
-    s.say("== lone synchronous allreduce, per stage")
-    out = s.run(s.mpi(2, [os.path.join(HERE, "latency_probe.py"), "--device", "cuda",
-                          "--sync-api"]), 90)
-    s.say("\n".join(line for line in out.splitlines() if not line.startswith("[")))
-    s.say("== allreduce sweep, 2 GPUs")
-    sweep(s, 2, png=True)
     rows = []
     for rnd, order in ((1, ("DDP", "ringvod")), (2, ("ringvod", "DDP"))):
         for impl in order:
