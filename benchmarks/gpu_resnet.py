@@ -85,7 +85,7 @@ def phases(step_parts, a, show, label):
               flush=True)
 
 
-def breakdown(opt, step_parts, show, a) -> None:
+def breakdown(opt, step_parts, a) -> None:
     """Host time inside step(): waiting for bucket handles, unpacking, the wrapped step; and
     the skew between ranks at the end of backward (perf_counter is one clock per host)."""
     from frameworks.torch import _buckets, _cuda
@@ -119,10 +119,11 @@ def breakdown(opt, step_parts, show, a) -> None:
     skew = statistics.median(float(abs(allends[:, i].max() - allends[:, i].min()))
                              for i in range(allends.shape[1])) * 1e3
     med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(7)]
-    if True:  # every rank: the slower one sets the pace
-        print(f"BREAKDOWN rank {hvd.rank()} amp={a.amp}: forward {med[0]:.2f} backward {med[1]:.2f} step {med[2]:.2f}"
-              f" (wait {med[3]:.2f}, unpack {med[4]:.2f}, inner step {med[5]:.2f}) gpu tail "
-              f"{med[6]:.2f} ms; rank skew at backward end {skew:.2f} ms (medians of 30)", flush=True)
+    # Every rank prints: the slower one sets the pace.
+    print(f"BREAKDOWN rank {hvd.rank()} amp={a.amp}: forward {med[0]:.2f} backward {med[1]:.2f}"
+          f" step {med[2]:.2f} (wait {med[3]:.2f}, unpack {med[4]:.2f}, inner step {med[5]:.2f})"
+          f" gpu tail {med[6]:.2f} ms; rank skew at backward end {skew:.2f} ms (medians of 30)",
+          flush=True)
 
 
 def main() -> int:
@@ -202,7 +203,7 @@ def main() -> int:
     if a.phases:
         phases(step_parts, a, rank == 0, "ringvod" + a.tag)
     if a.breakdown and world > 1:
-        breakdown(opt, step_parts, rank == 0, a)
+        breakdown(opt, step_parts, a)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         for _ in range(2):

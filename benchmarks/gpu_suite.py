@@ -41,6 +41,7 @@ class Suite:
         self.out = out
         self.deadline = time.monotonic() + budget
         self.log = open(os.path.join(out, "suite.log"), "a", buffering=1)
+        self.failures = 0  # runs that gave no result (final_runs stops after two)
         self.mpirun = os.environ.get("RINGVOD_MPIRUN", "mpirun --allow-run-as-root "
                                      "--bind-to none").split()
 

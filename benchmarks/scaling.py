@@ -29,7 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from _report import format_table, write_results  # noqa: E402
-from gpu_suite import PY, Suite, parse  # noqa: E402
+from final_runs import resnet  # noqa: E402
+from gpu_suite import Suite  # noqa: E402
 
 
 def _counts(spec: str) -> list[int]:
@@ -54,20 +55,14 @@ def allreduce_at(s: Suite, n: int, quick: bool) -> dict | None:
 
 
 def resnet_at(s: Suite, n: int, amp: bool, iters: int) -> list[dict]:
-    flags = ["--iters", str(iters), "--warmup", "15", "--repeats", "3"] + (["--amp"] if amp
-                                                                         else [])
-    rv = [os.path.join(HERE, "gpu_resnet.py")] + flags
-    ddp = [os.path.join(HERE, "ddp_resnet.py")] + flags
-    rows: list[dict] = []
-    if n == 1:
-        rows += parse(s.run([PY, "-u"] + rv, 150))
-        rows += parse(s.run([PY, "-u"] + ddp, 150))
-    else:
-        rows += parse(s.run([PY, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", str(n)] + ddp, 180))
-        rows += parse(s.run(s.mpi(n, rv), 180))
-    s.say(f"-- {n} GPU(s) {'bf16' if amp else 'fp32'}: " + ", ".join(
-        f"{r['series']}={r['throughput']:.0f}" for r in rows))
+    """DDP then ringvod at `n` GPUs (`final_runs.resnet`), as rows for the tables and plots."""
+    cfg = "bf16" if amp else "fp32"
+    rows = []
+    for impl in ("DDP", "ringvod"):
+        v = resnet(s, n, impl, cfg, iters)
+        if v is not None:
+            rows.append({"series": impl, "gpus": n, "amp": amp, "compression": "none",
+                         "throughput": v})
     return rows
 
 

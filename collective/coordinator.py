@@ -173,10 +173,8 @@ class Coordinator:
         if self.stopped.is_set() or self._thread is threading.current_thread():
             return
         nccl = sys.modules.get("collective.engines.nccl")
-        sets = self.rt.member_sets()
-        if ((nccl is None and any(r.device != CPU_DEVICE for ps in sets for r in ps.queue))
-                or any(_allocates_host_output(ps) for ps in sets)):
-            self._wake.set()  # left to the coordinator thread (see _allocates_host_output)
+        if any(_left_to_coordinator(ps, nccl is not None) for ps in self.rt.member_sets()):
+            self._wake.set()
             return
         interrupt: BaseException | None = None
         if self._cycle_lock.acquire(blocking=False):
@@ -536,15 +534,21 @@ class Coordinator:
         return ps.device_engine
 
 
-def _allocates_host_output(ps: ProcessSetState) -> bool:
-    """Whether a queued host op needs a new output of `_DRIVE_ALLOC_LIMIT` bytes or more.
+def _left_to_coordinator(ps: ProcessSetState, gpu_bound: bool) -> bool:
+    """Whether a queued op should run on the coordinator thread rather than a driving caller:
 
-    Such ops are left to the coordinator thread: on the main thread glibc's main arena gives a
-    freed block at the top of the heap back to the OS, so every new output page-faults again
-    (measured on the CPU box: new-array allreduce of 1 MiB 736 µs driven vs 305 µs on the
-    coordinator thread, whose arena keeps the memory)."""
+    * the first device op (`gpu_bound` False): it binds the GPU to the coordinator thread;
+    * a host op that needs a new output of `_DRIVE_ALLOC_LIMIT` bytes or more: on the main
+      thread glibc's main arena gives freed memory at the top of the heap back to the OS, so
+      every new output page-faults in again (`allreduce_cpu.py` on the CPU box, new-array
+      1 MiB: 741 µs with such ops driven, 334 µs after this rule, two runs on one quiet day;
+      benchmarks/results/allreduce_cpu_session2*).
+    """
     for r in ps.queue:
-        if r.device == CPU_DEVICE and r.num_elements() * r.dtype.itemsize >= _DRIVE_ALLOC_LIMIT:
+        if r.device != CPU_DEVICE:
+            if not gpu_bound:
+                return True
+        elif r.num_elements() * r.dtype.itemsize >= _DRIVE_ALLOC_LIMIT:
             e = ps.table.get(r.name)  # a dict read needs no lock
             if e is None or e.output is None:
                 return True

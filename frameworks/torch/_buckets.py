@@ -35,17 +35,6 @@ def _channels_last(t: torch.Tensor) -> bool:
         memory_format=torch.channels_last)
 
 
-def _flat(g: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """`g` as 1-D in the memory order of `param`'s layout (a view when `g` has that layout).
-
-    The order follows the parameter, not the gradient, so that every rank packs a bucket in
-    the same element order even if its gradients came out with another layout.
-    """
-    if _channels_last(param):
-        return g.permute(0, 2, 3, 1).reshape(-1)
-    return g.reshape(-1)
-
-
 def _unflat(seg: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """`seg` (1-D, in `param`'s memory order) viewed with `param`'s shape and layout."""
     if _channels_last(param):

@@ -568,8 +568,12 @@ def test_synchronous_op_runs_its_cycle_on_the_calling_thread():
 def test_error_in_a_driven_cycle_ends_the_job_on_the_coordinator_thread(horovod_log):
     def body(rank):
         rt = current()
+        hvd.allreduce(np.ones(1), op=hvd.Sum, name="warm-up")
+        time.sleep(0.2)
+        failed_on = []
         if rank == 0:
             def broken(*a, **kw):
+                failed_on.append(threading.current_thread().name)
                 raise RuntimeError("injected failure in a driven cycle")
 
             rt.member_sets()[0].host_engine._allreduce = broken
@@ -578,22 +582,26 @@ def test_error_in_a_driven_cycle_ends_the_job_on_the_coordinator_thread(horovod_
         assert rt.coordinator.stopped.wait(10), "the coordinator thread did not stop"
         with pytest.raises((hvd.HorovodInternalError, hvd.ShutdownError)):
             hvd.allreduce(np.ones(1), op=hvd.Sum, name="later")
-        return threading.current_thread().name
+        return failed_on, threading.current_thread().name
 
-    run_loopback(2, body, world_timeout=5.0, cycle_time_ms=5000.0)
+    (failed_on, caller), _ = run_loopback(2, body, world_timeout=5.0, cycle_time_ms=5000.0)
+    assert failed_on == [caller], failed_on  # the failing cycle ran on the caller's thread
     assert "uncaught exception: injected failure in a driven cycle" in horovod_log.text()
 
 
 def test_shutdown_agreed_in_a_driven_cycle_stops_the_coordinator():
     def body(rank):
         rt = current()
+        hvd.allreduce(np.ones(1), op=hvd.Sum, name="warm-up")  # past the threads' first cycles
         if rank == 1:
-            time.sleep(0.3)
+            time.sleep(0.5)
             rt.shutdown()
             return "left"
+        time.sleep(0.2)
         with pytest.raises(hvd.ShutdownError):
             hvd.allreduce(np.ones(1), op=hvd.Sum, name="orphan")  # drives the final cycle
         assert rt.coordinator.stopped.wait(10)
+        assert rt.coordinator._ended_by_driver, "the shutdown was not agreed in a driven cycle"
         return "failed"
 
     assert run_loopback(2, body, cycle_time_ms=5000.0) == ["failed", "left"]
@@ -652,3 +660,27 @@ def test_keyboard_interrupt_in_a_driven_cycle_reaches_the_caller_and_ends_the_jo
         return True
 
     run_loopback(2, body, world_timeout=5.0, cycle_time_ms=5000.0)
+
+
+def test_a_failed_promised_submit_still_wakes_the_coordinator():
+    # A synchronous function promises to drive, so submits made meanwhile skip waking the
+    # coordinator; if its own submit then fails, the work queued meanwhile must not wait for
+    # the next idle round (5 s here).
+    from collective.ops import wait_now
+
+    def body(rank):
+        hvd.allreduce(np.ones(1), op=hvd.Sum, name="warm-up")
+        time.sleep(0.2)
+        box = {}
+
+        def start():
+            box["h"] = hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="queued-meanwhile")
+            raise ValueError("this submit failed")
+
+        with pytest.raises(ValueError):
+            wait_now(hvd.synchronize, start)
+        np.testing.assert_allclose(box["h"].wait(2.0), [2.0])
+        return True
+
+    assert run_loopback(2, body, cycle_time_ms=5000.0) == [True, True]
+
