@@ -10,7 +10,7 @@ MPI=(mpirun --allow-run-as-root --bind-to none -np 2 -x NCCL_NVLS_ENABLE
 SUM="$OUT/summary.txt"
 : >"$SUM"
 step() { echo "== $*" | tee -a "$OUT/diag.log"; timeout 150 "$@" 2>&1 | tee -a "$OUT/diag.log" \
-         | grep -E "^(  |host cost|lone|RESULT|BREAKDOWN|PHASES|size|----|[0-9]+ [KMG]iB|allreduce float)" | tee -a "$SUM"; }
+         | grep -E "^(  |host cost|lone|lone_loop|RESULT|BREAKDOWN|PHASES|size|----|[0-9]+ [KMG]iB|allreduce float)" | tee -a "$SUM"; }
 what="${1:-all}"
 if [[ $what == all || $what == lat ]]; then
     step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --bytes 4096
@@ -44,6 +44,15 @@ if [[ $what == ab ]]; then  # enqueue costs; bf16 A/B of the control plane's wai
     step "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
         benchmarks/ddp_resnet.py --amp --iters 90 --warmup 15 --repeats 3 --phases
     lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node\(s\))" | tee -a "$SUM"
+fi
+if [[ $what == prof ]]; then  # py-spy of the lone synchronous op (needs PYSPY)
+    step "$PY" -u benchmarks/lone_loop.py --device cuda --iters 5000
+    step "${MPI[@]}" "$PY" -u benchmarks/lone_loop.py --device cuda --iters 5000
+    if [[ -n "${PYSPY:-}" ]]; then
+        step "$PYSPY" record -r 1000 -f raw -o "$OUT/spy_size1.txt" -- "$PY" -u \
+            benchmarks/lone_loop.py --device cuda --iters 20000
+        step "${MPI[@]}" sh -c 'exec '"$PYSPY"' record -r 1000 -f raw -o '"$OUT"'/spy_rank$OMPI_COMM_WORLD_RANK.txt -- '"$PY"' -u benchmarks/lone_loop.py --device cuda --iters 20000'
+    fi
 fi
 if [[ $what == all || $what == tests ]]; then
     echo "== tests/gpu (mpi mode)" | tee -a "$SUM"

@@ -10,7 +10,9 @@ Measures, per size (float32, Sum, in place):
 
 * pipelined: `iters` back-to-back ops, then one device synchronize (nccl-tests' method; for
   ringvod each op is `allreduce_async_` + `synchronize`, which only orders the stream);
-  busbw = bytes / time × 2(n−1)/n;
+  busbw = bytes / time × 2(n−1)/n. Each timed block lasts ≥ ~20 ms of GPU time (at least 20
+  ops), so the first op's host latency (~0.1 ms for ringvod) is not counted as bandwidth;
+  the three series alternate for `--rounds` rounds and each reports its median block;
 * lone: one synchronous op (`hvd.allreduce_`, `dist.all_reduce`) followed by a host wait for
   the GPU, repeated; the median (what a program that needs the value at once sees).
 """
@@ -67,6 +69,7 @@ def main() -> int:
     p.add_argument("--lone-sizes", default="1024,4096,65536")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--quick", action="store_true", help="fewer iterations")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per size")
     a = p.parse_args()
     hvd.init()
     rank, n = hvd.rank(), hvd.size()
@@ -104,16 +107,23 @@ def main() -> int:
     impls = [("ringvod", ringvod), ("CuPy NCCL", raw), ("torch.distributed", torchdist)]
     for nb in [s for s in SIZES if s <= a.max_bytes]:
         x = torch.ones(nb // 4, device="cuda")
-        big = nb >= (1 << 26)
-        iters = (10 if big else 50) if not a.quick else (5 if big else 20)
-        for label, fn in impls:
-            if label == "CuPy NCCL":
-                torch.cuda.synchronize()
-                t = timed(lambda: raw(x), iters, 5)
-                cstream.synchronize()
-            else:
-                t = timed(lambda: fn(x), iters, 5)
-            rows.append({"series": label, "bytes": nb, "time_us": t * 1e6,
+        # ~20 ms of GPU time per block at ~300 GB/s (at least 20 ops, at most 200).
+        iters = min(max(20, int(20e-3 * 300e9 / 2 / max(nb, 1))), 200)
+        if a.quick:
+            iters = max(iters // 4, 5)
+        times: dict[str, list[float]] = {label: [] for label, _ in impls}
+        for _ in range(max(a.rounds, 1)):
+            for label, fn in impls:
+                if label == "CuPy NCCL":
+                    torch.cuda.synchronize()
+                    times[label].append(timed(lambda: raw(x), iters, 5))
+                    cstream.synchronize()
+                else:
+                    times[label].append(timed(lambda: fn(x), iters, 5))
+        for label, _ in impls:
+            t = statistics.median(times[label])
+            rows.append({"series": label, "bytes": nb, "time_us": t * 1e6, "iters": iters,
+                         "rounds_us": [v * 1e6 for v in times[label]],
                          "busbw_gbs": busbw(nb, t, n)})
         del x
     for nb in [int(s) for s in a.lone_sizes.split(",") if s]:
