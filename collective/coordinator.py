@@ -125,7 +125,6 @@ class Coordinator:
         # one cycle at a time, under this lock; what such a cycle raises or decides (shutdown)
         # is handed to the coordinator thread, whose loop ends the job as usual.
         self._cycle_lock = threading.Lock()
-        self._promised = 0  # threads that will drive right after their submit (no wake-up)
         self._handoff: BaseException | None = None
         self._ended_by_driver = False
 
@@ -138,7 +137,7 @@ class Coordinator:
         """New work. `held`: only device reductions, which the fusion window collects anyway;
         while a window is open they do not wake the thread (each wake-up costs the submitting
         gradient hook a GIL hand-off)."""
-        if (held and self._hold_since is not None) or self._promised:
+        if held and self._hold_since is not None:
             return
         if not self._wake.is_set():  # setting an Event takes its lock; most submits find it set
             self._wake.set()
@@ -153,12 +152,6 @@ class Coordinator:
         if delta > 0 and (self._hold_since is not None
                           or any(ps.queue for ps in self.rt.member_sets())):
             self._wake.set()
-
-    def promise(self, delta: int) -> None:
-        """A thread will call `drive()` right after its submit (+1), or has (-1): its submit
-        then skips waking the coordinator thread, which would only race it for the cycle."""
-        with self._waiters_lock:
-            self._promised += delta
 
     def drive(self) -> None:
         """Runs one cycle on the calling thread if no cycle is running, for a thread about to
@@ -176,25 +169,96 @@ class Coordinator:
         if any(_left_to_coordinator(ps, nccl is not None) for ps in self.rt.member_sets()):
             self._wake.set()
             return
-        interrupt: BaseException | None = None
         if self._cycle_lock.acquire(blocking=False):
-            try:
-                if self._handoff is None and not self._ended_by_driver:
-                    # A device engine makes its GPU and stream current on the thread it runs
-                    # on: give the caller's thread its own back afterwards.
-                    saved = nccl.guest_enter() if nccl is not None else None
-                    try:
-                        if not self.run_cycle():
-                            self._ended_by_driver = True
-                    except BaseException as exc:  # noqa: BLE001 - the loop ends the job
-                        self._handoff = exc
-                        if not isinstance(exc, Exception):
-                            interrupt = exc
-                    finally:
-                        if nccl is not None:
-                            nccl.guest_exit(saved)
-            finally:
-                self._cycle_lock.release()
+            self._guest(self.run_cycle, nccl)
+        else:  # a cycle is running; make sure one runs after it for our op
+            self._wake.set()
+
+    def express(self, ps: ProcessSetState, entry: Entry) -> bool:
+        """Negotiates and runs one op on the calling thread, for a synchronous function whose
+        request is a cache hit while this rank has nothing else in flight (a lone synchronous
+        op, e.g. `hvd.allreduce_(x, name=...)`): the entry goes into the tensor table, the
+        round sends just its bit, and when every rank has it the op runs at once. The round is
+        an ordinary cache-path round, so peers running ordinary cycles take part as usual.
+        Anything else the round brings (a peer's uncached request, a mismatch, a shutdown, the
+        bit missing on some rank) is handled by the ordinary cycle code, and the entry then
+        waits like a submitted one. False (nothing done) when the conditions do not hold; the
+        caller then submits the entry (a name already pending is refused there).
+        """
+        rt = self.rt
+        req = entry.request
+        if (self._thread is threading.current_thread() or self.shutdown_requested
+                or ps.join_active or ps.cache.capacity <= 0 or rt.dynamic_process_sets
+                or len(rt.member_sets()) != 1 or self.stopped.is_set()
+                or (self.timeline is not None and ps.is_global_root)):
+            return False
+        nccl = sys.modules.get("collective.engines.nccl")
+        if req.device != CPU_DEVICE:
+            if nccl is None:  # the first device op binds the GPU on the coordinator thread
+                return False
+        elif (entry.output is None
+              and req.num_elements() * req.dtype.itemsize >= _DRIVE_ALLOC_LIMIT):
+            return False  # see _left_to_coordinator
+        if not self._cycle_lock.acquire(blocking=False):
+            return False
+        try:
+            if (self._handoff is not None or self._ended_by_driver or ps.queue or ps.hits
+                    or ps.carry or (ps.stall is not None and ps.stall.due())):
+                go = False
+            else:
+                state, bit = ps.cache.lookup(req)
+                go = state is CacheState.HIT
+            if go:
+                with ps.lock:
+                    go = not ps.table
+                    if go:
+                        ps.table[req.name] = entry
+        except BaseException:
+            self._cycle_lock.release()
+            raise
+        if not go:
+            self._cycle_lock.release()
+            return False
+        self._guest(lambda: self._express_round(ps, req, bit), nccl)
+        return True
+
+    def _express_round(self, ps: ProcessSetState, req: Request, bit: int) -> bool:
+        words = np.zeros(1 + (ps.cache.num_bits + 63) // 64, dtype=np.uint64)
+        words[0] = _NOT_SHUTDOWN | _NOT_UNCACHED | _NOT_INVALID
+        words[1 + bit // 64] = 1 << (bit % 64)
+        res = ps.control.allreduce_words(words, "and")
+        if int(res[0]) == words[0] and int(res[1 + bit // 64]) >> (bit % 64) & 1:
+            self._perform(ps, ps.cache.get(bit))
+            self._idle_cycles = 0
+            return True
+        # Not agreed in this round: the entry waits as a cache hit, and the round ends as any.
+        ps.hits.add(bit, req, time.monotonic())
+        responses, shutdown = self._conclude(ps, res, [], set(), False)
+        for resp in responses:
+            self._perform(ps, resp)
+        return not shutdown
+
+    def _guest(self, cycle: Any, nccl: Any) -> None:
+        """Runs `cycle` (a cycle's work; False = the job shuts down) on a user thread that
+        holds `_cycle_lock` (released here). See `drive` for what happens to its outcome."""
+        interrupt: BaseException | None = None
+        try:
+            if self._handoff is None and not self._ended_by_driver:
+                # A device engine makes its GPU and stream current on the thread it runs
+                # on: give the caller's thread its own back afterwards.
+                saved = nccl.guest_enter() if nccl is not None else None
+                try:
+                    if not cycle():
+                        self._ended_by_driver = True
+                except BaseException as exc:  # noqa: BLE001 - the loop ends the job
+                    self._handoff = exc
+                    if not isinstance(exc, Exception):
+                        interrupt = exc
+                finally:
+                    if nccl is not None:
+                        nccl.guest_exit(saved)
+        finally:
+            self._cycle_lock.release()
         if (self._handoff is not None or self._ended_by_driver
                 or any(ps.pending() for ps in self.rt.member_sets())):
             self._wake.set()
@@ -384,11 +448,19 @@ class Coordinator:
             status |= _NOT_INVALID
         words[0] = status
         res = ps.control.allreduce_words(words, "and")
+        return self._conclude(ps, res, uncached, invalid, want_shutdown)
+
+    def _conclude(self, ps: ProcessSetState, res: np.ndarray, uncached: list[Request],
+                  invalid: set[int], want_shutdown: bool) -> tuple[list[Response], bool]:
+        """The rest of a negotiation round once the AND of the status words (`res`) is known:
+        the agreed cache hits, and the slow path if any rank sent uncached requests."""
+        hits = ps.hits
+        tl = self.timeline if ps.is_global_root else None
         flags = int(res[0])
         any_shutdown = not flags & _NOT_SHUTDOWN
         any_uncached = not flags & _NOT_UNCACHED
         if not flags & _NOT_INVALID:
-            inv = np.zeros_like(words)
+            inv = np.zeros_like(res)
             for bit in invalid:
                 inv[1 + bit // 64] |= np.uint64(1 << (bit % 64))
             inv = ps.control.allreduce_words(inv, "or")

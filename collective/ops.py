@@ -9,6 +9,7 @@ the same order). Two-rank example::
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -120,7 +121,16 @@ def enqueue(kind: RequestType, tensors: Sequence[Any], *, name: str | None = Non
         if kind == RequestType.ALLTOALL:
             e.splits = _alltoall_splits(splits, shape, state.size)
         entries.append(e)
-    rt.submit(state, entries)
+    caller = _waiting_caller
+    if getattr(caller, "coord", None) is None:
+        rt.submit(state, entries)
+    else:  # the first op of a synchronous function (`wait_now`), which waits for it at once
+        coord, caller.coord = caller.coord, None
+        if len(entries) == 1 and not grouped and coord.express(state, entries[0]):
+            caller.did = "ran"
+        else:
+            rt.submit(state, entries, wake=False)  # wait_now runs the cycle (drive)
+            caller.did = "queued"
     if grouped:
         return GroupHandle(f"{prefix}.{base}", [e.handle for e in entries])
     return entries[0].handle
@@ -375,25 +385,42 @@ def poll(handle: Handle) -> bool:
     return handle.done()
 
 
+# What the first `enqueue` inside `wait_now` did: "ran" (the express lane ran it), "queued"
+# (submitted without waking the coordinator thread: wait_now drives the cycle) or None.
+_waiting_caller = threading.local()
+
+
 def wait_now(sync: Callable[[Any], Any], start: Callable[..., Any], *args: Any) -> Any:
     """`sync(start(*args))` for a synchronous function: the thread that will block on the op
-    tells the coordinator (so a device reduction does not wait for the fusion window) and runs
-    the negotiation cycle itself when the coordinator thread is not in one
-    (`Coordinator.drive`), which saves the two thread hand-offs of a lone op."""
+    runs the work itself instead of handing it to the coordinator thread and waiting to be
+    woken (two thread hand-offs, most of a lone op's latency):
+
+    * a lone cached op (nothing else in flight on this rank) is negotiated and run right inside
+      its `enqueue` (`Coordinator.express`);
+    * otherwise the op is queued without waking the coordinator thread and this thread runs
+      the negotiation cycle (`Coordinator.drive`) when no cycle is running. While it then
+      blocks on a device op, the coordinator negotiates device requests at once instead of
+      collecting them for its fusion window (`Coordinator.waiting`).
+    """
     coord = getattr(_rt.current_or_none(), "coordinator", None)
     if coord is None:
         return sync(start(*args))
+    caller = _waiting_caller
+    caller.coord, caller.did = coord, None
+    try:
+        h = start(*args)
+    except BaseException:
+        if caller.did == "queued":  # queued before failing: the coordinator thread runs it
+            coord.wake()
+        raise
+    finally:
+        caller.coord = None
+    if caller.did == "queued":
+        coord.drive()
+    if caller.did == "ran" or (isinstance(h, Handle) and h.done()):
+        return sync(h)
     coord.waiting(1)
     try:
-        coord.promise(1)
-        try:
-            h = start(*args)
-        except BaseException:
-            coord.promise(-1)
-            coord.wake()  # another thread's submit may have skipped its wake-up for ours
-            raise
-        coord.promise(-1)
-        coord.drive()
         return sync(h)
     finally:
         coord.waiting(-1)

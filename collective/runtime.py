@@ -292,8 +292,9 @@ class Runtime:
         if self.shut_down:
             raise shutdown_error(self.cause) if self.cause else ShutdownError()
 
-    def submit(self, state: ProcessSetState, entries: list[Entry]) -> None:
-        """Queues entries atomically (a grouped op negotiates as one).
+    def submit(self, state: ProcessSetState, entries: list[Entry], wake: bool = True) -> None:
+        """Queues entries atomically (a grouped op negotiates as one). `wake=False`: the caller
+        runs the cycle itself (`Coordinator.drive`).
 
         Raises:
             DuplicateNameError: a name is already pending on this rank.
@@ -312,8 +313,9 @@ class Runtime:
                 state.queue.append(e.request)
         if self.shut_down:  # raced with the loop's exit: fail what we just queued
             state.fail_all(shutdown_error(self.cause))
-        self.coordinator.wake(held=all(e.request.device >= 0 and e.request.type in _HELD
-                                       for e in entries))
+        if wake:
+            self.coordinator.wake(held=all(e.request.device >= 0 and e.request.type in _HELD
+                                           for e in entries))
 
     # -- shutdown -----------------------------------------------------------------------------
     def shutdown(self, timeout: float = 60.0) -> None:

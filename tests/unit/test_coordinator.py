@@ -559,7 +559,7 @@ def test_synchronous_op_runs_its_cycle_on_the_calling_thread():
         return names
 
     # With a 5 s cycle the coordinator thread only wakes when a submit asks it to; the
-    # synchronous calls promise to drive, so every response runs on the caller's thread.
+    # synchronous calls run their ops themselves, so every response runs on the caller's thread.
     for names in run_loopback(2, body, cycle_time_ms=5000.0):
         assert len(names) == 5
         assert "hvd-coordinator" not in names, names
@@ -662,10 +662,10 @@ def test_keyboard_interrupt_in_a_driven_cycle_reaches_the_caller_and_ends_the_jo
     run_loopback(2, body, world_timeout=5.0, cycle_time_ms=5000.0)
 
 
-def test_a_failed_promised_submit_still_wakes_the_coordinator():
-    # A synchronous function promises to drive, so submits made meanwhile skip waking the
-    # coordinator; if its own submit then fails, the work queued meanwhile must not wait for
-    # the next idle round (5 s here).
+def test_an_op_queued_by_a_failing_synchronous_start_still_runs():
+    # Inside a synchronous function the first op is queued without waking the coordinator
+    # thread (the caller runs the cycle); if the function then fails, the queued op must not
+    # wait for the next idle round (5 s here).
     from collective.ops import wait_now
 
     def body(rank):
@@ -684,3 +684,80 @@ def test_a_failed_promised_submit_still_wakes_the_coordinator():
 
     assert run_loopback(2, body, cycle_time_ms=5000.0) == [True, True]
 
+
+
+# -- the express lane (Coordinator.express) ---------------------------------------------------
+def _count_cycles():
+    coord = current().coordinator
+    counts = collections.Counter()
+    orig_cycle, orig_express = coord.run_cycle, coord._express_round
+
+    def run_cycle():
+        counts[threading.current_thread().name] += 1
+        return orig_cycle()
+
+    def express_round(*a):
+        counts["express"] += 1
+        return orig_express(*a)
+
+    coord.run_cycle, coord._express_round = run_cycle, express_round
+    return counts
+
+
+def test_a_lone_cached_synchronous_op_runs_in_the_express_lane():
+    # No cycle at all: one round inside the caller's enqueue, and the op ran on the caller.
+    def body(rank):
+        p = plane()
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="c")  # slow path once, then cached
+        time.sleep(0.2)
+        counts = _count_cycles()
+        names = _perform_threads()
+        before = p.calls["words_and"]
+        for i in range(10):
+            np.testing.assert_allclose(hvd.allreduce(np.full(2, float(i)), op=hvd.Sum,
+                                                     name="c"), np.full(2, 2.0 * i))
+        out = np.ones(3)
+        hvd.allreduce_(np.ones(2), op=hvd.Sum, name="c")  # in place, same signature
+        hvd.allreduce(out, op=hvd.Sum, name="d")  # a new name: not cached, ordinary cycle
+        return dict(counts), names, p.calls["words_and"] - before
+
+    for counts, names, rounds in run_loopback(2, body, control=CountingPlane,
+                                              cycle_time_ms=5000.0):
+        assert counts["express"] == 11, counts
+        assert rounds == 12, rounds  # 11 express rounds, 1 for "d" (its slow path is gather)
+        assert "hvd-coordinator" not in names, names
+
+
+def test_express_lane_meeting_a_round_without_the_op_waits_as_a_cache_hit():
+    # Rank 1 arrives late; rank 0's express round meets rank 1's idle rounds (no bit), so
+    # rank 0's op waits as an ordinary cache hit and completes when rank 1 submits.
+    def body(rank):
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="late")
+        time.sleep(0.2)
+        counts = _count_cycles()
+        if rank == 1:
+            time.sleep(0.4)  # several idle rounds (50 ms each) pass meanwhile
+        out = hvd.allreduce(np.full(2, float(rank + 1)), op=hvd.Sum, name="late")
+        np.testing.assert_allclose(out, [3.0, 3.0])
+        return dict(counts)
+
+    c0, c1 = run_loopback(2, body, cycle_time_ms=1.0)
+    assert c0["express"] == 1 and c0.get("hvd-coordinator", 0) >= 1, c0
+    assert c1["express"] == 1, c1
+
+
+def test_express_lane_with_a_mismatched_peer_fails_both_ranks():
+    # Rank 0 takes the express lane for a cached name; rank 1 sends the same name with another
+    # shape (a cache miss there): the round turns into the slow path and both ranks fail.
+    def body(rank):
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="m")
+        time.sleep(0.2)
+        counts = _count_cycles()
+        with pytest.raises(hvd.HorovodInternalError, match="m"):
+            hvd.allreduce(np.ones(2 + rank), op=hvd.Sum, name="m")
+        # the job goes on: the next cached op works again
+        np.testing.assert_allclose(hvd.allreduce(np.ones(2), op=hvd.Sum, name="m2"), [2, 2])
+        return dict(counts)
+
+    c0, _ = run_loopback(2, body, cycle_time_ms=5000.0)
+    assert c0["express"] == 1, c0
