@@ -3,6 +3,7 @@
     OUT=out python3 benchmarks/final_runs.py issue5 --budget 500   # 2 GPUs (and 1)
     OUT=out python3 benchmarks/final_runs.py scale --gpus 4          # N GPUs: sweep + ResNet
     OUT=out python3 benchmarks/final_runs.py recheck --gpus 4        # after a fix: both, shorter
+    OUT=out python3 benchmarks/final_runs.py pairs --configs bf16 --rounds 3  # ratio + spread
 
 `issue5`: tests/gpu (MPI and tcp modes), the lone-op latency breakdown, the allreduce sweep
 (ringvod vs CuPy NCCL vs torch.distributed), ResNet-50 at 1 GPU (ringvod and DDP, fp32 and bf16
@@ -156,6 +157,19 @@ def ab(s: Suite, iters: int) -> list[dict]:
     return rows
 
 
+def pairs(s: Suite, iters: int, configs: list[str], rounds: int) -> list[dict]:
+    """ResNet-50 at 2 GPUs, ringvod and DDP alternating (the first of each round alternates),
+    `rounds` times per configuration: a ratio with its spread from one machine."""
+    rows = []
+    for rnd in range(1, rounds + 1):
+        for cfg in configs:
+            order = ("DDP", "ringvod") if rnd % 2 else ("ringvod", "DDP")
+            for impl in order:
+                v = resnet(s, 2, impl, cfg, iters)
+                rows.append({"gpus": 2, "config": cfg, "impl": impl, "round": rnd, "img_s": v})
+    return rows
+
+
 def table(s: Suite, rows: list[dict]) -> None:
     def med(n, cfg, impl):
         vals = [r["img_s"] for r in rows if r["gpus"] == n and r["config"] == cfg
@@ -179,7 +193,9 @@ def table(s: Suite, rows: list[dict]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["issue5", "scale", "recheck", "ab"])
+    p.add_argument("part", choices=["issue5", "scale", "recheck", "ab", "pairs"])
+    p.add_argument("--configs", default="bf16,fp32", help="pairs: configurations")
+    p.add_argument("--rounds", type=int, default=2, help="pairs: rounds")
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--budget", type=float, default=560.0)
     p.add_argument("--iters", type=int, default=90, help="timed steps (3 windows)")
@@ -193,6 +209,8 @@ def main() -> int:
         rows = scale(s, a.gpus, a.iters)
     elif a.part == "ab":
         rows = ab(s, a.iters)
+    elif a.part == "pairs":
+        rows = pairs(s, a.iters, a.configs.split(","), a.rounds)
     else:
         rows = recheck(s, a.gpus, a.iters)
     write_results(os.path.join(out, f"final_{a.part}.json"), f"final_{a.part}", rows,

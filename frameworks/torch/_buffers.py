@@ -136,6 +136,17 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
     Raises:
         ValueError: tensors on different devices, or any `to_collective`/`enqueue` error.
     """
+    if len(tensors) == 1:  # most ops: no per-tensor lists to build
+        a = to_collective(tensors[0], None if outputs is None else outputs[0])
+        device = a.device
+        h = collective.enqueue(
+            kind, (a.tensor,), dtypes=(a.dtype,), shapes=(a.shape,), device=device,
+            ready_events=None if device == CPU_DEVICE else (a.ready_event,),
+            allocate=a.allocate, outputs=None if outputs is None else (a.output,), **kwargs)
+        if device != CPU_DEVICE:
+            from . import _cuda
+            h = _cuda.wrap_handle(h)
+        return h
     args = [to_collective(t, outputs[i] if outputs is not None else None)
             for i, t in enumerate(tensors)]
     device = args[0].device if args else CPU_DEVICE

@@ -5,8 +5,6 @@ must stay alive until the op completes (the engine reads and writes their memory
 from __future__ import annotations
 
 import itertools
-import threading
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from collective import Handle
@@ -14,31 +12,24 @@ from collective import Handle
 __all__ = ["HandleMap", "handles"]
 
 
-@dataclass(slots=True)
-class _Pending:
-    handle: Handle
-    finish: Callable[[Any], Any]
-    keepalive: tuple
-
-
 class HandleMap:
-    """Thread-safe int -> pending op table. `init()` clears it (as Horovod's does)."""
+    """Thread-safe int -> pending op table. `init()` clears it (as Horovod's does).
+
+    Each operation is one dict operation (atomic) and ids come from `itertools.count` (whose
+    `next` is atomic), so no lock is needed; entries are (handle, finish, keepalive)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # guards _pending
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, tuple[Handle, Callable[[Any], Any], tuple]] = {}
         self._ids = itertools.count(1)
 
     def add(self, handle: Handle, finish: Callable[[Any], Any], *keepalive: Any) -> int:
         """Registers an op; returns its int handle."""
         hid = next(self._ids)
-        with self._lock:
-            self._pending[hid] = _Pending(handle, finish, keepalive)
+        self._pending[hid] = (handle, finish, keepalive)
         return hid
 
-    def _get(self, hid: int) -> _Pending:
-        with self._lock:
-            p = self._pending.get(hid)
+    def _get(self, hid: int) -> tuple[Handle, Callable[[Any], Any], tuple]:
+        p = self._pending.get(hid)
         if p is None:
             raise ValueError(f"unknown handle {hid!r}: it was already synchronized, or it comes "
                              "from before the last hvd.init(). Synchronize each handle once.")
@@ -50,7 +41,7 @@ class HandleMap:
         Raises:
             ValueError: unknown handle.
         """
-        return self._get(hid).handle.done()
+        return self._get(hid)[0].done()
 
     def synchronize(self, hid: int) -> Any:
         """Waits for the op, forgets the handle and returns the torch-level result.
@@ -59,17 +50,15 @@ class HandleMap:
             ValueError: unknown handle.
             HorovodInternalError: the op failed on this or another rank.
         """
-        p = self._get(hid)
+        handle, finish, _keep = self._get(hid)
         try:
-            result = p.handle.wait()
+            result = handle.wait()
         finally:
-            with self._lock:
-                self._pending.pop(hid, None)
-        return p.finish(result)
+            self._pending.pop(hid, None)
+        return finish(result)
 
     def clear(self) -> None:
-        with self._lock:
-            self._pending.clear()
+        self._pending.clear()
 
     def __len__(self) -> int:
         return len(self._pending)
