@@ -3,8 +3,9 @@
 Wraps the stages of one op with timestamps (no code changes in the library) and runs a lone
 synchronous allreduce many times, then prints the median time from the call to each stage:
 
-    call -> enqueued -> cycle start -> negotiated (allreduce_words returned) -> engine done
-         -> handle set -> caller woke -> returned -> device synchronized
+    call -> express lane entered (synchronous API) / enqueued (async API) -> cycle or express
+    round start -> negotiated (allreduce_words returned) -> perform -> engine launch start/end
+    -> handle set -> returned -> device synchronized
 
 Launch one process per device (CPU works too, for the host path)::
 
@@ -53,10 +54,14 @@ def _wrap(obj, attr, before=None, after=None):
 def instrument(rt) -> None:
     c = rt.coordinator
     _wrap(c, "run_cycle", before="cycle")
+    _wrap(c, "express", before="express>")
+    _wrap(c, "_express_round", before="round>")
     _wrap(c, "_device_hold", after="hold?")
     ps = rt.member_sets()[0]
     _wrap(ps.control, "allreduce_words", before="words>", after="words<")
     _wrap(c, "_perform", before="perform>", after="perform<")
+    eng = ps.device_engine or ps.host_engine
+    _wrap(eng, "_allreduce", before="launch>", after="launch<")
     orig = handle_mod.Handle._finish
 
     def fin(self, result, exc):
@@ -73,12 +78,16 @@ def main() -> int:
     p.add_argument("--sync-api", action="store_true", help="hvd.allreduce_ instead of "
                    "allreduce_async_ + synchronize")
     p.add_argument("--no-drive", action="store_true", help="A/B: the coordinator thread runs "
-                   "every cycle (Coordinator.drive and promise disabled)")
+                   "every cycle (Coordinator.drive and express disabled)")
+    p.add_argument("--no-express", action="store_true", help="A/B: no express lane (the "
+                   "synchronous op is queued and its cycle driven by the caller)")
     a = p.parse_args()
     hvd.init()
     if a.no_drive:
-        coord_mod.Coordinator.drive = lambda self: None
-        coord_mod.Coordinator.promise = lambda self, delta: None
+        coord_mod.Coordinator.drive = lambda self: self._wake.set()
+        coord_mod.Coordinator.express = lambda self, ps, entry: False
+    if a.no_express:
+        coord_mod.Coordinator.express = lambda self, ps, entry: False
     dev = a.device
     if dev == "cuda":
         torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
@@ -103,8 +112,8 @@ def main() -> int:
         sync()
         _mark("synced")
         rows.append((t0, list(_marks)))
-    stages = ["enqueued", "hold?", "cycle", "words>", "words<", "perform>", "set", "perform<",
-              "returned", "synced"]
+    stages = ["express>", "round>", "enqueued", "hold?", "cycle", "words>", "words<", "perform>",
+              "launch>", "launch<", "set", "perform<", "returned", "synced"]
     med = {}
     counts = {}
     for s in stages:
@@ -118,7 +127,7 @@ def main() -> int:
     # also cycles per op
     if hvd.rank() == 0:
         api = "allreduce_" if a.sync_api else "allreduce_async_ + synchronize"
-        api += " (no drive)" if a.no_drive else ""
+        api += " (no drive)" if a.no_drive else " (no express lane)" if a.no_express else ""
         print(f"lone {a.bytes} B {api} on {dev}, {hvd.size()} ranks, {a.iters} ops; median "
               "us from the call to the first occurrence of each stage (count per op):")
         for s in stages:

@@ -39,6 +39,7 @@ _log_ = _log.get_logger()
 
 # Status bits of the fast-path vector, stored inverted (set = condition false), as Horovod.
 _NOT_SHUTDOWN, _NOT_UNCACHED, _NOT_INVALID = 1, 2, 4
+_ALL_CLEAR = _NOT_SHUTDOWN | _NOT_UNCACHED | _NOT_INVALID
 # While tensors are pending but nothing completed, wait at most this long before negotiating
 # again (a submit wakes the thread at once): short enough to meet peers that are about to
 # submit, long enough not to steal the GIL from the training thread.
@@ -224,10 +225,11 @@ class Coordinator:
 
     def _express_round(self, ps: ProcessSetState, req: Request, bit: int) -> bool:
         words = np.zeros(1 + (ps.cache.num_bits + 63) // 64, dtype=np.uint64)
-        words[0] = _NOT_SHUTDOWN | _NOT_UNCACHED | _NOT_INVALID
+        words[0] = _ALL_CLEAR
         words[1 + bit // 64] = 1 << (bit % 64)
         res = ps.control.allreduce_words(words, "and")
-        if int(res[0]) == words[0] and int(res[1 + bit // 64]) >> (bit % 64) & 1:
+        agreed = res.tolist()  # numpy scalars are slow; a few Python ints
+        if agreed[0] == _ALL_CLEAR and agreed[1 + bit // 64] >> (bit % 64) & 1:
             self._perform(ps, ps.cache.get(bit))
             self._idle_cycles = 0
             return True

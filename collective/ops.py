@@ -57,7 +57,9 @@ def resolve_op(op: Any, average: bool | None, default: ReduceOp = ReduceOp.AVERA
         warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
                       DeprecationWarning, stacklevel=3)
         return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    return default if op is None else ReduceOp(int(op))
+    if op is None:
+        return default
+    return op if type(op) is ReduceOp else ReduceOp(int(op))
 
 
 def _check_reduce(dtype: DataType, op: ReduceOp, label: str) -> None:
@@ -91,7 +93,9 @@ def enqueue(kind: RequestType, tensors: Sequence[Any], *, name: str | None = Non
     state = rt.process_set_state(process_set, label)
     n = len(tensors)
     hid = rt.next_handle_id()
-    prefix = ("grouped_" if grouped else "") + _PREFIX.get(kind, kind.name.lower())
+    prefix = _PREFIX[kind] if kind in _PREFIX else kind.name.lower()
+    if grouped:
+        prefix = "grouped_" + prefix
     base = name if name is not None else f"noname.{hid}"
     if grouped:
         names = [f"{prefix}.{base}_{i + 1}of{n}" for i in range(n)]
