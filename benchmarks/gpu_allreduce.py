@@ -151,7 +151,10 @@ def main() -> int:
             lt.append([human_bytes(nb), f"{by['ringvod']:.1f}", f"{by['CuPy NCCL']:.1f}",
                        f"{by['torch.distributed']:.1f}",
                        f"{by['ringvod'] / by['torch.distributed']:.2f}x"])
-        print("lone synchronous allreduce (median, host waits for the GPU):")
+        from collective import runtime
+        coord = runtime.current().coordinator
+        print("lone synchronous allreduce (median, host waits for the GPU; express rounds "
+              f"{coord.express_rounds}, of which waited {coord.express_waits}):")
         print(format_table(["size", "ringvod us", "cupy us", "torch us", "rv/torch"], lt))
         if a.json:
             write_results(a.json, "gpu_allreduce", {"pipelined": rows, "lone": lone_rows},

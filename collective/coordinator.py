@@ -128,6 +128,10 @@ class Coordinator:
         self._cycle_lock = threading.Lock()
         self._handoff: BaseException | None = None
         self._ended_by_driver = False
+        # Express rounds run (diagnostics: benchmarks and tests read them), and how many of
+        # them did not agree on the op, which then waited as an ordinary cache hit.
+        self.express_rounds = 0
+        self.express_waits = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -229,10 +233,12 @@ class Coordinator:
         words[1 + bit // 64] = 1 << (bit % 64)
         res = ps.control.allreduce_words(words, "and")
         agreed = res.tolist()  # numpy scalars are slow; a few Python ints
+        self.express_rounds += 1
         if agreed[0] == _ALL_CLEAR and agreed[1 + bit // 64] >> (bit % 64) & 1:
             self._perform(ps, ps.cache.get(bit))
             self._idle_cycles = 0
             return True
+        self.express_waits += 1
         # Not agreed in this round: the entry waits as a cache hit, and the round ends as any.
         ps.hits.add(bit, req, time.monotonic())
         responses, shutdown = self._conclude(ps, res, [], set(), False)
