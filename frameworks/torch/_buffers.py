@@ -4,8 +4,8 @@ torch tensors again.
 Host (CPU) tensors travel as numpy views that share the tensor's memory, so in-place ops write
 straight into the user's tensor and results wrap engine-allocated numpy arrays without a copy.
 bfloat16 has no numpy dtype: it travels as a uint16 view tagged `DataType.BFLOAT16` (the host
-engines upcast to float32 to reduce). CUDA tensors are handed to `frameworks.torch._cuda`, which
-the NCCL engine's owner fills in; nothing else in the adapter knows about devices.
+engines upcast to float32 to reduce). CUDA tensors are handed to `frameworks.torch._cuda`; nothing
+else in the adapter knows about devices.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import torch
 
 import collective
 from collective import DataType, Handle, RequestType
+
+from . import _cuda  # torch-only (no CuPy); imported here, not per call
 
 __all__ = ["CollectiveArgs", "dtype_of", "check_tensor", "to_collective", "from_collective",
            "enqueue", "CPU_DEVICE"]
@@ -110,8 +112,9 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None) -> C
         return CollectiveArgs(view, _DTYPES[tensor.dtype], tuple(tensor.shape), CPU_DEVICE,
                               output=out)
     if kind == "cuda":
-        from . import _cuda
-        return _cuda.to_collective(tensor, _DTYPES[tensor.dtype], output)
+        buf, dev, ev, out = _cuda.to_collective(tensor, output)
+        return CollectiveArgs(buf, _DTYPES[tensor.dtype], buf.shape, dev, ev, _cuda.allocate,
+                              out)
     raise ValueError(f"tensors on {tensor.device} are not supported; use CPU or CUDA tensors")
 
 
@@ -121,7 +124,6 @@ def from_collective(result: Any, like: torch.Tensor) -> torch.Tensor:
     if isinstance(result, torch.Tensor):
         return result
     if like.device.type == "cuda":
-        from . import _cuda
         return _cuda.from_collective(result, like)
     out = torch.from_numpy(result)
     if like.dtype == torch.bfloat16:
@@ -144,8 +146,7 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
             ready_events=None if device == CPU_DEVICE else (a.ready_event,),
             allocate=a.allocate, outputs=None if outputs is None else (a.output,), **kwargs)
         if device != CPU_DEVICE:
-            from . import _cuda
-            h = _cuda.wrap_handle(h)
+            h = _cuda.wrap_handle(h, a.ready_event, device)
         return h
     args = [to_collective(t, outputs[i] if outputs is not None else None)
             for i, t in enumerate(tensors)]
@@ -161,6 +162,5 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
         outputs=None if outputs is None else [a.output for a in args],
         **kwargs)
     if device != CPU_DEVICE:  # wait() must order the caller's stream after the op
-        from . import _cuda
         h = _cuda.wrap_handle(h)
     return h

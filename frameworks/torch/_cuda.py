@@ -2,17 +2,19 @@
 
 `frameworks.torch._buffers` calls these for tensors on a CUDA device:
 
-* `to_collective(tensor, dtype, output) -> CollectiveArgs`: a `DeviceBuffer` (pointer, bytes,
-  shape, the tensor) for the input and the optional output, `device=tensor.device.index`, a
-  `torch.cuda.Event` recorded on the tensor device's current stream as `ready_event` (the
-  engine's stream waits on it, so work queued on any producer stream before the call is seen),
-  and `allocate(shape, like)`, which allocates through torch's caching allocator on the stream
-  the engine names (`collective.engines.device.allocation_stream()`), so that memory the
-  allocator recycles is never written by the engine while older work still uses it.
-* `wrap_handle(handle) -> Handle`: the handle `_buffers.enqueue` returns for CUDA ops. Its
-  `wait()` makes the caller's current stream wait on the op's completion event (no host block)
-  and returns torch tensors (for alltoall `(output, received_splits)`, for grouped ops a list).
-  Outputs the engine allocated get `record_stream` for the caller's stream.
+* `to_collective(tensor, output) -> (buffer, device, ready_event, output_buffer)`: a
+  `DeviceBuffer` (pointer, bytes, shape, the tensor) for the input and the optional output,
+  the device index, and a `torch.cuda.Event` recorded on the tensor device's current stream
+  as ready event (the engine's stream waits on it, so work queued on any producer stream
+  before the call is seen). Outputs whose shape negotiation decides come from `allocate(shape,
+  like)`, which allocates through torch's caching allocator on the stream the engine names
+  (`collective.engines.device.allocation_stream()`), so that memory the allocator recycles is
+  never written by the engine while older work still uses it.
+* `wrap_handle(handle, ready, device) -> Handle`: the handle `_buffers.enqueue` returns for
+  CUDA ops. Its `wait()` makes the caller's current stream wait on the op's completion event
+  (no host block) and returns torch tensors (for alltoall `(output, received_splits)`, for
+  grouped ops a list); the ready event then goes back to a small per-device pool. Outputs the
+  engine allocated get `record_stream` for the caller's stream.
 * `from_collective(result, like) -> torch.Tensor`: a result (already a tensor after
   `wrap_handle`, or a `DeviceResult`/`DeviceBuffer`) as a torch tensor.
 
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from collective import DataType, Handle
+from collective import Handle
 from collective import runtime as _runtime
 from collective.engines.device import DeviceBuffer, DeviceResult, allocation_stream
 
@@ -45,7 +47,7 @@ def _buffer(t: torch.Tensor) -> DeviceBuffer:
     return DeviceBuffer(t.data_ptr(), t.numel() * t.element_size(), tuple(t.shape), t)
 
 
-def _allocate(shape: tuple, like: Any) -> DeviceBuffer:
+def allocate(shape: tuple, like: Any) -> DeviceBuffer:
     """Output allocation for the engine (coordinator thread), on the engine's stream."""
     ref = like.obj if type(like) is DeviceBuffer else like
     sp = allocation_stream()
@@ -59,15 +61,14 @@ def _allocate(shape: tuple, like: Any) -> DeviceBuffer:
         return _buffer(torch.empty(shape, dtype=ref.dtype, device=ref.device))
 
 
-def to_collective(tensor: torch.Tensor, dtype: DataType, output: torch.Tensor | None = None
-                  ) -> Any:
-    """Enqueue arguments for a contiguous CUDA tensor (see the module docstring).
+def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None
+                  ) -> tuple[DeviceBuffer, int, Any, DeviceBuffer | None]:
+    """(input buffer, device index, ready event, output buffer or None) for a contiguous CUDA
+    tensor (see the module docstring); `_buffers.to_collective` makes the enqueue arguments.
 
     Raises:
         ValueError: `output` is on another device than `tensor`.
     """
-    from ._buffers import CollectiveArgs  # _buffers imports this module lazily, too
-
     dev = tensor.get_device()
     buf = _buffer(tensor)
     out = None
@@ -78,9 +79,23 @@ def to_collective(tensor: torch.Tensor, dtype: DataType, output: torch.Tensor | 
             raise ValueError(f"output on {output.device} for an input on {tensor.device}")
         else:
             out = _buffer(output)
-    ev = torch.cuda.Event()
+    pool = _ready_pool.get(dev)
+    ev = pool.pop() if pool else torch.cuda.Event()
     ev.record(_stream_object(dev))
-    return CollectiveArgs(buf, dtype, buf.shape, dev, ev, _allocate, out)
+    return buf, dev, ev, out
+
+
+# Ready events whose op has launched (so the engine's stream already waits on them: recording
+# them again cannot change that wait), per device, for reuse: creating and destroying a CUDA
+# event per op costs a few µs on a GPU host.
+_ready_pool: dict[int, list[Any]] = {}
+_READY_POOL = 16
+
+
+def _reuse(ev: Any, dev: int) -> None:
+    pool = _ready_pool.setdefault(dev, [])
+    if len(pool) < _READY_POOL:
+        pool.append(ev)
 
 
 _stream_objects: dict[tuple[int, int], Any] = {}  # (raw handle, device) -> torch.cuda.Stream
@@ -135,11 +150,19 @@ def from_collective(result: Any, like: torch.Tensor) -> torch.Tensor:
 class _OrderedHandle(Handle):
     """A CUDA op's handle: `wait()` orders the caller's stream and returns torch tensors."""
 
-    __slots__ = ("_inner",)
+    __slots__ = ("_inner", "_ready")
 
-    def __init__(self, inner: Handle) -> None:  # noqa: D107 - shares the inner handle's state
-        self._inner = inner
+    def __init__(self, inner: Handle, ready: Any = None) -> None:  # noqa: D107
+        self._inner = inner  # shares the inner handle's state
         self.name = inner.name
+        self._ready = ready  # (ready event, device): the event is reusable once the op ran
+
+    def _settle(self, result: Any) -> Any:
+        out = settle(result)
+        ready, self._ready = self._ready, None
+        if ready is not None and type(result) is DeviceResult:
+            _reuse(*ready)
+        return out
 
     def __repr__(self) -> str:
         return repr(self._inner)
@@ -150,22 +173,23 @@ class _OrderedHandle(Handle):
     def wait(self, timeout: float | None = None) -> Any:
         inner = self._inner
         if inner.done():
-            return settle(inner.wait())
+            return self._settle(inner.wait())
         # Tell the coordinator someone blocks on device work, so it negotiates at once
         # instead of letting device requests collect for its fusion window.
         rt = _runtime.current_or_none()
         waiting = getattr(getattr(rt, "coordinator", None), "waiting", None)
         if waiting is None:
-            return settle(inner.wait(timeout))
+            return self._settle(inner.wait(timeout))
         waiting(1)
         try:
             # Not `coord.drive()`: the submit already woke the coordinator thread, and two
             # threads active at once trade the GIL at every CUDA call (measured: pipelined
-            # allreduces slower). Synchronous functions promise to drive before they submit.
+            # allreduces slower). Synchronous functions run their ops themselves
+            # (`collective.wait_now`).
             result = inner.wait(timeout)
         finally:
             waiting(-1)
-        return settle(result)
+        return self._settle(result)
 
     result = wait
 
@@ -182,6 +206,8 @@ class _OrderedHandle(Handle):
         self._inner._set_exception(exc)
 
 
-def wrap_handle(handle: Handle) -> Handle:
-    """The handle of a CUDA op, as returned to adapter code (see the module docstring)."""
-    return _OrderedHandle(handle)
+def wrap_handle(handle: Handle, ready: Any = None, device: int = -1) -> Handle:
+    """The handle of a CUDA op, as returned to adapter code (see the module docstring).
+    `ready`: the single tensor's ready event from `to_collective`, pooled for reuse once the
+    op launched (its result arrived)."""
+    return _OrderedHandle(handle, None if ready is None else (ready, device))
