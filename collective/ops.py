@@ -410,6 +410,7 @@ def wait_now(sync: Callable[[Any], Any], start: Callable[..., Any], *args: Any) 
     if coord is None:
         return sync(start(*args))
     caller = _waiting_caller
+    outer = getattr(caller, "coord", None), getattr(caller, "did", None)  # a wait_now around us
     caller.coord, caller.did = coord, None
     try:
         h = start(*args)
@@ -418,10 +419,11 @@ def wait_now(sync: Callable[[Any], Any], start: Callable[..., Any], *args: Any) 
             coord.wake()
         raise
     finally:
-        caller.coord = None
-    if caller.did == "queued":
+        did = caller.did
+        caller.coord, caller.did = outer
+    if did == "queued":
         coord.drive()
-    if caller.did == "ran" or (isinstance(h, Handle) and h.done()):
+    if did == "ran" or (isinstance(h, Handle) and h.done()):
         return sync(h)
     coord.waiting(1)
     try:

@@ -261,6 +261,35 @@ def mixed_host_and_device(n: int) -> None:
     run_loopback(n, body)
 
 
+@case
+def synchronous_device_ops_take_the_express_lane(n: int) -> None:
+    # After the first op (which binds the GPU on the coordinator thread), a lone cached
+    # synchronous device op runs inside its own enqueue; the engine keeps few ops in flight
+    # (finished ones are reaped every few launches) and reuses their completion events.
+    from collective import runtime
+    from collective.engines import nccl as engine_mod
+    from collective.ops import wait_now
+
+    def body(rank: int) -> None:
+        rt = runtime.current()
+        coord = rt.coordinator
+        made = _fakecuda.calls.get("Event", 0)
+        for i in range(30):
+            x = np.full(6, float(rank + i), np.float32)
+            res = wait_now(
+                collective.synchronize,
+                lambda: enq(RequestType.ALLREDUCE, [x], DataType.FLOAT32, op=ReduceOp.SUM,
+                            name="lone", inplace=True))
+            want = np.full(6, float(sum(range(n)) + n * i), np.float32)
+            assert np.array_equal(value(res), want), (i, value(res), want)
+        assert coord.express_rounds >= 28, coord.express_rounds  # the first binds the GPU
+        eng = rt.member_sets()[0].device_engine
+        assert len(eng._inflight) <= engine_mod._REAP_AT, len(eng._inflight)
+        made = _fakecuda.calls.get("Event", 0) - made  # by every rank meanwhile
+        assert made <= 4 * n, f"{made} completion events made for {30 * n} ops: not reused"
+    run_loopback(n, body)
+
+
 def main() -> int:
     passed = failed = 0
     for n in (2, 3):

@@ -86,6 +86,7 @@ class Event:
                  interprocess: bool = False) -> None:
         self.ptr = next(_ids)
         self.done = True
+        _count("Event")
 
     def record(self, stream: Any = None) -> None:
         _count("eventRecord")
@@ -354,6 +355,14 @@ def groupEnd() -> None:
             _write(buf, data)
 
 
+_NULL_STREAM = Stream(null=True)
+
+
+def get_current_stream() -> Stream:
+    """This thread's current stream (the null stream until a `Stream.use()`)."""
+    return getattr(_tls, "stream", _NULL_STREAM)
+
+
 def get_unique_id() -> bytes:
     return os.urandom(128)
 
@@ -369,6 +378,7 @@ def install() -> None:
     cp.cuda, cp.RawModule, cp.empty, cp.zeros = cuda, RawModule, empty, zeros
     cuda.runtime, cuda.nccl, cuda.Stream, cuda.Event, cuda.Device = rt, nccl, Stream, Event, Device
     cuda.alloc = alloc
+    cuda.get_current_stream = get_current_stream
     for name in ("NcclCommunicator", "NcclError", "groupStart", "groupEnd", "get_unique_id"):
         setattr(nccl, name, globals()[name])
     nccl.available = True

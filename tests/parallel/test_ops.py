@@ -231,3 +231,22 @@ def test_barrier_and_poll_and_handle_wait():
     h = hvd.allreduce_async(np.ones(3), op=hvd.Sum, name="pollme")
     np.testing.assert_allclose(h.wait(30), np.full(3, hvd.size()))
     assert hvd.poll(h) and h.done() and h.exception() is None
+
+
+def test_named_synchronous_ops_take_the_express_lane():
+    # A lone synchronous op whose name is cached runs inside its own enqueue on the caller's
+    # thread (Coordinator.express); an idle round of a peer's coordinator thread can make an
+    # op take the ordinary path now and then, never most of the time.
+    from collective.runtime import current
+
+    coord = current().coordinator
+    n = hvd.size()
+    hvd.allreduce(np.ones(3), op=hvd.Sum, name="express")  # negotiated once, then cached
+    before = coord.express_rounds
+    for i in range(20):
+        x = np.full(3, float(hvd.rank() + i))
+        out = hvd.allreduce_(x, op=hvd.Sum, name="express")
+        np.testing.assert_allclose(out, np.full(3, float(sum(range(n)) + n * i)))
+        np.testing.assert_allclose(hvd.allreduce(np.ones(3), op=hvd.Sum, name="express"),
+                                   np.full(3, float(n)))
+    assert coord.express_rounds - before >= 20, coord.express_rounds - before

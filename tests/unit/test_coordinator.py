@@ -761,3 +761,26 @@ def test_express_lane_with_a_mismatched_peer_fails_both_ranks():
 
     c0, _ = run_loopback(2, body, cycle_time_ms=5000.0)
     assert c0["express"] == 1, c0
+
+
+def test_a_synchronous_function_inside_another_keeps_the_outer_ones_lane():
+    # wait_now inside wait_now (a synchronous helper that itself calls a synchronous op first):
+    # each one's op takes the express lane and each returns its own result.
+    from collective.ops import wait_now
+
+    def body(rank):
+        coord = current().coordinator
+        for name in ("inner", "outer"):
+            hvd.allreduce(np.ones(2), op=hvd.Sum, name=name)  # cache both names
+        time.sleep(0.2)
+        before = coord.express_rounds
+
+        def start():
+            inner = hvd.allreduce(np.full(2, 3.0), op=hvd.Sum, name="inner")
+            np.testing.assert_allclose(inner, [6.0, 6.0])
+            return hvd.allreduce_async(np.full(2, 5.0), op=hvd.Sum, name="outer")
+
+        np.testing.assert_allclose(wait_now(hvd.synchronize, start), [10.0, 10.0])
+        return coord.express_rounds - before
+
+    assert run_loopback(2, body, cycle_time_ms=5000.0) == [2, 2]
