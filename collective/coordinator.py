@@ -198,13 +198,8 @@ class Coordinator:
                 or (self.timeline is not None and ps.is_global_root)):
             return False
         nccl = sys.modules.get("collective.engines.nccl")
-        if req.device != CPU_DEVICE:
-            if nccl is None:  # the first device op binds the GPU on the coordinator thread
-                return False
-        elif (entry.output is None
-              and req.num_elements() * req.dtype.itemsize >= _DRIVE_ALLOC_LIMIT):
-            return False  # see _left_to_coordinator
-        if not self._cycle_lock.acquire(blocking=False):
+        if (_coordinator_only(req, entry.output is None, nccl is not None)
+                or not self._cycle_lock.acquire(blocking=False)):
             return False
         try:
             if (self._handoff is not None or self._ended_by_driver or ps.queue or ps.hits
@@ -615,7 +610,17 @@ class Coordinator:
 
 
 def _left_to_coordinator(ps: ProcessSetState, gpu_bound: bool) -> bool:
-    """Whether a queued op should run on the coordinator thread rather than a driving caller:
+    """Whether some queued op must run on the coordinator thread (`_coordinator_only`)."""
+    for r in ps.queue:
+        e = ps.table.get(r.name)  # a dict read needs no lock
+        if _coordinator_only(r, e is None or e.output is None, gpu_bound):
+            return True
+    return False
+
+
+def _coordinator_only(req: Request, new_output: bool, gpu_bound: bool) -> bool:
+    """Whether an op should run on the coordinator thread rather than a user thread (a driven
+    cycle or the express lane):
 
     * the first device op (`gpu_bound` False): it binds the GPU to the coordinator thread;
     * a host op that needs a new output of `_DRIVE_ALLOC_LIMIT` bytes or more: on the main
@@ -624,15 +629,9 @@ def _left_to_coordinator(ps: ProcessSetState, gpu_bound: bool) -> bool:
       1 MiB: 741 µs with such ops driven, 334 µs after this rule, two runs on one quiet day;
       benchmarks/results/allreduce_cpu_session2*).
     """
-    for r in ps.queue:
-        if r.device != CPU_DEVICE:
-            if not gpu_bound:
-                return True
-        elif r.num_elements() * r.dtype.itemsize >= _DRIVE_ALLOC_LIMIT:
-            e = ps.table.get(r.name)  # a dict read needs no lock
-            if e is None or e.output is None:
-                return True
-    return False
+    if req.device != CPU_DEVICE:
+        return not gpu_bound
+    return new_output and req.num_elements() * req.dtype.itemsize >= _DRIVE_ALLOC_LIMIT
 
 
 def _bits(words: np.ndarray) -> list[int]:

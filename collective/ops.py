@@ -93,7 +93,7 @@ def enqueue(kind: RequestType, tensors: Sequence[Any], *, name: str | None = Non
     state = rt.process_set_state(process_set, label)
     n = len(tensors)
     hid = rt.next_handle_id()
-    prefix = _PREFIX[kind] if kind in _PREFIX else kind.name.lower()
+    prefix = _PREFIX.get(kind) or kind.name.lower()
     if grouped:
         prefix = "grouped_" + prefix
     base = name if name is not None else f"noname.{hid}"

@@ -86,8 +86,8 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None
 
 
 # Ready events whose op has launched (so the engine's stream already waits on them: recording
-# them again cannot change that wait), per device, for reuse: creating and destroying a CUDA
-# event per op costs a few µs on a GPU host.
+# them again cannot change that wait), per device, for reuse: creating a torch CUDA event took
+# 0.8–1.3 µs on the H200 hosts (`enqueue_micro.py`), and each one is destroyed again later.
 _ready_pool: dict[int, list[Any]] = {}
 _READY_POOL = 16
 
