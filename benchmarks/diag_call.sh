@@ -56,7 +56,20 @@ if [[ $what == prof ]]; then  # py-spy of the lone synchronous op (needs PYSPY)
         step "${MPI[@]}" sh -c 'exec '"$PYSPY"' record --nonblocking -r 1000 -f raw -o '"$OUT"'/spy_rank$OMPI_COMM_WORLD_RANK.txt -- '"$PY"' -u benchmarks/lone_loop.py --device cuda --iters 20000'
     fi
 fi
-if [[ $what == all || $what == tests ]]; then
+if [[ $what == lone ]]; then  # lone-op latency: per-call costs, each impl alone, probe
+    # OLD=dir: a copy of an older tree (its benchmarks/ and packages) for a same-call A/B.
+    step "$PY" -u benchmarks/enqueue_micro.py
+    for r in 1 2; do
+        step "${MPI[@]}" "$PY" -u benchmarks/lone_loop.py --device cuda --impl torch --iters 4000
+        step "${MPI[@]}" "$PY" -u benchmarks/lone_loop.py --device cuda --iters 4000
+        if [[ -n "${OLD:-}" ]]; then
+            step "${MPI[@]}" "$PY" -u "$OLD/benchmarks/lone_loop.py" --device cuda --iters 4000 \
+                --tag old
+        fi
+    done
+    step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --sync-api --iters 1000
+fi
+if [[ $what == all || $what == tests || $what == lone ]]; then
     echo "== tests/gpu (mpi mode)" | tee -a "$SUM"
     RINGVOD_TEST_REQUIRE=gpu,mpi timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rfEs \
         tests/gpu -k "spmd and mpi" 2>&1 | tee "$OUT/tests.log" | tail -3 | tee -a "$SUM"

@@ -56,6 +56,16 @@ def main() -> int:
     tev = torch.cuda.Event()
     tev.record(s)
     add("runtime.streamWaitEvent", lambda: rt.streamWaitEvent(stream.ptr, tev.cuda_event, 0))
+    raw = rt.eventCreateWithFlags(2)
+    sp = stream.ptr
+    add("runtime.eventRecord (raw event)", lambda: rt.eventRecord(raw, sp))
+    add("runtime.getDevice", rt.getDevice)
+    add("cupy.cuda.get_current_stream()", cupy.cuda.get_current_stream)
+    add("cupy stream.use()", stream.use)
+    cupy.cuda.Stream.null.use()
+    from collective.engines import device, nccl as _engine  # noqa: F401 - installs the pool
+    add("device.record_ready (pooled raw event)",
+        lambda: _engine._ready.release(device.record_ready(0, sp)))
     from collective.engines.nccl import _new_communicator, _uid_bytes
     comm = _new_communicator(1, _uid_bytes(nccl.get_unique_id()), 0)
     p = x.data_ptr()

@@ -29,6 +29,7 @@ def main() -> int:
     p.add_argument("--bytes", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20000)
     p.add_argument("--port", type=int, default=29541)
+    p.add_argument("--tag", default="", help="label for the output line (e.g. an older tree)")
     a = p.parse_args()
     cuda = a.device == "cuda"
     if a.impl == "ringvod":
@@ -69,7 +70,8 @@ def main() -> int:
             per_op.append(now() - t)
         blocks.append((now() - t0) / 1000)
     if rank == 0:
-        print(f"lone_loop impl={a.impl} size={size} device={a.device} bytes={a.bytes}: median "
+        impl = a.impl + ("/" + a.tag if a.tag else "")
+        print(f"lone_loop impl={impl} size={size} device={a.device} bytes={a.bytes}: median "
               f"{statistics.median(per_op) * 1e6:.1f} us per op, mean of 1000-op blocks "
               f"{statistics.median(blocks) * 1e6:.1f} us", flush=True)
     if a.impl == "ringvod":

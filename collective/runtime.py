@@ -30,11 +30,17 @@ _log_ = _log.get_logger()
 
 _lock = threading.Lock()  # guards _current
 _current: "Runtime | None" = None
-_local = threading.local()
+
+
+class _ThreadRuntime(threading.local):
+    rt: "Runtime | None" = None  # a class default: reading an unset thread-local raises inside
+
+
+_local = _ThreadRuntime()
 
 
 def current_or_none() -> "Runtime | None":
-    rt = getattr(_local, "rt", None)
+    rt = _local.rt
     return rt if rt is not None else _current
 
 
@@ -59,7 +65,7 @@ def set_current(rt: "Runtime | None") -> None:
 @contextlib.contextmanager
 def use_runtime(rt: "Runtime | None") -> Iterator[None]:
     """Makes `rt` this thread's runtime (loopback tests run one rank per thread)."""
-    prev = getattr(_local, "rt", None)
+    prev = _local.rt
     _local.rt = rt
     try:
         yield

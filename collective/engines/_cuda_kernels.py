@@ -138,12 +138,13 @@ def copy_table(srcs: list[int], dsts: list[int], sizes: list[int]) -> tuple[np.n
 class Kernels:
     """The compiled module for one process (CuPy loads it per device on first launch).
 
-    Kernels run on CuPy's current stream of the calling thread; the NCCL engine makes its own
-    stream current on the coordinator thread.
+    Kernels run on CuPy's current stream of the calling thread: `before_launch()` runs before
+    each launch (the NCCL engine makes its device and stream current there).
     """
 
-    def __init__(self, cupy: Any) -> None:
+    def __init__(self, cupy: Any, before_launch: Callable[[], None] = lambda: None) -> None:
         self._cp = cupy
+        self._before_launch = before_launch
         self._module = cupy.RawModule(code=_SOURCE)
         self._copy = self._module.get_function("ringvod_batched_copy")
         self._scale: dict[DataType, Any] = {}
@@ -157,6 +158,7 @@ class Kernels:
         """Runs the copies described by the device table at `table_ptr`."""
         if blocks == 0:
             return
+        self._before_launch()
         self._copy((blocks,), (THREADS,), (np.uint64(table_ptr), np.int32(n), np.uint64(CHUNK)))
 
     def scale(self, ptr: int, count: int, dtype: DataType, factor: float) -> None:
@@ -181,6 +183,7 @@ class Kernels:
             except Exception:  # noqa: BLE001 - only a launch-size hint
                 self._sms = 132
         blocks = max(1, min((count + THREADS - 1) // THREADS, self._sms * 8))
+        self._before_launch()
         fn((blocks,), (THREADS,), (np.uint64(ptr), np.uint64(count), np.float64(factor)))
 
 

@@ -9,7 +9,8 @@ The protocol between an adapter and the NCCL engine (`collective/engines/nccl.py
   any C-contiguous object exposing `__cuda_array_interface__` (a CuPy array);
 * `Entry.ready_event` is a CUDA event recorded on the producer's stream after the tensor was
   written: a raw `cudaEvent_t` (int), an object with `.cuda_event` (`torch.cuda.Event`) or with
-  `.ptr` (`cupy.cuda.Event`); None when the tensor needs no ordering;
+  `.ptr` (`cupy.cuda.Event`); None when the tensor needs no ordering. `record_ready` gives
+  adapters one from the engine's pool once the engine is loaded (recycled after use);
 * `Entry.allocate(shape, like)` makes an output on the tensor's device. The engine calls it with
   its own stream made the *allocation stream* (`allocation_stream()`), so that an allocator with
   per-stream pools (PyTorch's caching allocator) hands out memory that is safe to write on the
@@ -24,9 +25,15 @@ import threading
 from typing import Any
 
 __all__ = ["DeviceBuffer", "DeviceResult", "allocation_stream", "set_allocation_stream",
-           "pointer_of"]
+           "pointer_of", "record_ready", "set_ready_events"]
 
-_tls = threading.local()
+
+
+class _AllocTLS(threading.local):
+    stream: int = 0  # a class default: reading an unset thread-local attribute raises inside
+
+
+_tls = _AllocTLS()
 
 
 class DeviceBuffer:
@@ -122,9 +129,27 @@ def allocation_stream() -> int:
 
     The NCCL engine sets it on the coordinator thread around `Entry.allocate` calls.
     """
-    return getattr(_tls, "stream", 0)
+    return _tls.stream
 
 
 def set_allocation_stream(stream: int) -> None:
     """Sets this thread's allocation stream (0 clears it). For engines only."""
     _tls.stream = stream
+
+
+# The NCCL engine's ready-event pool (`nccl._ReadyEvents`), installed when that module loads.
+_ready_events: Any = None
+
+
+def record_ready(device: int, stream: int) -> int | None:
+    """A ready event (raw `cudaEvent_t`) recorded on `stream` (a `cudaStream_t` as int) of
+    `device`, recycled by the engine once its stream waits on it; None until the NCCL engine
+    is loaded (the adapter then records an event of its own). Any thread."""
+    pool = _ready_events
+    return None if pool is None else pool.record(device, stream)
+
+
+def set_ready_events(pool: Any) -> None:
+    """For the NCCL engine: installs its ready-event pool."""
+    global _ready_events
+    _ready_events = pool

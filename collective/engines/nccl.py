@@ -38,7 +38,7 @@ from . import _nccl_layouts as _layouts
 from ._cuda_kernels import CopyStager, Kernels
 from ._nccl_layouts import _pad16
 from .base import ControlPlane, Engine
-from .device import DeviceResult, pointer_of, set_allocation_stream
+from .device import DeviceResult, pointer_of, set_allocation_stream, set_ready_events
 
 try:
     import cupy
@@ -79,7 +79,16 @@ _FREE_EVENTS = 64  # completion events kept for reuse
 _REAP_AT = 4
 
 _rt = cupy.cuda.runtime
-_tls = threading.local()  # which engine's stream is CuPy's current stream on this thread
+
+
+class _EngineTLS(threading.local):
+    # Class defaults: reading an unset thread-local attribute raises inside (~0.3 µs).
+    engine: Any = None  # which engine's stream is CuPy's current stream on this thread
+    guest = False  # a user thread running a cycle (`guest_enter`)
+    saved: Any = None  # that thread's (device, CuPy stream) before an engine took them
+
+
+_tls = _EngineTLS()
 
 
 class _OpError(Exception):
@@ -110,6 +119,59 @@ class _Completion:
 
     def query(self) -> bool:
         return bool(self.event.done)
+
+
+_DISABLE_TIMING = 2  # cudaEventDisableTiming
+_READY_KEEP = 1024  # free ready events kept per device
+
+
+class _ReadyEvents:
+    """Ready events for adapters (`collective.engines.device.record_ready`): raw CUDA events
+    recorded on the producer's stream at enqueue, from a free list per device. The engine
+    hands one back (`release`) as soon as its stream waits on it: a later record cannot change
+    a wait already enqueued. A torch.cuda.Event cost ~2 µs to create and record on the H200
+    hosts (`enqueue_micro.py`); a recycled raw event costs one `cudaEventRecord`. An event
+    whose op never reaches the engine (a failed negotiation) is not recycled."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[int]] = {}
+        self._device_of: dict[int, int] = {}  # events made here -> their device
+
+    def record(self, device: int, stream: int) -> int:
+        try:
+            ev = self._free[device].pop()  # list.pop is atomic: enqueueing threads share this
+        except (KeyError, IndexError):
+            ev = self._create(device)
+        _rt.eventRecord(ev, stream)
+        return ev
+
+    def _create(self, device: int) -> int:
+        prev = int(_rt.getDevice())
+        if prev != device:
+            _rt.setDevice(device)
+        try:
+            ev = int(_rt.eventCreateWithFlags(_DISABLE_TIMING))
+        finally:
+            if prev != device:
+                _rt.setDevice(prev)
+        self._free.setdefault(device, [])
+        self._device_of[ev] = device
+        return ev
+
+    def release(self, ev: int) -> None:
+        dev = self._device_of.get(ev)
+        if dev is None:  # not ours (a caller's own event)
+            return
+        free = self._free[dev]
+        if len(free) < _READY_KEEP:
+            free.append(ev)
+        else:
+            del self._device_of[ev]
+            _rt.eventDestroy(ev)
+
+
+_ready = _ReadyEvents()
+set_ready_events(_ready)
 
 
 def _event_ptr(ev: Any) -> int:
@@ -165,21 +227,23 @@ def _new_communicator(size: int, raw: bytes, rank: int) -> Any:
     raise last
 
 
-def guest_enter() -> tuple[int, Any]:
-    """Before a coordinator cycle runs on a user thread (`Coordinator.drive`): that thread's
-    CUDA device and CuPy stream, for `guest_exit`."""
-    return int(_rt.getDevice()), cupy.cuda.get_current_stream()
+def guest_enter() -> None:
+    """Before a coordinator cycle runs on a user thread (`Coordinator.drive`, the express lane).
+    Engines make their device and stream current there only for work that needs them (kernels,
+    CuPy allocations); `guest_exit` gives the thread its own back."""
+    _tls.guest = True
 
 
-def guest_exit(saved: tuple[int, Any]) -> None:
+def guest_exit(_saved: Any = None) -> None:
     """After such a cycle: gives the thread its device and stream back if an engine took them."""
-    if getattr(_tls, "engine", None) is None:
-        return
+    _tls.guest = False
+    saved, _tls.saved = _tls.saved, None
     _tls.engine = None
-    dev, stream = saved
-    if int(_rt.getDevice()) != dev:
-        _rt.setDevice(dev)
-    stream.use()
+    if saved is not None:
+        dev, stream = saved
+        if int(_rt.getDevice()) != dev:
+            _rt.setDevice(dev)
+        stream.use()
 
 
 def exchange_unique_id(control: ControlPlane) -> bytes:
@@ -213,6 +277,8 @@ class NCCLEngine(Engine):
         self._last_done: _Completion | None = None
         self._allocated: set[int] = set()  # ids of entries whose output the engine allocated
         self._zero_ids: set[int] = set()  # ids of zero tensors made for joined ranks
+        self._check: Callable[[], None] | None = None  # the communicator's check_async_error
+        self._reductions: dict[tuple, tuple[int, int, float, float]] = {}
 
     # -- binding ------------------------------------------------------------------------------
     def _ensure_device(self, device: int) -> None:
@@ -228,14 +294,25 @@ class NCCLEngine(Engine):
         except TypeError:  # CuPy without stream priorities
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self._sp = int(self.stream.ptr)
-        self._kernels = Kernels(cupy)
+        self._kernels = Kernels(cupy, self._use)
         self._activate()
 
     def _activate(self) -> None:
+        """Makes this engine's device and stream current on the calling thread (kept on the
+        coordinator thread; a guest thread's own come back at `guest_exit`)."""
+        if _tls.guest and _tls.saved is None:
+            _tls.saved = int(_rt.getDevice()), cupy.cuda.get_current_stream()
         if self.device >= 0 and int(_rt.getDevice()) != self.device:
             _rt.setDevice(self.device)
         self.stream.use()
         _tls.engine = self
+
+    def _use(self) -> None:
+        """Before a kernel launch or a CuPy allocation: they use the current device and stream.
+        NCCL calls, event records and waits name their stream and need neither, so a lone
+        op on a guest thread skips the switch and its undoing (~3 µs of CuPy calls)."""
+        if _tls.engine is not self:
+            self._activate()
 
     def _bind(self, entries: list[Entry]) -> None:
         device = next((e.device for e in entries if id(e.tensor) not in self._zero_ids), -1)
@@ -313,20 +390,32 @@ class NCCLEngine(Engine):
                 raise self._broken
             if self.comm is None:
                 self._bind(entries)
-            elif getattr(_tls, "engine", None) is not self:
-                self._activate()
+                self._check = getattr(self.comm, "check_async_error", None)
+            elif _tls.engine is not self and int(_rt.getDevice()) != self.device:
+                self._activate()  # a guest thread on another device
             if len(self._inflight) >= _REAP_AT or not self._free_events:
                 self._reap()
-            check = getattr(self.comm, "check_async_error", None)
-            if check is not None:
-                check()  # an NCCL error of an earlier op (e.g. a peer died) fails this one
-            sp, last = self._sp, None
-            for e in entries:
-                ev = e.ready_event
-                if ev is not None and ev is not last:
-                    _rt.streamWaitEvent(sp, _event_ptr(ev), 0)
-                    last = ev
-            self._allocated.clear()
+            if self._check is not None:
+                self._check()  # an NCCL error of an earlier op (e.g. a peer died) fails this one
+            sp = self._sp
+            if len(entries) == 1:
+                ev = entries[0].ready_event
+                if ev is not None:
+                    ev = _event_ptr(ev)
+                    _rt.streamWaitEvent(sp, ev, 0)
+                    _ready.release(ev)
+            else:
+                waited: set[int] = set()
+                for e in entries:
+                    ev = e.ready_event
+                    if ev is not None:
+                        ev = _event_ptr(ev)
+                        if ev not in waited:
+                            _rt.streamWaitEvent(sp, ev, 0)
+                            _ready.release(ev)
+                            waited.add(ev)
+            if self._allocated:
+                self._allocated.clear()
             fn(entries, *args)
             # Events of finished ops are recorded again: a result still holding one then waits
             # for a later op of this stream, which is later still (never a cycle).
@@ -356,7 +445,8 @@ class NCCLEngine(Engine):
                 self.abort()
             raise err
         finally:
-            self._zero_ids.clear()
+            if self._zero_ids:
+                self._zero_ids.clear()
 
     def _reap(self) -> None:
         q = self._inflight
@@ -376,6 +466,7 @@ class NCCLEngine(Engine):
     def _allocate(self, e: Entry, shape: tuple[int, ...]) -> Any:
         alloc = e.allocate
         if alloc is None or alloc is default_allocate:
+            self._use()
             return cupy.empty(shape, dtype=numpy_dtype(e.request.dtype))
         set_allocation_stream(self._sp)
         try:
@@ -400,6 +491,7 @@ class NCCLEngine(Engine):
         if self._stager is None:
             assert self._kernels is not None
             self._stager = CopyStager(cupy, self._kernels, self.stream)
+        self._use()  # the staging memory comes from CuPy's pool
         return self._stager.copies(pack, unpack)
 
     def _activity(self, entries: list[Entry], name: str) -> list[str] | None:
@@ -415,6 +507,14 @@ class NCCLEngine(Engine):
             self.timeline.activity_end_all(names)
 
     def _reduction(self, dtype: DataType, resp: Response) -> tuple[int, int, float, float]:
+        """(NCCL type, NCCL op, prescale, postscale) of a reduction, remembered per signature."""
+        key = (dtype, resp.reduce_op, resp.prescale, resp.postscale)
+        r = self._reductions.get(key)
+        if r is None:
+            r = self._reductions[key] = self._new_reduction(dtype, resp)
+        return r
+
+    def _new_reduction(self, dtype: DataType, resp: Response) -> tuple[int, int, float, float]:
         ntype = _NCCL_TYPE.get(dtype)
         if ntype is None:
             raise _OpError(ValueError(
@@ -526,8 +626,7 @@ class NCCLEngine(Engine):
     def zeros(self, shape: tuple[int, ...], dtype: DataType, device: int) -> Any:
         """Zeros for a joined rank, on this engine's device (the response's device is not ours)."""
         self._ensure_device(-1)
-        if getattr(_tls, "engine", None) is not self:
-            self._activate()
+        self._use()
         z = cupy.zeros(shape, dtype=numpy_dtype(dtype))
         self._zero_ids.add(id(z))
         return z

@@ -88,10 +88,13 @@ def check_tensor(tensor: Any) -> None:
 
 
 def _host_view(tensor: torch.Tensor) -> np.ndarray:
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor  # detach() makes a new tensor
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
+
+
+_STRIDED = torch.strided
 
 
 def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None) -> CollectiveArgs:
@@ -101,21 +104,25 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None) -> C
         TypeError / ValueError: see `check_tensor`; the output's device differs from the input's.
         NotImplementedError: CUDA tensors without the NCCL engine's adapter half.
     """
-    check_tensor(tensor)
-    kind = tensor.device.type
-    if kind == "cpu":
-        if output is not None and output.device.type != "cpu":
-            raise ValueError(f"output on {output.device} for an input on the CPU")
-        view = _host_view(tensor)
-        # In-place ops pass the very same view as output: engines test `output is tensor`.
-        out = None if output is None else view if output is tensor else _host_view(output)
-        return CollectiveArgs(view, _DTYPES[tensor.dtype], tuple(tensor.shape), CPU_DEVICE,
-                              output=out)
-    if kind == "cuda":
+    # Runs once per op: the checks of `check_tensor` in their cheapest form, which then only
+    # runs to name what is wrong.
+    if not isinstance(tensor, torch.Tensor):
+        check_tensor(tensor)
+    dtype = _DTYPES.get(tensor.dtype)
+    if dtype is None or tensor.layout is not _STRIDED or not tensor.is_contiguous():
+        check_tensor(tensor)
+    if tensor.is_cuda:
         buf, dev, ev, out = _cuda.to_collective(tensor, output)
-        return CollectiveArgs(buf, _DTYPES[tensor.dtype], buf.shape, dev, ev, _cuda.allocate,
-                              out)
-    raise ValueError(f"tensors on {tensor.device} are not supported; use CPU or CUDA tensors")
+        return CollectiveArgs(buf, dtype, buf.shape, dev, ev, _cuda.allocate, out)
+    if not tensor.is_cpu:
+        raise ValueError(f"tensors on {tensor.device} are not supported; use CPU or CUDA "
+                         "tensors")
+    if output is not None and not output.is_cpu:
+        raise ValueError(f"output on {output.device} for an input on the CPU")
+    view = _host_view(tensor)
+    # In-place ops pass the very same view as output: engines test `output is tensor`.
+    out = None if output is None else view if output is tensor else _host_view(output)
+    return CollectiveArgs(view, dtype, view.shape, CPU_DEVICE, None, None, out)
 
 
 def from_collective(result: Any, like: torch.Tensor) -> torch.Tensor:
@@ -148,7 +155,7 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
             ready_events=None if device == CPU_DEVICE else (a.ready_event,),
             allocate=a.allocate, outputs=None if outputs is None else (a.output,), **kwargs)
         if device != CPU_DEVICE:
-            h = _cuda.wrap_handle(h, a.ready_event, device)
+            h = _cuda.wrap_handle(h)
         return h
     args = [to_collective(t, outputs[i] if outputs is not None else None)
             for i, t in enumerate(tensors)]

@@ -4,17 +4,17 @@
 
 * `to_collective(tensor, output) -> (buffer, device, ready_event, output_buffer)`: a
   `DeviceBuffer` (pointer, bytes, shape, the tensor) for the input and the optional output,
-  the device index, and a `torch.cuda.Event` recorded on the tensor device's current stream
-  as ready event (the engine's stream waits on it, so work queued on any producer stream
-  before the call is seen). Outputs whose shape negotiation decides come from `allocate(shape,
-  like)`, which allocates through torch's caching allocator on the stream the engine names
-  (`collective.engines.device.allocation_stream()`), so that memory the allocator recycles is
-  never written by the engine while older work still uses it.
-* `wrap_handle(handle, ready, device) -> Handle`: the handle `_buffers.enqueue` returns for
-  CUDA ops. Its `wait()` makes the caller's current stream wait on the op's completion event
-  (no host block) and returns torch tensors (for alltoall `(output, received_splits)`, for
-  grouped ops a list); the ready event then goes back to a small per-device pool. Outputs the
-  engine allocated get `record_stream` for the caller's stream.
+  the device index, and a ready event recorded on the tensor device's current stream (the
+  engine's stream waits on it, so work queued on any producer stream before the call is seen):
+  a raw event from the engine's recycled pool (`collective.engines.device.record_ready`), or a
+  `torch.cuda.Event` before the engine is loaded. Outputs whose shape negotiation decides come
+  from `allocate(shape, like)`, which allocates through torch's caching allocator on the
+  stream the engine names (`collective.engines.device.allocation_stream()`), so that memory
+  the allocator recycles is never written by the engine while older work still uses it.
+* `wrap_handle(handle) -> Handle`: the handle `_buffers.enqueue` returns for CUDA ops. Its
+  `wait()` makes the caller's current stream wait on the op's completion event (no host
+  block) and returns torch tensors (for alltoall `(output, received_splits)`, for grouped ops
+  a list). Outputs the engine allocated get `record_stream` for the caller's stream.
 * `from_collective(result, like) -> torch.Tensor`: a result (already a tensor after
   `wrap_handle`, or a `DeviceResult`/`DeviceBuffer`) as a torch tensor.
 
@@ -28,7 +28,7 @@ import torch
 
 from collective import Handle
 from collective import runtime as _runtime
-from collective.engines.device import DeviceBuffer, DeviceResult, allocation_stream
+from collective.engines.device import DeviceBuffer, DeviceResult, allocation_stream, record_ready
 
 __all__ = ["to_collective", "from_collective", "wrap_handle", "settle"]
 
@@ -44,7 +44,7 @@ def _current_stream(dev: int) -> int:
 
 
 def _buffer(t: torch.Tensor) -> DeviceBuffer:
-    return DeviceBuffer(t.data_ptr(), t.numel() * t.element_size(), tuple(t.shape), t)
+    return DeviceBuffer(t.data_ptr(), t.nbytes, tuple(t.shape), t)
 
 
 def allocate(shape: tuple, like: Any) -> DeviceBuffer:
@@ -70,7 +70,7 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None
         ValueError: `output` is on another device than `tensor`.
     """
     dev = tensor.get_device()
-    buf = _buffer(tensor)
+    buf = DeviceBuffer(tensor.data_ptr(), tensor.nbytes, tuple(tensor.shape), tensor)
     out = None
     if output is not None:
         if output is tensor:
@@ -79,23 +79,12 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None
             raise ValueError(f"output on {output.device} for an input on {tensor.device}")
         else:
             out = _buffer(output)
-    pool = _ready_pool.get(dev)
-    ev = pool.pop() if pool else torch.cuda.Event()
-    ev.record(_stream_object(dev))
+    # The engine's recycled raw event once it is loaded (~0.3 µs); a torch event before.
+    ev = record_ready(dev, _current_stream(dev))
+    if ev is None:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
     return buf, dev, ev, out
-
-
-# Ready events whose op has launched (so the engine's stream already waits on them: recording
-# them again cannot change that wait), per device, for reuse: creating a torch CUDA event took
-# 0.8–1.3 µs on the H200 hosts (`enqueue_micro.py`), and each one is destroyed again later.
-_ready_pool: dict[int, list[Any]] = {}
-_READY_POOL = 16
-
-
-def _reuse(ev: Any, dev: int) -> None:
-    pool = _ready_pool.setdefault(dev, [])
-    if len(pool) < _READY_POOL:
-        pool.append(ev)
 
 
 _stream_objects: dict[tuple[int, int], Any] = {}  # (raw handle, device) -> torch.cuda.Stream
@@ -150,19 +139,13 @@ def from_collective(result: Any, like: torch.Tensor) -> torch.Tensor:
 class _OrderedHandle(Handle):
     """A CUDA op's handle: `wait()` orders the caller's stream and returns torch tensors."""
 
-    __slots__ = ("_inner", "_ready")
+    __slots__ = ("_inner",)
 
-    def __init__(self, inner: Handle, ready: Any = None) -> None:  # noqa: D107
+    def __init__(self, inner: Handle) -> None:  # noqa: D107
         self._inner = inner  # shares the inner handle's state
         self.name = inner.name
-        self._ready = ready  # (ready event, device): the event is reusable once the op ran
 
-    def _settle(self, result: Any) -> Any:
-        out = settle(result)
-        ready, self._ready = self._ready, None
-        if ready is not None and type(result) is DeviceResult:
-            _reuse(*ready)
-        return out
+    _settle = staticmethod(settle)
 
     def __repr__(self) -> str:
         return repr(self._inner)
@@ -206,8 +189,6 @@ class _OrderedHandle(Handle):
         self._inner._set_exception(exc)
 
 
-def wrap_handle(handle: Handle, ready: Any = None, device: int = -1) -> Handle:
-    """The handle of a CUDA op, as returned to adapter code (see the module docstring).
-    `ready`: the single tensor's ready event from `to_collective`, pooled for reuse once the
-    op launched (its result arrived)."""
-    return _OrderedHandle(handle, None if ready is None else (ready, device))
+def wrap_handle(handle: Handle) -> Handle:
+    """The handle of a CUDA op, as returned to adapter code (see the module docstring)."""
+    return _OrderedHandle(handle)

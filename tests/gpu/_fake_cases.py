@@ -290,6 +290,49 @@ def synchronous_device_ops_take_the_express_lane(n: int) -> None:
     run_loopback(n, body)
 
 
+@case
+def express_ops_switch_streams_only_when_needed(n: int) -> None:
+    # Express ops run on the caller's thread. A plain in-place sum launches no kernel and
+    # leaves the thread's CuPy stream alone; scaled and out-of-place ops make the engine's
+    # stream current for their kernels and allocations (the fake kernels assert it) and give
+    # the caller's stream back. Ready events from the engine's pool are recycled once waited on.
+    from collective import runtime
+    from collective.engines import device
+    from collective.engines import nccl  # noqa: F401 - installs the ready-event pool
+    from collective.ops import wait_now
+
+    factor = {0: 1.0, 1: 0.5, 2: 2.0}
+
+    def body(rank: int) -> None:
+        coord = runtime.current().coordinator
+        mine = _fakecuda.Stream(non_blocking=True).use()
+        created = _fakecuda.calls.get("eventCreate", 0)
+        for i in range(24):
+            kind = i % 3
+            x = np.full(5, float(rank + 1), np.float32)
+            fa = FakeArray.of(x)
+            ev = device.record_ready(0, mine.ptr)
+            assert isinstance(ev, int)
+            kw = {"op": ReduceOp.SUM, "name": f"variant{kind}"}
+            if kind == 1:
+                kw["postscale"] = 0.5
+            elif kind == 2:
+                kw["prescale"] = 2.0
+            uses = _fakecuda.stream_uses()
+            res = wait_now(collective.synchronize, lambda: collective.enqueue(
+                RequestType.ALLREDUCE, [fa], device=0, dtypes=[DataType.FLOAT32],
+                shapes=[x.shape], ready_events=[ev], outputs=None if kind == 1 else [fa], **kw))
+            want = np.full(5, n * (n + 1) / 2 * factor[kind], np.float32)
+            assert np.allclose(value(res), want), (i, value(res), want)
+            assert _fakecuda.get_current_stream() is mine, "the caller's stream was not restored"
+            if kind == 0 and i >= 3:  # express lane, no kernel: no stream switch either
+                assert _fakecuda.stream_uses() == uses, "a plain op switched streams"
+        assert coord.express_rounds >= 18, coord.express_rounds
+        made = _fakecuda.calls.get("eventCreate", 0) - created  # by every rank meanwhile
+        assert made <= 3 * n, f"{made} ready events made for {24 * n} ops: not recycled"
+    run_loopback(n, body)
+
+
 def main() -> int:
     passed = failed = 0
     for n in (2, 3):

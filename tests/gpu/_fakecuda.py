@@ -67,13 +67,26 @@ class _Runtime(types.ModuleType):
     def getDeviceProperties(self, d: int) -> dict:
         return {"multiProcessorCount": 4}
 
+    def eventCreateWithFlags(self, flags: int) -> int:
+        _count("eventCreate")
+        return next(_ids)
+
+    def eventRecord(self, event: int, stream: int) -> None:
+        assert isinstance(event, int) and event != 0, f"bad event handle {event!r}"
+        _count("eventRecord")
+
+    def eventDestroy(self, event: int) -> None:
+        _count("eventDestroy")
+
 
 class Stream:
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False,
                  priority: int | None = None) -> None:
         self.ptr = next(_ids)
+        self.engine = priority is not None  # only the NCCL engine asks for a priority
 
     def use(self) -> "Stream":
+        _tls.uses = getattr(_tls, "uses", 0) + 1
         _tls.stream = self
         return self
 
@@ -181,6 +194,8 @@ class _Kernel:
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, **kw: Any) -> None:
         assert not kw, kw
+        # The engine must have made its stream current (kernels run on the current stream).
+        assert get_current_stream().engine, f"{self.name} launched off the engine's stream"
         _count(self.name)
         if self.name == "ringvod_batched_copy":
             tab_ptr, n, chunk = int(args[0]), int(args[1]), int(args[2])
@@ -361,6 +376,11 @@ _NULL_STREAM = Stream(null=True)
 def get_current_stream() -> Stream:
     """This thread's current stream (the null stream until a `Stream.use()`)."""
     return getattr(_tls, "stream", _NULL_STREAM)
+
+
+def stream_uses() -> int:
+    """How many times this thread made a stream current (for tests)."""
+    return getattr(_tls, "uses", 0)
 
 
 def get_unique_id() -> bytes:
