@@ -59,7 +59,7 @@ fi
 if [[ $what == lone ]]; then  # lone-op latency: per-call costs, each impl alone, probe
     # OLD=dir: a copy of an older tree (its benchmarks/ and packages) for a same-call A/B.
     step "$PY" -u benchmarks/enqueue_micro.py
-    for r in 1 2; do
+    for r in $(seq "${ROUNDS:-2}"); do
         step "${MPI[@]}" "$PY" -u benchmarks/lone_loop.py --device cuda --impl torch --iters 4000
         step "${MPI[@]}" "$PY" -u benchmarks/lone_loop.py --device cuda --iters 4000
         if [[ -n "${OLD:-}" ]]; then
@@ -69,7 +69,7 @@ if [[ $what == lone ]]; then  # lone-op latency: per-call costs, each impl alone
     done
     step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --sync-api --iters 1000
 fi
-if [[ $what == all || $what == tests || $what == lone ]]; then
+if [[ $what == all || $what == tests ]]; then
     echo "== tests/gpu (mpi mode)" | tee -a "$SUM"
     RINGVOD_TEST_REQUIRE=gpu,mpi timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rfEs \
         tests/gpu -k "spmd and mpi" 2>&1 | tee "$OUT/tests.log" | tail -3 | tee -a "$SUM"

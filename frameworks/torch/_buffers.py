@@ -16,12 +16,13 @@ import numpy as np
 import torch
 
 import collective
-from collective import DataType, Handle, RequestType
+from collective import DataType, Handle, ProcessSet, ReduceOp, RequestType
+from collective.ops import run_one as _run_one
 
 from . import _cuda  # torch-only (no CuPy); imported here, not per call
 
 __all__ = ["CollectiveArgs", "dtype_of", "check_tensor", "to_collective", "from_collective",
-           "enqueue", "CPU_DEVICE"]
+           "enqueue", "run_one", "CPU_DEVICE"]
 
 CPU_DEVICE = -1
 
@@ -173,3 +174,19 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
     if device != CPU_DEVICE:  # wait() must order the caller's stream after the op
         h = _cuda.wrap_handle(h)
     return h
+
+
+def run_one(kind: RequestType, tensor: torch.Tensor, output: torch.Tensor | None,
+            name: str | None, process_set: ProcessSet, op: ReduceOp = ReduceOp.SUM,
+            prescale: float = 1.0, postscale: float = 1.0, root: int = -1) -> Any:
+    """`collective.ops.run_one` for a torch tensor (the synchronous single-tensor functions):
+    runs the op and waits; for a CUDA tensor the caller's stream is ordered after the op and
+    the result is a torch tensor, for a host tensor it is the engine's numpy result.
+
+    Raises:
+        as `to_collective` and `collective.enqueue`; HorovodInternalError: the op failed.
+    """
+    a = to_collective(tensor, output)
+    res = _run_one(kind, a.tensor, a.output, name, process_set, op, prescale, postscale, root,
+                   a.dtype, a.shape, a.device, a.ready_event, a.allocate)
+    return res if a.device == CPU_DEVICE else _cuda.settle(res)

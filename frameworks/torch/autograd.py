@@ -18,8 +18,9 @@ from typing import Any, Sequence
 
 import torch
 
-from collective import ProcessSet, ReduceOp, global_process_set, resolve_op
+from collective import ProcessSet, ReduceOp, RequestType, global_process_set, resolve_op
 
+from ._buffers import run_one
 from .compression import Compression, check_compressor
 from .ops import (_splits_array, allgather_async, allreduce_async, alltoall_async,
                   broadcast_async, grouped_allgather_async, grouped_allreduce_async,
@@ -39,13 +40,21 @@ class HorovodAllreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
                 post: float, ps: ProcessSet) -> torch.Tensor:
         ctx.name, ctx.op, ctx.pre, ctx.post, ctx.ps = name, op, pre, post, ps
-        return wait_now(allreduce_async, tensor, None, name, op, pre, post, ps)
+        return _allreduce_new(tensor, name, op, pre, post, ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        out = wait_now(allreduce_async, grad.contiguous(), None, _grad_name(ctx.name), ctx.op,
-                       ctx.pre, ctx.post, ctx.ps)
+        out = _allreduce_new(grad.contiguous(), _grad_name(ctx.name), ctx.op, ctx.pre, ctx.post,
+                             ctx.ps)
         return out, None, None, None, None, None
+
+
+def _allreduce_new(tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
+                   post: float, ps: ProcessSet) -> torch.Tensor:
+    """Synchronous out-of-place allreduce (what `allreduce_async` + `synchronize` return)."""
+    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    run_one(RequestType.ALLREDUCE, tensor, out, name, ps, op, pre, post)
+    return out
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):

@@ -19,7 +19,7 @@ from collective.ops import wait_now as _collective_wait_now
 from collective import (Handle, HorovodInternalError, ProcessSet, ReduceOp, RequestType,
                         global_process_set, resolve_op)
 
-from ._buffers import enqueue, from_collective
+from ._buffers import enqueue, from_collective, run_one
 from ._handles import handles
 
 __all__ = [
@@ -125,8 +125,9 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     Raises:
         HorovodInternalError: the op failed on some rank (plus `allreduce_async`'s errors).
     """
-    return wait_now(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor,
-                    process_set)
+    run_one(RequestType.ALLREDUCE, tensor, tensor, name, process_set, resolve_op(op, average),
+            prescale_factor, postscale_factor)
+    return tensor
 
 
 def grouped_allreduce_async(tensors: Tensors, average: bool | None = None,
@@ -207,7 +208,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast; returns `tensor`."""
-    return wait_now(broadcast_async_, tensor, root_rank, name, process_set)
+    run_one(RequestType.BROADCAST, tensor, tensor, name, process_set, root=root_rank)
+    return tensor
 
 
 def _splits_array(splits: Any) -> np.ndarray | None:
