@@ -451,6 +451,14 @@ class NCCLEngine(Engine):
     def _reap(self) -> None:
         q = self._inflight
         free = self._free_events
+        # One stream runs the ops in order: when the newest is done, all are (one query
+        # instead of one per op; a query costs ~1.4 µs).
+        if q and q[-1][0].done:
+            while q:
+                ev = q.popleft()[0]
+                if len(free) < _FREE_EVENTS:
+                    free.append(ev)
+            return
         while q and q[0][0].done:
             ev = q.popleft()[0]
             if len(free) < _FREE_EVENTS:
@@ -573,10 +581,14 @@ class NCCLEngine(Engine):
                     _rt.memcpyAsync(dst, src, nbytes, _D2D, sp)
                 kern.scale(dst, count, dt, pre)
                 src = dst
-            act = self._activity(entries, "NCCL_ALLREDUCE")
-            comm.allReduce(src, dst, count, ntype, op, sp)
-            self._activity_end(act)
-            kern.scale(dst, count, dt, post)
+            if self.timeline is None:
+                comm.allReduce(src, dst, count, ntype, op, sp)
+            else:
+                act = self._activity(entries, "NCCL_ALLREDUCE")
+                comm.allReduce(src, dst, count, ntype, op, sp)
+                self._activity_end(act)
+            if post != 1.0:
+                kern.scale(dst, count, dt, post)
             return
         srcs, dsts, sizes, offs = [], [], [], []
         off = 0
