@@ -785,3 +785,28 @@ def test_a_synchronous_function_inside_another_keeps_the_outer_ones_lane():
         return coord.express_rounds - before
 
     assert run_loopback(2, body, cycle_time_ms=5000.0) == [2, 2]
+
+
+def test_synchronous_op_behind_a_pending_async_op_is_queued_and_driven():
+    # The express lane needs an empty table: with an async op of this rank still pending (its
+    # peer submits late), a synchronous op is queued instead and the caller drives the cycle;
+    # reusing the pending op's name there is refused at once, naming it.
+    def body(rank):
+        coord = current().coordinator
+        for name in ("late", "now"):
+            hvd.allreduce(np.ones(2), op=hvd.Sum, name=name)  # both cached
+        time.sleep(0.2)
+        before = coord.express_rounds
+        if rank == 1:
+            time.sleep(0.3)
+        h = hvd.allreduce_async(np.full(2, 1.0), op=hvd.Sum, name="late")
+        if rank == 0:
+            with pytest.raises(hvd.DuplicateNameError, match="allreduce.late"):
+                hvd.allreduce(np.ones(2), op=hvd.Sum, name="late")
+        out = hvd.allreduce(np.full(2, 2.0), op=hvd.Sum, name="now")
+        np.testing.assert_allclose(out, [4.0, 4.0])
+        np.testing.assert_allclose(h.wait(10), [2.0, 2.0])
+        return coord.express_rounds - before
+
+    expressed = run_loopback(2, body, cycle_time_ms=5000.0)
+    assert expressed[0] == 0, expressed  # rank 0's "now" waited behind its pending "late"
