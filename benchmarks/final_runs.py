@@ -157,10 +157,17 @@ def ab(s: Suite, iters: int) -> list[dict]:
     return rows
 
 
-def pairs(s: Suite, iters: int, configs: list[str], rounds: int) -> list[dict]:
+def pairs(s: Suite, iters: int, configs: list[str], rounds: int,
+          one_gpu: bool = False) -> list[dict]:
     """ResNet-50 at 2 GPUs, ringvod and DDP alternating (the first of each round alternates),
-    `rounds` times per configuration: a ratio with its spread from one machine."""
+    `rounds` times per configuration: a ratio with its spread from one machine. `one_gpu`:
+    first each configuration at 1 GPU too (both), for the scaling efficiency."""
     rows = []
+    if one_gpu:
+        for cfg in configs:
+            for impl in ("ringvod", "DDP"):
+                v = resnet(s, 1, impl, cfg, iters)
+                rows.append({"gpus": 1, "config": cfg, "impl": impl, "round": 1, "img_s": v})
     for rnd in range(1, rounds + 1):
         for cfg in configs:
             order = ("DDP", "ringvod") if rnd % 2 else ("ringvod", "DDP")
@@ -196,6 +203,7 @@ def main() -> int:
     p.add_argument("part", choices=["issue5", "scale", "recheck", "ab", "pairs"])
     p.add_argument("--configs", default="bf16,fp32", help="pairs: configurations")
     p.add_argument("--rounds", type=int, default=2, help="pairs: rounds")
+    p.add_argument("--one-gpu", action="store_true", help="pairs: also 1-GPU runs (scaling)")
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--budget", type=float, default=560.0)
     p.add_argument("--iters", type=int, default=90, help="timed steps (3 windows)")
@@ -210,7 +218,7 @@ def main() -> int:
     elif a.part == "ab":
         rows = ab(s, a.iters)
     elif a.part == "pairs":
-        rows = pairs(s, a.iters, a.configs.split(","), a.rounds)
+        rows = pairs(s, a.iters, a.configs.split(","), a.rounds, a.one_gpu)
     else:
         rows = recheck(s, a.gpus, a.iters)
     write_results(os.path.join(out, f"final_{a.part}.json"), f"final_{a.part}", rows,
