@@ -69,6 +69,22 @@ if [[ $what == lone ]]; then  # lone-op latency: per-call costs, each impl alone
     done
     step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --sync-api --iters 1000
 fi
+if [[ $what == scal ]]; then  # bf16 1 -> 2 GPU scaling: phases at 1 GPU, then ROUNDS of
+    # (2 GPUs with the step breakdown, 1 GPU again) so that machine drift shows; with PYSPY a
+    # per-thread profile of rank 0 at 2 GPUs (training and coordinator threads).
+    R=(benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3 --phases)
+    step "$PY" -u "${R[@]}"
+    for r in $(seq "${ROUNDS:-2}"); do
+        step "${MPI[@]}" "$PY" -u "${R[@]}" --breakdown
+        step "$PY" -u "${R[@]}"
+    done
+    if [[ -n "${PYSPY:-}" ]]; then
+        step "${MPI[@]}" sh -c 'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then exec '"$PYSPY"' record \
+            --nonblocking --threads -r 400 -f raw -o '"$OUT"'/pyspy_scal.txt -- '"$PY"' -u \
+            benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3; else exec \
+            '"$PY"' -u benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3; fi'
+    fi
+fi
 if [[ $what == all || $what == tests ]]; then
     echo "== tests/gpu (mpi mode)" | tee -a "$SUM"
     RINGVOD_TEST_REQUIRE=gpu,mpi timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rfEs \
