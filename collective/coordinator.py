@@ -205,8 +205,8 @@ class Coordinator:
         waits like a submitted one. False (nothing done) when the conditions do not hold; the
         caller then submits the entry (a name already pending is refused there).
         """
-        # Checked in order of cost; this runs for every synchronous op (each step here was
-        # measured: a lone op's whole path is ~25 µs of Python on the CPU box).
+        # Checked in order of cost: this runs for every synchronous op, whose whole host path
+        # is ~14 µs of Python at size 1 on the CPU box.
         if (self.shutdown_requested or ps.join_active or not self._express_ok
                 or (self.timeline is not None and ps.is_global_root)
                 or self._thread_id == threading.get_ident() or self.stopped.is_set()):
@@ -280,13 +280,8 @@ class Coordinator:
                         nccl.guest_exit()
         finally:
             self._cycle_lock.release()
-        wake = self._handoff is not None or self._ended_by_driver
-        if not wake:
-            for ps in self.rt.member_sets():
-                if ps.table:
-                    wake = True
-                    break
-        if wake:
+        if (self._handoff is not None or self._ended_by_driver
+                or any(ps.pending() for ps in self.rt.member_sets())):
             self._wake.set()
         if interrupt is not None:
             raise interrupt

@@ -70,7 +70,7 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None
         ValueError: `output` is on another device than `tensor`.
     """
     dev = tensor.get_device()
-    buf = DeviceBuffer(tensor.data_ptr(), tensor.nbytes, tuple(tensor.shape), tensor)
+    buf = _buffer(tensor)
     out = None
     if output is not None:
         if output is tensor:

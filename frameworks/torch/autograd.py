@@ -25,7 +25,7 @@ from .compression import Compression, check_compressor
 from .ops import (_splits_array, allgather_async, allreduce_async, alltoall_async,
                   broadcast_async, grouped_allgather_async, grouped_allreduce_async,
                   grouped_reducescatter_async, process_set_rank, process_set_size,
-                  reducescatter_async, synchronize, wait_now)
+                  reducescatter_async, wait_now)
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
            "alltoall", "reducescatter", "grouped_reducescatter"]
