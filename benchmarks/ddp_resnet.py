@@ -16,6 +16,9 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
                ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 
+import _affinity  # noqa: E402  (RINGVOD_BENCH_BIND, before torch's threads)
+
+_affinity.bind()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torchvision  # noqa: E402

@@ -10,7 +10,7 @@ MPI=(mpirun --allow-run-as-root --bind-to none -np 2 -x NCCL_NVLS_ENABLE
 SUM="$OUT/summary.txt"
 : >"$SUM"
 step() { echo "== $*" | tee -a "$OUT/diag.log"; timeout 150 "$@" 2>&1 | tee -a "$OUT/diag.log" \
-         | grep -E "^(  |host cost|lone|lone_loop|RESULT|BREAKDOWN|PHASES|size|----|[0-9]+ [KMG]iB|allreduce float)" | tee -a "$SUM"; }
+         | grep -E "^(  |BIND|host cost|lone|lone_loop|RESULT|BREAKDOWN|PHASES|size|----|[0-9]+ [KMG]iB|allreduce float)" | tee -a "$SUM"; }
 what="${1:-all}"
 if [[ $what == all || $what == lat ]]; then
     step "${MPI[@]}" "$PY" -u benchmarks/latency_probe.py --device cuda --bytes 4096
@@ -83,6 +83,41 @@ if [[ $what == scal ]]; then  # bf16 1 -> 2 GPU scaling: phases at 1 GPU, then R
             --nonblocking --threads -r 400 -f raw -o '"$OUT"'/pyspy_scal.txt -- '"$PY"' -u \
             benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3; else exec \
             '"$PY"' -u benchmarks/gpu_resnet.py --amp --iters 60 --warmup 15 --repeats 3; fi'
+    fi
+fi
+if [[ $what == conc ]]; then  # is bf16 scaling bounded by the machine? Per round and binding
+    # (RINGVOD_BENCH_BIND, benchmarks/_affinity.py): GPU 0 alone, two independent 1-GPU runs at
+    # once (GPUs 0 and 1, no communication), then the 2-GPU job. With PYSPY: rank 0 of the
+    # 2-GPU job sampled only while a thread holds the GIL (who holds it, how often).
+    lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node)" | tee -a "$SUM"
+    nvidia-smi topo -m 2>/dev/null | tee -a "$SUM" | head -4
+    R=(benchmarks/gpu_resnet.py --amp --iters 150 --warmup 30 --repeats 3)
+    pair() {
+        for g in 0 1; do
+            CUDA_VISIBLE_DEVICES=$g RINGVOD_BENCH_GPU=$g timeout 150 "$PY" -u "${R[@]}" \
+                --tag "-pair$g-$1" >"$OUT/pair$g.log" 2>&1 &
+        done
+        wait
+        cat "$OUT"/pair[01].log >>"$OUT/diag.log"
+        grep -hE "^(RESULT|BIND)" "$OUT"/pair[01].log | tee -a "$SUM"
+    }
+    for r in $(seq "${ROUNDS:-2}"); do
+        for b in ${BINDS:-none split}; do
+            export RINGVOD_BENCH_BIND=$b
+            step env CUDA_VISIBLE_DEVICES=0 RINGVOD_BENCH_GPU=0 "$PY" -u "${R[@]}" \
+                --tag "-solo-$b" --phases
+            echo "== pair $b" | tee -a "$SUM"
+            pair "$b"
+            step "${MPI[@]}" -x RINGVOD_BENCH_BIND "$PY" -u "${R[@]}" --tag "-2gpu-$b" \
+                --phases --breakdown
+        done
+    done
+    if [[ -n "${PYSPY:-}" ]]; then
+        export RINGVOD_BENCH_BIND=none
+        step "${MPI[@]}" sh -c 'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then exec '"$PYSPY"' record \
+            --nonblocking --threads --gil -r 500 -f raw -o '"$OUT"'/pyspy_gil.txt -- '"$PY"' -u \
+            benchmarks/gpu_resnet.py --amp --iters 150 --warmup 30 --repeats 3; else exec \
+            '"$PY"' -u benchmarks/gpu_resnet.py --amp --iters 150 --warmup 30 --repeats 3; fi'
     fi
 fi
 if [[ $what == all || $what == tests ]]; then

@@ -27,6 +27,9 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _affinity  # noqa: E402  (RINGVOD_BENCH_BIND, before torch's threads)
+
+_affinity.bind()
 import torch  # noqa: E402
 import torchvision  # noqa: E402
 
