@@ -95,7 +95,7 @@ if [[ $what == conc ]]; then  # is bf16 scaling bounded by the machine? Per roun
     pair() {
         for g in 0 1; do
             CUDA_VISIBLE_DEVICES=$g RINGVOD_BENCH_GPU=$g timeout 150 "$PY" -u "${R[@]}" \
-                --tag "-pair$g-$1" >"$OUT/pair$g.log" 2>&1 &
+                --tag="-pair$g-$1" >"$OUT/pair$g.log" 2>&1 &
         done
         wait
         cat "$OUT"/pair[01].log >>"$OUT/diag.log"
@@ -105,10 +105,10 @@ if [[ $what == conc ]]; then  # is bf16 scaling bounded by the machine? Per roun
         for b in ${BINDS:-none split}; do
             export RINGVOD_BENCH_BIND=$b
             step env CUDA_VISIBLE_DEVICES=0 RINGVOD_BENCH_GPU=0 "$PY" -u "${R[@]}" \
-                --tag "-solo-$b" --phases
+                --tag="-solo-$b" --phases
             echo "== pair $b" | tee -a "$SUM"
             pair "$b"
-            step "${MPI[@]}" -x RINGVOD_BENCH_BIND "$PY" -u "${R[@]}" --tag "-2gpu-$b" \
+            step "${MPI[@]}" -x RINGVOD_BENCH_BIND "$PY" -u "${R[@]}" --tag="-2gpu-$b" \
                 --phases --breakdown
         done
     done
