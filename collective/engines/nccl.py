@@ -38,7 +38,9 @@ from . import _nccl_layouts as _layouts
 from ._cuda_kernels import CopyStager, Kernels
 from ._nccl_layouts import _pad16
 from .base import ControlPlane, Engine
-from .device import DeviceResult, pointer_of, set_allocation_stream, set_ready_events
+from ._stream_flags import DriverOps, StreamFlags
+from .device import (DeviceResult, pointer_of, set_allocation_stream, set_ready_events,
+                     set_stream_flags)
 
 try:
     import cupy
@@ -100,12 +102,14 @@ class _OpError(Exception):
 
 
 class _Completion:
-    """The completion event of one op, shared by the results of its entries."""
+    """The completion event of one op, shared by the results of its entries, and the stream
+    it was recorded on (`_stream_flags` writes its signal there)."""
 
-    __slots__ = ("event", "_waited")
+    __slots__ = ("event", "stream", "_waited")
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, stream: int) -> None:
         self.event = event
+        self.stream = stream
         self._waited: int | None = None  # the last stream made to wait (waiting twice is moot)
 
     def wait_on(self, stream: int) -> None:
@@ -172,6 +176,40 @@ class _ReadyEvents:
 
 _ready = _ReadyEvents()
 set_ready_events(_ready)
+
+
+class _LazyFlags:
+    """`device.wait_on_device`'s slots (`_stream_flags.StreamFlags`), made at the first use;
+    declines every wait if the CUDA driver has no stream memory operations."""
+
+    def __init__(self) -> None:
+        self._pool: StreamFlags | None = None
+        self._why: str | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, handle: Any, stream: int, on_done: Any = None) -> bool:
+        pool = self._pool
+        if pool is None:
+            with self._lock:
+                if self._pool is None and self._why is None:
+                    try:
+                        self._pool = make_stream_flags()
+                    except Exception as exc:  # noqa: BLE001 - the host waits instead
+                        self._why = f"{type(exc).__name__}: {exc}"
+                        _log_.info("device-side waits unavailable (the host waits for "
+                                   "unlaunched ops): %s", self._why)
+                pool = self._pool
+            if pool is None:
+                return False
+        return pool.wait(handle, stream, on_done)
+
+
+def make_stream_flags() -> StreamFlags:
+    """The slots over the CUDA driver (tests with a fake CuPy replace this)."""
+    return StreamFlags(DriverOps(_rt))
+
+
+set_stream_flags(_LazyFlags())
 
 
 def _event_ptr(ev: Any) -> int:
@@ -416,7 +454,7 @@ class NCCLEngine(Engine):
             free = self._free_events
             ev = free.pop() if free else cupy.cuda.Event(block=False, disable_timing=True)
             ev.record(self.stream)
-            self._last_done = _Completion(ev)
+            self._last_done = _Completion(ev, self._sp)
             self._inflight.append((ev, entries))
         except _OpError as exc:
             for e in entries:
