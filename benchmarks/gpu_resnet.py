@@ -129,8 +129,16 @@ def breakdown(opt, step_parts, a) -> None:
     print(f"BREAKDOWN rank {hvd.rank()} amp={a.amp}: forward {med[0]:.2f} backward {med[1]:.2f}"
           f" (last step's buckets {med[7]:.2f})"
           f" step {med[2]:.2f} (wait {med[3]:.2f}, unpack {med[4]:.2f}, inner step {med[5]:.2f})"
-          f" gpu tail {med[6]:.2f} ms; rank skew at backward end {skew:.2f} ms (medians of 30)",
-          flush=True)
+          f" gpu tail {med[6]:.2f} ms; rank skew at backward end {skew:.2f} ms (medians of 30);"
+          f" device waits {_device_waits()}", flush=True)
+
+
+def _device_waits() -> str:
+    try:
+        from collective.engines import nccl
+        return nccl.stream_flags_state()
+    except Exception as exc:  # noqa: BLE001 - diagnostics only
+        return f"? ({exc})"
 
 
 def main() -> int:

@@ -193,7 +193,7 @@ class _LazyFlags:
             with self._lock:
                 if self._pool is None and self._why is None:
                     try:
-                        self._pool = make_stream_flags()
+                        self._pool = make_stream_flags(stream)
                     except Exception as exc:  # noqa: BLE001 - the host waits instead
                         self._why = f"{type(exc).__name__}: {exc}"
                         _log_.info("device-side waits unavailable (the host waits for "
@@ -204,9 +204,55 @@ class _LazyFlags:
         return pool.wait(handle, stream, on_done)
 
 
-def make_stream_flags() -> StreamFlags:
-    """The slots over the CUDA driver (tests with a fake CuPy replace this)."""
-    return StreamFlags(DriverOps(_rt))
+def make_stream_flags(stream: int) -> StreamFlags:
+    """The slots over the CUDA driver, checked on `stream` (the first caller's) before use:
+    a wait must hold the stream, and a write from another stream must release it (then a
+    host write), each within a second (tests with a fake CuPy replace this).
+
+    Raises:
+        OSError: the driver lacks the calls, or they do not behave so (the host then waits).
+    """
+    flags = StreamFlags(DriverOps(_rt))
+    other = cupy.cuda.Stream(non_blocking=True)
+    for how in ("stream", "host"):
+        i, v = flags._acquire()  # type: ignore[misc] - a fresh pool has free slots
+        addr = flags._base + 4 * i
+        rc = flags._ops.wait(stream, addr, v)
+        if rc:
+            flags._words[i] = v
+            raise OSError(f"cuStreamWaitValue32 returned CUDA error {rc}")
+        ev = cupy.cuda.Event(block=False, disable_timing=True)
+        _rt.eventRecord(ev.ptr, stream)
+        time.sleep(0.001)
+        held = not ev.done
+        if how == "stream":
+            rc = flags._ops.write(int(other.ptr), addr, v)
+        else:
+            flags._words[i] = v
+        deadline = time.monotonic() + 1.0
+        while not ev.done and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        released = ev.done
+        flags._words[i] = v  # whatever happened, nothing may stay blocked
+        if not (held and released and rc == 0):
+            while not ev.done and time.monotonic() < deadline + 1.0:
+                time.sleep(0.001)
+            raise OSError(f"stream memory operations misbehave on cuda:{int(_rt.getDevice())}"
+                          f" ({how} write: held={held}, released={released}, rc={rc})")
+    return flags
+
+
+def stream_flags_state() -> str:
+    """'on', 'off (why)' or 'unused' for diagnostics."""
+    lazy = _stream_flags_holder()
+    if lazy._pool is not None:
+        return "on"
+    return f"off ({lazy._why})" if lazy._why else "unused"
+
+
+def _stream_flags_holder() -> "_LazyFlags":
+    from . import device
+    return device._stream_flags
 
 
 set_stream_flags(_LazyFlags())

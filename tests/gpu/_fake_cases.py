@@ -364,7 +364,7 @@ def device_waits_for_unlaunched_ops(n: int) -> None:
             return 0
 
     saved = engine_mod.make_stream_flags
-    engine_mod.make_stream_flags = lambda: _stream_flags.StreamFlags(Ops())
+    engine_mod.make_stream_flags = lambda stream: _stream_flags.StreamFlags(Ops())
     device.set_stream_flags(engine_mod._LazyFlags())
 
     def body(rank: int) -> None:
