@@ -4,6 +4,7 @@ import faulthandler
 import sys
 import time
 
+faulthandler.enable()
 faulthandler.dump_traceback_later(20, exit=True)
 import ctypes  # noqa: E402
 
@@ -34,8 +35,9 @@ say("alloc")
 base = ops.alloc(4096)
 words = (ctypes.c_uint32 * 16).from_address(base)
 say("alloc ok", hex(base))
-for label, stream in (("private", int(cupy.cuda.Stream(non_blocking=True).ptr)),
-                      ("legacy", 0)):
+keep = cupy.cuda.Stream(non_blocking=True)  # alive for the whole check
+others = []
+for label, stream in (("private", int(keep.ptr)), ("legacy", 0)):
     for i, how in enumerate(("host", "stream")):
         slot = (0 if label == "private" else 8) + i
         addr = base + 4 * slot
@@ -51,6 +53,7 @@ for label, stream in (("private", int(cupy.cuda.Stream(non_blocking=True).ptr)),
             words[slot] = 1
         else:
             other = cupy.cuda.Stream(non_blocking=True)
+            others.append(other)
             say(label, how, "write rc", ops.write(int(other.ptr), addr, 1))
         t = time.monotonic()
         while not ev.done and time.monotonic() - t < 3:
