@@ -6,6 +6,7 @@ bounded: prints PROBE lines and exits non-zero on a failure instead of hanging.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
@@ -30,6 +31,9 @@ def released(ev: torch.cuda.Event, within: float = 2.0) -> bool:
 
 
 def main() -> int:
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(25, exit=True)  # a hang shows where, then exits
+    print("PROBE start", flush=True)
     torch.cuda.set_device(0)
     cur = torch.cuda.current_stream()
     x = torch.ones(1 << 20, device="cuda")
