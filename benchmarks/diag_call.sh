@@ -120,19 +120,6 @@ if [[ $what == conc ]]; then  # is bf16 scaling bounded by the machine? Per roun
             '"$PY"' -u benchmarks/gpu_resnet.py --amp --iters 150 --warmup 30 --repeats 3; fi'
     fi
 fi
-if [[ $what == dwab ]]; then  # bf16 scaling with step()'s device-side waits on and off:
-    # per round GPU 0 alone, the 2-GPU job with HOROVOD_DEVICE_WAIT=1 and =0, DDP at 2 GPUs.
-    R=(benchmarks/gpu_resnet.py --amp --iters 150 --warmup 30 --repeats 3)
-    for r in $(seq "${ROUNDS:-3}"); do
-        step "$PY" -u "${R[@]}" --tag=-solo
-        for dw in 1 0; do
-            step "${MPI[@]}" -x HOROVOD_DEVICE_WAIT=$dw "$PY" -u "${R[@]}" --tag="-dw$dw" \
-                --breakdown
-        done
-        step "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
-            benchmarks/ddp_resnet.py --amp --iters 150 --warmup 30 --repeats 3
-    done
-fi
 if [[ $what == all || $what == tests ]]; then
     echo "== tests/gpu (mpi mode)" | tee -a "$SUM"
     RINGVOD_TEST_REQUIRE=gpu,mpi timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rfEs \

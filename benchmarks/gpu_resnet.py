@@ -92,7 +92,7 @@ def breakdown(opt, step_parts, a) -> None:
     """Host time inside step(): waiting for bucket handles, unpacking, the wrapped step; and
     the skew between ranks at the end of backward (perf_counter is one clock per host)."""
     from frameworks.torch import _buckets, _cuda
-    acc = {"wait": 0.0, "unpack": 0.0, "inner": 0.0, "prev": 0.0}
+    acc = {"wait": 0.0, "unpack": 0.0, "inner": 0.0}
 
     def timed(obj, attr, key):
         fn = getattr(obj, attr)
@@ -106,8 +106,6 @@ def breakdown(opt, step_parts, a) -> None:
         setattr(obj, attr, w)
         return fn
     o_wait = timed(_cuda._OrderedHandle, "wait", "wait")
-    o_dev = timed(_cuda._OrderedHandle, "wait_on_device", "wait")  # step() with device waits
-    o_prev = timed(_cuda._OrderedHandle, "host_wait", "prev")  # hooks: last step's bucket
     o_unpack = timed(_buckets.Bucket, "unpack", "unpack")
     base = type(opt).__mro__[1]
     o_step = timed(base, "step", "inner")
@@ -117,28 +115,18 @@ def breakdown(opt, step_parts, a) -> None:
             acc[k] = 0.0
         t0 = time.perf_counter()
         f, b, s, tail = step_parts()
-        rows.append((f, b, s, acc["wait"], acc["unpack"], acc["inner"], tail, acc["prev"]))
+        rows.append((f, b, s, acc["wait"], acc["unpack"], acc["inner"], tail))
         ends.append(t0 + f + b)  # end of backward
     _cuda._OrderedHandle.wait, _buckets.Bucket.unpack, base.step = o_wait, o_unpack, o_step
-    _cuda._OrderedHandle.wait_on_device, _cuda._OrderedHandle.host_wait = o_dev, o_prev
     allends = hvd.allgather(torch.tensor(ends, dtype=torch.float64).unsqueeze(0)).numpy()
     skew = statistics.median(float(abs(allends[:, i].max() - allends[:, i].min()))
                              for i in range(allends.shape[1])) * 1e3
-    med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(8)]
+    med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(7)]
     # Every rank prints: the slower one sets the pace.
     print(f"BREAKDOWN rank {hvd.rank()} amp={a.amp}: forward {med[0]:.2f} backward {med[1]:.2f}"
-          f" (last step's buckets {med[7]:.2f})"
           f" step {med[2]:.2f} (wait {med[3]:.2f}, unpack {med[4]:.2f}, inner step {med[5]:.2f})"
-          f" gpu tail {med[6]:.2f} ms; rank skew at backward end {skew:.2f} ms (medians of 30);"
-          f" device waits {_device_waits()}", flush=True)
-
-
-def _device_waits() -> str:
-    try:
-        from collective.engines import nccl
-        return nccl.stream_flags_state()
-    except Exception as exc:  # noqa: BLE001 - diagnostics only
-        return f"? ({exc})"
+          f" gpu tail {med[6]:.2f} ms; rank skew at backward end {skew:.2f} ms (medians of 30)",
+          flush=True)
 
 
 def main() -> int:

@@ -64,10 +64,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("bucket_cap_mb", "HOROVOD_BUCKET_CAP_MB", float, 25.0, "MB",
            "ringvod: DistributedOptimizer packs gradients into buckets of this size, one "
            "allreduce each (0 = one allreduce per gradient, as Horovod)", "--bucket-cap-mb"),
-    Option("device_wait", "HOROVOD_DEVICE_WAIT", _bool, True, "",
-           "ringvod: DistributedOptimizer.step() makes the GPU wait for gradient buckets still "
-           "being negotiated, not the host (CUDA stream memory operations); 0 = the host waits",
-           "--device-wait"),
     Option("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", int, 1, "",
            "NCCL streams per device", "--num-nccl-streams"),
     Option("thread_affinity", "HOROVOD_THREAD_AFFINITY", str, "", "",
@@ -205,7 +201,6 @@ class Config:
     disable_group_fusion: bool
     batch_d2d_memcopies: bool
     bucket_cap_mb: float
-    device_wait: bool
     num_nccl_streams: int
     thread_affinity: str
     autotune: bool

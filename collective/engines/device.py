@@ -17,9 +17,7 @@ The protocol between an adapter and the NCCL engine (`collective/engines/nccl.py
   engine's stream;
 * the handle's result is a `DeviceResult`: the output object plus a completion event on the
   engine's stream. `wait(stream)` makes the caller's stream wait on it (no host block);
-  `value()` is what the numpy API would return (the output, or (output, received_splits));
-* `wait_on_device(handle, stream)` makes a stream wait for an op that is not launched yet,
-  without blocking the host (`_stream_flags.py`), for callers that hold the op's output.
+  `value()` is what the numpy API would return (the output, or (output, received_splits)).
 """
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ import threading
 from typing import Any
 
 __all__ = ["DeviceBuffer", "DeviceResult", "allocation_stream", "set_allocation_stream",
-           "pointer_of", "record_ready", "set_ready_events", "wait_on_device",
-           "set_stream_flags"]
+           "pointer_of", "record_ready", "set_ready_events"]
 
 
 
@@ -156,23 +153,3 @@ def set_ready_events(pool: Any) -> None:
     """For the NCCL engine: installs its ready-event pool."""
     global _ready_events
     _ready_events = pool
-
-
-# The NCCL engine's device-side waits (`nccl._LazyFlags`), installed when that module loads.
-_stream_flags: Any = None
-
-
-def wait_on_device(handle: Any, stream: int, on_done: Any = None) -> bool:
-    """Makes `stream` (a `cudaStream_t` as int) wait for the pending device op of `handle`
-    (a single op whose output the caller passed, e.g. an in-place allreduce) without blocking
-    the host, even before the coordinator launched it. False where that is not possible (no
-    NCCL engine loaded, no stream memory operations, every slot busy): then wait on the host.
-    `on_done()` runs (on the completing thread) once the handle completed. Any thread."""
-    flags = _stream_flags
-    return flags is not None and flags.wait(handle, stream, on_done)
-
-
-def set_stream_flags(flags: Any) -> None:
-    """For the NCCL engine: installs its device-side waits."""
-    global _stream_flags
-    _stream_flags = flags

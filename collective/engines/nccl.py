@@ -38,9 +38,7 @@ from . import _nccl_layouts as _layouts
 from ._cuda_kernels import CopyStager, Kernels
 from ._nccl_layouts import _pad16
 from .base import ControlPlane, Engine
-from ._stream_flags import DriverOps, StreamFlags
-from .device import (DeviceResult, pointer_of, set_allocation_stream, set_ready_events,
-                     set_stream_flags)
+from .device import DeviceResult, pointer_of, set_allocation_stream, set_ready_events
 
 try:
     import cupy
@@ -102,14 +100,12 @@ class _OpError(Exception):
 
 
 class _Completion:
-    """The completion event of one op, shared by the results of its entries, and the stream
-    it was recorded on (`_stream_flags` writes its signal there)."""
+    """The completion event of one op, shared by the results of its entries."""
 
-    __slots__ = ("event", "stream", "_waited")
+    __slots__ = ("event", "_waited")
 
-    def __init__(self, event: Any, stream: int) -> None:
+    def __init__(self, event: Any) -> None:
         self.event = event
-        self.stream = stream
         self._waited: int | None = None  # the last stream made to wait (waiting twice is moot)
 
     def wait_on(self, stream: int) -> None:
@@ -176,86 +172,6 @@ class _ReadyEvents:
 
 _ready = _ReadyEvents()
 set_ready_events(_ready)
-
-
-class _LazyFlags:
-    """`device.wait_on_device`'s slots (`_stream_flags.StreamFlags`), made at the first use;
-    declines every wait if the CUDA driver has no stream memory operations."""
-
-    def __init__(self) -> None:
-        self._pool: StreamFlags | None = None
-        self._why: str | None = None
-        self._lock = threading.Lock()
-
-    def wait(self, handle: Any, stream: int, on_done: Any = None) -> bool:
-        pool = self._pool
-        if pool is None:
-            with self._lock:
-                if self._pool is None and self._why is None:
-                    try:
-                        self._pool = make_stream_flags(stream)
-                    except Exception as exc:  # noqa: BLE001 - the host waits instead
-                        self._why = f"{type(exc).__name__}: {exc}"
-                        _log_.info("device-side waits unavailable (the host waits for "
-                                   "unlaunched ops): %s", self._why)
-                pool = self._pool
-            if pool is None:
-                return False
-        return pool.wait(handle, stream, on_done)
-
-
-def make_stream_flags(stream: int) -> StreamFlags:
-    """The slots over the CUDA driver, checked on `stream` (the first caller's) before use:
-    a wait must hold the stream, and a write from another stream must release it (then a
-    host write), each within a second (tests with a fake CuPy replace this).
-
-    Raises:
-        OSError: the driver lacks the calls, or they do not behave so (the host then waits).
-    """
-    flags = StreamFlags(DriverOps(_rt))
-    other = cupy.cuda.Stream(non_blocking=True)
-    for how in ("stream", "host"):
-        i, v = flags._acquire()  # type: ignore[misc] - a fresh pool has free slots
-        addr = flags._base + 4 * i
-        rc = flags._ops.wait(stream, addr, v)
-        if rc:
-            flags._words[i] = v
-            raise OSError(f"cuStreamWaitValue32 returned CUDA error {rc}")
-        ev = cupy.cuda.Event(block=False, disable_timing=True)
-        _rt.eventRecord(ev.ptr, stream)
-        time.sleep(0.001)
-        held = not ev.done
-        if how == "stream":
-            rc = flags._ops.write(int(other.ptr), addr, v)
-        else:
-            flags._words[i] = v
-        deadline = time.monotonic() + 1.0
-        while not ev.done and time.monotonic() < deadline:
-            time.sleep(0.0002)
-        released = ev.done
-        flags._words[i] = v  # whatever happened, nothing may stay blocked
-        if not (held and released and rc == 0):
-            while not ev.done and time.monotonic() < deadline + 1.0:
-                time.sleep(0.001)
-            raise OSError(f"stream memory operations misbehave on cuda:{int(_rt.getDevice())}"
-                          f" ({how} write: held={held}, released={released}, rc={rc})")
-    return flags
-
-
-def stream_flags_state() -> str:
-    """'on', 'off (why)' or 'unused' for diagnostics."""
-    lazy = _stream_flags_holder()
-    if lazy._pool is not None:
-        return "on"
-    return f"off ({lazy._why})" if lazy._why else "unused"
-
-
-def _stream_flags_holder() -> "_LazyFlags":
-    from . import device
-    return device._stream_flags
-
-
-set_stream_flags(_LazyFlags())
 
 
 def _event_ptr(ev: Any) -> int:
@@ -500,7 +416,7 @@ class NCCLEngine(Engine):
             free = self._free_events
             ev = free.pop() if free else cupy.cuda.Event(block=False, disable_timing=True)
             ev.record(self.stream)
-            self._last_done = _Completion(ev, self._sp)
+            self._last_done = _Completion(ev)
             self._inflight.append((ev, entries))
         except _OpError as exc:
             for e in entries:

@@ -47,7 +47,7 @@ class Bucket:
     """Consecutive same-dtype, same-device parameters reduced as one flat tensor."""
 
     __slots__ = ("params", "name", "numel", "offsets", "flat", "views", "ready", "handle",
-                 "send", "cctx", "lock", "device", "prev")
+                 "send", "cctx", "lock")
 
     def __init__(self, params: list[torch.Tensor], name: str) -> None:
         self.params = params
@@ -65,11 +65,6 @@ class Bucket:
         self.send: torch.Tensor | None = None
         self.cctx: Any = None
         self.lock = threading.Lock()  # hooks may fire on several autograd threads
-        self.device = params[0].get_device()  # CUDA index, -1 on the CPU
-        # The last step's handle when step() left the wait to the GPU (`wait_on_device`): the
-        # next launch waits on the host until it completed, since one name cannot be in
-        # flight twice, and raises its error.
-        self.prev: Any = None
 
     def mark_ready(self) -> bool:
         """Counts one final gradient; True when the bucket just became complete."""

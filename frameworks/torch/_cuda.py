@@ -28,8 +28,7 @@ import torch
 
 from collective import Handle
 from collective import runtime as _runtime
-from collective.engines.device import (DeviceBuffer, DeviceResult, allocation_stream,
-                                       record_ready, wait_on_device)
+from collective.engines.device import DeviceBuffer, DeviceResult, allocation_stream, record_ready
 
 __all__ = ["to_collective", "from_collective", "wrap_handle", "settle"]
 
@@ -176,33 +175,6 @@ class _OrderedHandle(Handle):
         return self._settle(result)
 
     result = wait
-
-    def wait_on_device(self, device: int) -> bool:
-        """Makes the current stream of `device` wait for the op without blocking the host,
-        even before the coordinator launched it (`collective.engines.device.wait_on_device`);
-        for ops whose output the caller passed (in place), since no result comes back. True
-        when done so (for a finished op: its error is raised); False when the caller must
-        `wait()` instead. After True, `host_wait()` tells whether the op failed."""
-        inner = self._inner
-        if inner.done():
-            self._settle(inner.wait())
-            return True
-        if type(inner) is not Handle:  # a group: no single completion to signal after
-            return False
-        rt = _runtime.current_or_none()
-        waiting = getattr(getattr(rt, "coordinator", None), "waiting", None)
-        if waiting is None:
-            return False
-        waiting(1)  # negotiate at once, as for a blocked waiter (see wait())
-        if wait_on_device(inner, _current_stream(device), lambda: waiting(-1)):
-            return True
-        waiting(-1)
-        return False
-
-    def host_wait(self, timeout: float | None = None) -> None:
-        """Blocks the host until the op completed (for a device op: launched) and raises its
-        error; orders no stream."""
-        self._inner.wait(timeout)
 
     def exception(self) -> BaseException | None:
         return self._inner.exception()

@@ -140,7 +140,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ps = process_set
         included = ps is global_process_set or ps.process_set_id == 0 or bool(ps.included())
         self._hvd_active = included and collective.size() > 1
-        self._hvd_device_wait = collective.runtime.current().config.device_wait
         if self._hvd_active:
             self._hvd_register(groups)
 
@@ -207,10 +206,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvd_buckets.append(bucket)
 
     def _hvd_launch_bucket(self, bucket: Bucket) -> None:
-        prev = bucket.prev
-        if prev is not None:  # the last step's reduction of this bucket (see synchronize)
-            bucket.prev = None
-            prev.host_wait()  # at once unless a peer is a step behind; raises its error
         flat = bucket.pack()
         send, bucket.cctx = self._compression.compress(flat)
         bucket.send = send
@@ -323,16 +318,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if group.handle is None:
                     self._hvd_launch_group(group)
             for bucket in self._hvd_buckets:
-                handle = bucket.handle
-                # On a GPU the training stream waits for the reduction, not the host: a bucket
-                # still being negotiated (a peer's backward is behind) does not hold up the
-                # launches of step() and of the next forward.
-                on_device = getattr(handle, "wait_on_device", None)
-                if (on_device is not None and self._hvd_device_wait
-                        and on_device(bucket.device)):
-                    bucket.prev = handle
-                else:
-                    handle.wait()
+                bucket.handle.wait()
                 assert bucket.send is not None
                 bucket.unpack(self._compression.decompress(bucket.send, bucket.cctx))
             for slot in self._hvd_slots:

@@ -6,7 +6,6 @@ before `collective.engines.nccl` is imported). Prints one line per case and a su
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import traceback
@@ -332,89 +331,6 @@ def express_ops_switch_streams_only_when_needed(n: int) -> None:
         made = _fakecuda.calls.get("eventCreate", 0) - created  # by every rank meanwhile
         assert made <= 3 * n, f"{made} ready events made for {24 * n} ops: not recycled"
     run_loopback(n, body)
-
-
-@case
-def device_waits_for_unlaunched_ops(n: int) -> None:
-    # A stream made to wait (`device.wait_on_device`) for an op that a late peer holds back:
-    # the host goes on at once; the word is written on the engine's stream after the op's
-    # NCCL call once the op launches, and from the host when the op fails (a dtype mismatch).
-    import time
-
-    from collective import runtime
-    from collective.engines import _stream_flags, device
-    from collective.engines import nccl as engine_mod
-
-    log: list[tuple] = []
-
-    class Ops:
-        def __init__(self) -> None:
-            self._buf = (ctypes.c_char * 4 * _stream_flags.SLOTS)()
-
-        def alloc(self, nbytes: int) -> int:
-            return ctypes.addressof(self._buf)
-
-        def wait(self, stream: int, addr: int, value: int) -> int:
-            log.append(("wait", stream, addr, value))
-            return 0
-
-        def write(self, stream: int, addr: int, value: int) -> int:
-            log.append(("write", stream, addr, value, _fakecuda.calls.get("allReduce", 0)))
-            ctypes.c_uint32.from_address(addr).value = value
-            return 0
-
-    saved = engine_mod.make_stream_flags
-    engine_mod.make_stream_flags = lambda stream: _stream_flags.StreamFlags(Ops())
-    device.set_stream_flags(engine_mod._LazyFlags())
-
-    def body(rank: int) -> None:
-        mine = _fakecuda.Stream(non_blocking=True)
-        x = np.full(4, float(rank + 1), np.float32)
-        first = enq(RequestType.ALLREDUCE, [x], DataType.FLOAT32, op=ReduceOp.SUM, name="bind",
-                    inplace=True)
-        first.wait(10)  # binds the GPU
-        eng = runtime.current().member_sets()[0].device_engine
-        for i, (dt, bad) in enumerate(((DataType.FLOAT32, False), (DataType.FLOAT32, True))):
-            if rank == 1:
-                time.sleep(0.3)  # the peer is a step behind
-            mydt = DataType.FLOAT64 if bad and rank == 1 else dt
-            arr = np.full(4, float(rank + 1), NP[mydt])
-            h = enq(RequestType.ALLREDUCE, [arr], mydt, op=ReduceOp.SUM, name=f"late{i}",
-                    inplace=True)
-            if rank != 0:
-                try:
-                    h.wait(10)
-                except Exception:  # noqa: BLE001 - the mismatch, checked on rank 0
-                    pass
-                continue
-            calls = _fakecuda.calls.get("allReduce", 0)
-            assert not h.done(), "rank 1 has not submitted: the op cannot have run"
-            assert device.wait_on_device(h, mine.ptr)
-            mark = [e for e in log if e[0] == "wait" and e[1] == mine.ptr][-1]
-            addr, v = mark[2], mark[3]
-            try:
-                got = value(h.wait(10))
-                failed = False
-            except Exception:  # noqa: BLE001
-                failed = True
-            assert failed == bad, (i, failed)
-            deadline = time.monotonic() + 5
-            while ctypes.c_uint32.from_address(addr).value != v:  # the callback follows wait()
-                assert time.monotonic() < deadline, "the waiting stream was never released"
-                time.sleep(0.001)
-            writes = [e for e in log if e[0] == "write" and e[2] == addr and e[3] == v]
-            if bad:
-                assert not writes, "a failed op's signal went to a stream"
-            else:
-                (w,) = writes
-                assert w[1] == eng._sp, "the signal is not on the engine's stream"
-                assert w[4] > calls, "the signal was written before the op's NCCL call"
-                assert np.array_equal(got, np.full(4, n * (n + 1) / 2, np.float32))
-    try:
-        run_loopback(n, body)
-    finally:
-        engine_mod.make_stream_flags = saved
-        device.set_stream_flags(engine_mod._LazyFlags())
 
 
 def main() -> int:
