@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _log
 from .engines import create_engine
+from .engines.device import release_ready
 from .entry import Entry
 from .errors import HorovodInternalError, MismatchError, ShutdownError
 from .fusion import plan_fusion
@@ -108,6 +109,7 @@ class ProcessSetState:
             entries, self.table, self.queue = list(self.table.values()), {}, []
         for e in entries:
             e.handle._set_exception(exc)
+        release_ready(entries)
 
 
 class Coordinator:
@@ -561,12 +563,15 @@ class Coordinator:
         t = resp.type
         if t == _R_ERROR:
             exc = MismatchError(resp.error)
+            failed = []
             for name in resp.names:
                 e = ps.pop(name)
                 if tl is not None:
                     tl.end_error(name)
                 if e is not None:
                     e.handle._set_exception(exc)
+                    failed.append(e)
+            release_ready(failed)
             return
         if t == _R_JOIN or t == _R_BARRIER:
             e = ps.pop(resp.names[0])

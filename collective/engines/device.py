@@ -25,7 +25,7 @@ import threading
 from typing import Any
 
 __all__ = ["DeviceBuffer", "DeviceResult", "allocation_stream", "set_allocation_stream",
-           "pointer_of", "record_ready", "set_ready_events"]
+           "pointer_of", "record_ready", "release_ready", "set_ready_events"]
 
 
 
@@ -147,6 +147,20 @@ def record_ready(device: int, stream: int) -> int | None:
     is loaded (the adapter then records an event of its own). Any thread."""
     pool = _ready_events
     return None if pool is None else pool.record(device, stream)
+
+
+def release_ready(entries: Any) -> None:
+    """Gives back the pooled ready events of ops that failed before the engine ran them (a
+    mismatch, shutdown), which would otherwise be lost to the pool. Grouped ops share one
+    event between their members and are skipped. Coordinator thread."""
+    pool = _ready_events
+    if pool is None:
+        return
+    for e in entries:
+        ev = e.ready_event
+        if type(ev) is int and e.request.group_id < 0:
+            e.ready_event = None  # once only
+            pool.release(ev)
 
 
 def set_ready_events(pool: Any) -> None:

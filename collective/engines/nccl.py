@@ -130,8 +130,9 @@ class _ReadyEvents:
     recorded on the producer's stream at enqueue, from a free list per device. The engine
     hands one back (`release`) as soon as its stream waits on it: a later record cannot change
     a wait already enqueued. Creating and recording a torch.cuda.Event took 2.1–4.5 µs on the
-    H200 hosts, a recycled raw event 0.5–1.1 µs (`enqueue_micro.py`, same calls). An event
-    whose op never reaches the engine (a failed negotiation) is not recycled."""
+    H200 hosts, a recycled raw event 0.5–1.1 µs (`enqueue_micro.py`, same calls). Events of
+    ops that fail before the engine runs them (a mismatch, shutdown) come back through
+    `device.release_ready`, except a grouped op's shared one."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[int]] = {}

@@ -333,6 +333,38 @@ def express_ops_switch_streams_only_when_needed(n: int) -> None:
     run_loopback(n, body)
 
 
+@case
+def ready_events_of_failed_ops_return_to_the_pool(n: int) -> None:
+    # Ops that fail in negotiation (a shape mismatch) never reach the engine, which otherwise
+    # recycles their ready events: the coordinator gives them back, so a stream of failing
+    # ops creates no new events.
+    from collective.engines import device
+    from collective.engines import nccl  # noqa: F401 - installs the ready-event pool
+
+    def body(rank: int) -> None:
+        mine = _fakecuda.Stream(non_blocking=True)
+        warm = FakeArray.of(np.ones(3, np.float32))
+        collective.enqueue(RequestType.ALLREDUCE, [warm], device=0, dtypes=[DataType.FLOAT32],
+                           shapes=[(3,)], ready_events=[device.record_ready(0, mine.ptr)],
+                           name="bind", op=ReduceOp.SUM).wait(10)
+        created = _fakecuda.calls.get("eventCreate", 0)
+        for i in range(20):
+            shape = (4 + (rank if i % 2 else 0),)  # odd rounds: shapes differ across ranks
+            fa = FakeArray.of(np.ones(shape, np.float32))
+            h = collective.enqueue(RequestType.ALLREDUCE, [fa], device=0,
+                                   dtypes=[DataType.FLOAT32], shapes=[shape],
+                                   ready_events=[device.record_ready(0, mine.ptr)],
+                                   name=f"maybe_bad{i % 2}", op=ReduceOp.SUM)
+            try:
+                h.wait(10)
+                assert i % 2 == 0, "a shape mismatch did not fail"
+            except collective.HorovodInternalError:
+                assert i % 2 == 1
+        made = _fakecuda.calls.get("eventCreate", 0) - created  # by every rank meanwhile
+        assert made <= 2 * n, f"{made} ready events made for {20 * n} ops: failed ops leak"
+    run_loopback(n, body)
+
+
 def main() -> int:
     passed = failed = 0
     for n in (2, 3):
