@@ -2,9 +2,9 @@
 
 Each function is the body of one engine op, run inside `NCCLEngine._run` (ready events waited,
 completion recorded, errors handled there) with the engine's primitives: `_out_ptr` (outputs),
-`_fusion_buffer`, `_copies` (one batched-copy launch per pack or unpack), `_reduction` and the
-communicator on the engine stream `_sp`. Pieces start at 16-byte boundaries (`_pad16`) so the
-batched copies move 16-byte words.
+`_fusion_buffer`, `_staged` (pack copies, the NCCL call, unpack copies: one batched-copy
+launch each way), `_copies`, `_reduction` and the communicator on the engine stream `_sp`.
+Pieces start at 16-byte boundaries (`_pad16`) so the batched copies move 16-byte words.
 """
 from __future__ import annotations
 
@@ -100,15 +100,8 @@ def allgather(eng: Any, entries: list[Entry], resp: Response) -> None:
             us.append(buf + displ[r] + piece_off[r][t])
             ud.append(outs[t] + out_off[t][r])
             un.append(nbytes[r][t])
-    act = eng._activity(entries, "MEMCPY_IN_FUSION_BUFFER")
-    unpack = eng._copies(pack, (us, ud, un))
-    eng._activity_end(act)
-    act = eng._activity(entries, "NCCL_ALLGATHER")
-    gatherv(eng, mine, buf, block)
-    eng._activity_end(act)
-    act = eng._activity(entries, "MEMCPY_OUT_FUSION_BUFFER")
-    unpack()
-    eng._activity_end(act)
+    eng._staged(entries, pack, (us, ud, un), "NCCL_ALLGATHER",
+                lambda: gatherv(eng, mine, buf, block))
 
 
 def alltoall(eng: Any, entries: list[Entry]) -> None:
@@ -183,15 +176,10 @@ def reducescatter(eng: Any, entries: list[Entry], resp: Response) -> None:
             start += nb
     unpack = ([recv + in_block[me][t] for t in range(k)], outs,
               [counts[t][me] * item for t in range(k)])
-    act = eng._activity(entries, "MEMCPY_IN_FUSION_BUFFER")
-    run_unpack = eng._copies((ps, pd, pn), unpack)
-    eng._activity_end(act)
     count = block // item
-    kern.scale(buf, size * count, dt, pre)
-    act = eng._activity(entries, act_name)
-    comm.reduceScatter(buf, recv, count, ntype, op, sp)
-    eng._activity_end(act)
-    kern.scale(recv, count, dt, post)
-    act = eng._activity(entries, "MEMCPY_OUT_FUSION_BUFFER")
-    run_unpack()
-    eng._activity_end(act)
+
+    def reduce() -> None:
+        kern.scale(buf, size * count, dt, pre)
+        comm.reduceScatter(buf, recv, count, ntype, op, sp)
+        kern.scale(recv, count, dt, post)
+    eng._staged(entries, (ps, pd, pn), unpack, act_name, reduce)

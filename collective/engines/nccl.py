@@ -497,6 +497,21 @@ class NCCLEngine(Engine):
         self._use()  # the staging memory comes from CuPy's pool
         return self._stager.copies(pack, unpack)
 
+    def _staged(self, entries: list[Entry], pack: tuple[list[int], list[int], list[int]],
+                unpack: tuple[list[int], list[int], list[int]], name: str,
+                collective: Callable[[], None]) -> None:
+        """A fused op through the fusion buffer: the pack copies, `collective()` (the NCCL call,
+        with a reduction's scaling kernels) and the unpack copies, each a timeline activity."""
+        act = self._activity(entries, "MEMCPY_IN_FUSION_BUFFER")
+        run_unpack = self._copies(pack, unpack)
+        self._activity_end(act)
+        act = self._activity(entries, name)
+        collective()
+        self._activity_end(act)
+        act = self._activity(entries, "MEMCPY_OUT_FUSION_BUFFER")
+        run_unpack()
+        self._activity_end(act)
+
     def _activity(self, entries: list[Entry], name: str) -> list[str] | None:
         tl = self.timeline
         if tl is None:
@@ -594,18 +609,14 @@ class NCCLEngine(Engine):
             return
         buf = self._fusion_buffer(off, entries[0])
         fused = [buf + o for o in offs]
-        act = self._activity(entries, "MEMCPY_IN_FUSION_BUFFER")
-        unpack = self._copies((srcs, fused, sizes), (fused, dsts, sizes))
-        self._activity_end(act)
         count = off // item
-        kern.scale(buf, count, dt, pre)
-        act = self._activity(entries, "NCCL_ALLREDUCE")
-        comm.allReduce(buf, buf, count, ntype, op, sp)
-        self._activity_end(act)
-        kern.scale(buf, count, dt, post)
-        act = self._activity(entries, "MEMCPY_OUT_FUSION_BUFFER")
-        unpack()
-        self._activity_end(act)
+
+        def reduce() -> None:
+            kern.scale(buf, count, dt, pre)
+            comm.allReduce(buf, buf, count, ntype, op, sp)
+            kern.scale(buf, count, dt, post)
+        self._staged(entries, (srcs, fused, sizes), (fused, dsts, sizes), "NCCL_ALLREDUCE",
+                     reduce)
 
     def _broadcast(self, entries: list[Entry], root: int) -> None:
         e = entries[0]
