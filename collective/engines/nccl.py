@@ -48,8 +48,9 @@ except ImportError as exc:  # pragma: no cover - the registry reports it
         "GPU tensors need CuPy with NCCL: `pip install ringvod[gpu]` (CUDA 12) or "
         "`pip install ringvod[gpu-cu13]` (CUDA 13)") from exc
 
-__all__ = ["NCCLEngine", "create_engine", "versions", "guest_enter", "guest_exit",
-           "COMM_INIT_TIMEOUT", "CLOSE_TIMEOUT"]
+__all__ = ["NCCLEngine", "ScheduleComm", "create_engine", "versions", "guest_enter",
+           "guest_exit", "init_communicator", "new_unique_id", "COMM_INIT_TIMEOUT",
+           "CLOSE_TIMEOUT"]
 
 _log_ = _log.get_logger()
 
@@ -252,6 +253,40 @@ def exchange_unique_id(control: ControlPlane) -> bytes:
     return control.bcast(_uid_bytes(nccl.get_unique_id()) if control.rank == 0 else None)
 
 
+def init_communicator(raw: bytes, device: int, size: int, rank: int, group: list[int]) -> Any:
+    """ncclCommInitRank on `device`, on a helper thread with a deadline (`COMM_INIT_TIMEOUT`):
+    CuPy has no non-blocking init, and a peer that never joins would block forever.
+
+    Raises:
+        CollectiveTimeoutError: the init did not complete in time.
+        HorovodInternalError: NCCL refused it.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            _rt.setDevice(device)
+            box["comm"] = _new_communicator(size, raw, rank)
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name="hvd-nccl-init", daemon=True)
+    t.start()
+    t.join(COMM_INIT_TIMEOUT)
+    if t.is_alive():
+        raise CollectiveTimeoutError(
+            f"NCCL communicator init did not complete within {COMM_INIT_TIMEOUT:.0f} s on "
+            f"rank {rank} of group {group} (cuda:{device}). "
+            "A peer failed before joining or NCCL cannot connect the GPUs; rerun with "
+            "NCCL_DEBUG=INFO to see which.")
+    if "error" in box:
+        exc = box["error"]
+        raise HorovodInternalError(
+            f"NCCL communicator init failed on rank {rank} (cuda:{device}): "
+            f"{type(exc).__name__}: {exc}") from exc
+    return box["comm"]
+
+
 class NCCLEngine(Engine):
     """GPU collectives for one process set. See the module docstring."""
 
@@ -360,31 +395,8 @@ class NCCLEngine(Engine):
             _log_.debug("GIL switch interval set to %g s for GPU training", GIL_SWITCH_INTERVAL)
 
     def _init_comm(self, raw: bytes) -> Any:
-        box: dict[str, Any] = {}
-        device, size, rank = self.device, self.size, self.rank
-
-        def run() -> None:
-            try:
-                _rt.setDevice(device)
-                box["comm"] = _new_communicator(size, raw, rank)
-            except BaseException as exc:  # noqa: BLE001 - handed to the coordinator thread
-                box["error"] = exc
-
-        t = threading.Thread(target=run, name="hvd-nccl-init", daemon=True)
-        t.start()
-        t.join(COMM_INIT_TIMEOUT)
-        if t.is_alive():
-            raise CollectiveTimeoutError(
-                f"NCCL communicator init did not complete within {COMM_INIT_TIMEOUT:.0f} s on "
-                f"rank {rank} of group {self.control.global_ranks} (cuda:{device}). "
-                "A peer failed before joining or NCCL cannot connect the GPUs; rerun with "
-                "NCCL_DEBUG=INFO to see which.")
-        if "error" in box:
-            exc = box["error"]
-            raise HorovodInternalError(
-                f"NCCL communicator init failed on rank {rank} (cuda:{device}): "
-                f"{type(exc).__name__}: {exc}") from exc
-        return box["comm"]
+        return init_communicator(raw, self.device, self.size, self.rank,
+                                 self.control.global_ranks)
 
     # -- per-op plumbing ----------------------------------------------------------------------
     def _run(self, label: str, fn: Callable[..., None], entries: list[Entry], *args: Any) -> None:
@@ -691,6 +703,169 @@ class NCCLEngine(Engine):
                 comm.destroy()
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                 _log_.warning("ncclCommDestroy failed: %s", exc)
+
+
+class ScheduleComm:
+    """The NCCL communicator and stream of one pre-agreed bucket schedule (`collective.schedule`).
+
+    Every rank launches the same in-place allreduces in the same order from its own host, with
+    no control-plane round: NCCL's kernels meet on the GPU, as with DDP's reducer. A slot is one
+    agreed bucket; `mark` records its ready event on the producer's stream when its data is
+    queued, `launch` (any later time, any thread) makes this stream wait on it and runs the
+    allreduce, `wait` orders a consumer stream after it. One lock orders launches from several
+    threads. Nothing blocks the host except `close()`.
+    """
+
+    def __init__(self, raw: bytes, device: int, size: int, rank: int, group: list[int]) -> None:
+        self.device, self.size, self.rank, self.group = device, size, rank, group
+        self.broken: BaseException | None = None
+        self.lock = threading.Lock()  # launches come from autograd threads and the coordinator
+        self.comm = init_communicator(raw, device, size, rank, group)
+        with cupy.cuda.Device(device):
+            try:
+                self.stream = cupy.cuda.Stream(non_blocking=True, priority=STREAM_PRIORITY)
+            except TypeError:  # CuPy without stream priorities
+                self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._sp = int(self.stream.ptr)
+        self._check = getattr(self.comm, "check_async_error", None)
+        try:
+            self.has_avg = int(nccl.get_version()) >= 21000
+        except Exception:  # noqa: BLE001
+            self.has_avg = False
+        self._ready: list[int] = []  # per slot: its ready event (raw cudaEvent_t)
+        self._done: list[int] = []  # per slot: its completion event
+        self._zeros: Any = None  # a joined rank's zero input and scratch output (CuPy arrays)
+
+    def _events(self, slot: int) -> None:
+        with cupy.cuda.Device(self.device):
+            while len(self._ready) <= slot:
+                self._ready.append(int(_rt.eventCreateWithFlags(_DISABLE_TIMING)))
+                self._done.append(int(_rt.eventCreateWithFlags(_DISABLE_TIMING)))
+
+    def _fail(self, what: str, exc: BaseException) -> HorovodInternalError:
+        if isinstance(exc, HorovodInternalError):
+            err = exc
+        else:
+            err = HorovodInternalError(
+                f"NCCL {what} of the bucket schedule failed on rank {self.rank} "
+                f"(cuda:{self.device}) of group {self.group}: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+        if self.broken is None:
+            self.broken = err
+            self.abort()
+        return err
+
+    def check(self) -> None:
+        """Raises the error that ended the schedule, or an NCCL error of a finished launch.
+
+        Raises:
+            HorovodInternalError: the communicator failed or was aborted.
+        """
+        if self.broken is not None:
+            raise self.broken
+        if self._check is not None:
+            try:
+                self._check()
+            except Exception as exc:  # noqa: BLE001 - NcclError of an earlier launch
+                raise self._fail("allreduce", exc) from None
+
+    def mark(self, slot: int, producer: int) -> None:
+        """Records slot `slot`'s ready event on the producer stream (a cudaStream_t as int)."""
+        if slot >= len(self._ready):
+            self._events(slot)
+        _rt.eventRecord(self._ready[slot], producer)
+
+    def launch(self, slot: int, ptr: int, count: int, dtype: DataType, op: ReduceOp) -> None:
+        """In-place allreduce of `count` elements at `ptr` after the slot's ready event.
+
+        Raises:
+            HorovodInternalError: the schedule is broken or the launch failed.
+        """
+        if self.broken is not None:
+            raise self.broken
+        try:
+            _rt.streamWaitEvent(self._sp, self._ready[slot], 0)
+            self.comm.allReduce(ptr, ptr, count, _NCCL_TYPE[dtype], self._op(op), self._sp)
+            _rt.eventRecord(self._done[slot], self._sp)
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail("allreduce", exc) from None
+
+    def _op(self, op: ReduceOp) -> int:
+        return _AVG if op == ReduceOp.AVERAGE else _NCCL_OP[op]
+
+    def wait(self, slot: int, stream: int) -> None:
+        """Makes `stream` wait for slot `slot`'s last launch (no host block)."""
+        _rt.streamWaitEvent(stream, self._done[slot], 0)
+
+    def launch_zeros(self, specs: list[tuple[int, DataType]], op: ReduceOp) -> None:
+        """A joined rank's share of one step: every slot reduced from zeros, in slot order
+        (coordinator thread). `specs`: (element count, dtype) per slot."""
+        if self.broken is not None:
+            return
+        need = max((n * dt.itemsize for n, dt in specs), default=0)
+        with cupy.cuda.Device(self.device):
+            if self._zeros is None or pointer_of(self._zeros[0])[1] < need:
+                prev = cupy.cuda.get_current_stream()
+                self.stream.use()  # the memset is ordered before the launches below
+                try:
+                    self._zeros = (cupy.zeros(need, dtype="uint8"),
+                                   cupy.empty(need, dtype="uint8"))
+                finally:
+                    prev.use()
+            src, dst = (pointer_of(a)[0] for a in self._zeros)
+            try:
+                for slot, (n, dt) in enumerate(specs):
+                    self._events(slot)
+                    self.comm.allReduce(src, dst, n, _NCCL_TYPE[dt], self._op(op), self._sp)
+                    _rt.eventRecord(self._done[slot], self._sp)
+            except Exception as exc:  # noqa: BLE001
+                raise self._fail("allreduce (joined rank)", exc) from None
+
+    def abort(self) -> None:
+        """ncclCommAbort: kernels waiting on a dead peer return; unusable afterwards."""
+        comm, self.comm = self.comm, None
+        if self.broken is None:
+            self.broken = HorovodInternalError(
+                f"the bucket schedule's NCCL communicator of ranks {self.group} was aborted")
+        if comm is not None:
+            try:
+                with cupy.cuda.Device(self.device):
+                    comm.abort()
+            except Exception as exc:  # noqa: BLE001 - best effort
+                _log_.warning("ncclCommAbort failed on cuda:%d: %s", self.device, exc)
+
+    def close(self) -> None:
+        """Destroys the communicator once the stream drained; aborts it after CLOSE_TIMEOUT."""
+        comm = self.comm
+        if comm is None:
+            return
+        with cupy.cuda.Device(self.device):
+            ev = cupy.cuda.Event(block=False, disable_timing=True)
+            ev.record(self.stream)
+            deadline = time.monotonic() + CLOSE_TIMEOUT
+            while not ev.done:
+                if time.monotonic() > deadline:
+                    _log_.error("the bucket schedule's NCCL stream of ranks %s did not drain "
+                                "within %.0f s at shutdown (a peer died?); aborting", self.group,
+                                CLOSE_TIMEOUT)
+                    self.abort()
+                    return
+                time.sleep(0.001)
+            self.comm = None
+            self.broken = HorovodInternalError("the bucket schedule was closed at shutdown")
+            self._zeros = None
+            for ev_ in self._ready + self._done:
+                _rt.eventDestroy(ev_)
+            self._ready, self._done = [], []
+            try:
+                comm.destroy()
+            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                _log_.warning("ncclCommDestroy failed: %s", exc)
+
+
+def new_unique_id() -> bytes:
+    """A fresh NCCL unique id (128 bytes), for `ScheduleComm` on every rank."""
+    return _uid_bytes(nccl.get_unique_id())
 
 
 def create_engine(control: ControlPlane, config: Any) -> NCCLEngine:

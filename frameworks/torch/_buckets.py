@@ -46,12 +46,13 @@ def _unflat(seg: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 class Bucket:
     """Consecutive same-dtype, same-device parameters reduced as one flat tensor."""
 
-    __slots__ = ("params", "name", "numel", "offsets", "flat", "views", "ready", "handle",
-                 "send", "cctx", "lock")
+    __slots__ = ("params", "name", "index", "numel", "offsets", "flat", "views", "ready",
+                 "handle", "send", "cctx", "lock")
 
-    def __init__(self, params: list[torch.Tensor], name: str) -> None:
+    def __init__(self, params: list[torch.Tensor], name: str, index: int = 0) -> None:
         self.params = params
         self.name = name
+        self.index = index  # position in the optimizer's plan (its slot in a bucket schedule)
         self.offsets: list[int] = []
         n = 0
         for p in params:

@@ -68,8 +68,12 @@ def test_gpu_spmd(mode: str) -> None:
 @pytest.mark.spmd_driver
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["mpi", "tcp"])
-def test_gpu_killed_peer_ends_job(mode: str) -> None:
-    res = launch(os.path.join(HERE, "_killed_peer.py"), mode, timeout=120, check=False)
+@pytest.mark.parametrize("what", ["allreduce", "train"])
+def test_gpu_killed_peer_ends_job(mode: str, what: str) -> None:
+    # "train": DistributedOptimizer steps on the bucket schedule, whose kernels wait on the GPU
+    # for the dead peer; the job must end all the same.
+    res = launch(os.path.join(HERE, "_killed_peer.py"), mode, timeout=120, check=False,
+                 args=[what])
     assert not res.timed_out, "a killed peer left the job hanging:\n" + res.report()
     assert res.returncode != 0, res.report()
     assert res.duration < 90, res.report()
@@ -319,7 +323,7 @@ def test_cupy_arrays_through_enqueue(hvd) -> None:
         assert float(res.output.sum()) == 257.0 * sum(q + 1 for q in range(n))
 
 
-def _train(hvd, compression, steps: int = 6, sync_bn: bool = False):
+def _train(hvd, compression, steps: int = 6, sync_bn: bool = False, out: dict | None = None):
     r, n = hvd.rank(), hvd.size()
     torch.manual_seed(0)
     bn = hvd.SyncBatchNorm(6) if sync_bn else torch.nn.Identity()
@@ -346,6 +350,8 @@ def _train(hvd, compression, steps: int = 6, sync_bn: bool = False):
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
+    if out is not None:
+        out["opt"] = opt
     return model, ref
 
 
@@ -353,13 +359,62 @@ def _train(hvd, compression, steps: int = 6, sync_bn: bool = False):
 def test_training_equality(hvd) -> None:
     for comp, tol in ((hvd.Compression.none, 1e-4), (hvd.Compression.fp16, 2e-3),
                       (hvd.Compression.bf16, 2e-2)):
-        model, ref = _train(hvd, comp)
+        out: dict = {}
+        model, ref = _train(hvd, comp, out=out)
+        # The first step is negotiated; the other five ran on the bucket schedule.
+        sched = out["opt"]._hvd_sched
+        assert sched and sched.active and sched.steps == 5, sched
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=f"{comp.__name__} {name}")
         # Every rank holds identical parameters.
         for p in model.parameters():
             gathered = hvd.allgather(p.detach().reshape(1, -1), name="eq.check")
             assert torch.equal(gathered[0], gathered[-1])
+
+
+@pytest.mark.spmd
+def test_bucket_schedule_ends_when_a_rank_joins(hvd) -> None:
+    # Rank 1 runs out of data after 2 steps and joins while rank 0 takes 2 more: rank 0's
+    # scheduled buckets of step 3 get zeros from rank 1 (no hang), the schedule ends on both
+    # ranks, step 4 is negotiated with join's zeros, and a step after the join works again.
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(),
+                                torch.nn.Linear(6, 4)).cuda()
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(9)
+    per = 4
+    data = [(torch.randn(n * per, 8, generator=g).cuda(), torch.randn(n * per, 4, generator=g
+                                                                      ).cuda())
+            for _ in range(5)]
+    my_steps = 4 if r == 0 else 2
+    for step, (x, y) in enumerate(data[:my_steps]):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[r * per:(r + 1) * per]),
+                                     y[r * per:(r + 1) * per]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        if step < 2:  # both ranks: the full batch's mean
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+        else:  # rank 1 joined: rank 0's gradient plus zeros, averaged over both ranks
+            (torch.nn.functional.mse_loss(ref(x[:per]), y[:per]) / n).backward()
+        ref_opt.step()
+    hvd.join()
+    assert opt._hvd_sched is not False and not opt._hvd_sched.active
+    if r == 0:
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
+    x, y = data[4]  # a step together after the join: negotiated, both ranks
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x[r * per:(r + 1) * per]),
+                                 y[r * per:(r + 1) * per]).backward()
+    opt.step()
+    for p in model.parameters():
+        gathered = hvd.allgather(p.detach().reshape(1, -1), name="join.check")
+        assert torch.equal(gathered[0], gathered[-1])
 
 
 @pytest.mark.spmd
