@@ -376,7 +376,8 @@ def test_training_equality(hvd) -> None:
 def test_bucket_schedule_ends_when_a_rank_joins(hvd) -> None:
     # Rank 1 runs out of data after 2 steps and joins while rank 0 takes 2 more: rank 0's
     # scheduled buckets of step 3 get zeros from rank 1 (no hang), the schedule ends on both
-    # ranks, step 4 is negotiated with join's zeros, and a step after the join works again.
+    # ranks, step 4 is negotiated with join's zeros (both equal to rank 0's gradient averaged
+    # with zeros), and a step after the join works again.
     r, n = hvd.rank(), hvd.size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(),
@@ -407,7 +408,10 @@ def test_bucket_schedule_ends_when_a_rank_joins(hvd) -> None:
     if r == 0:
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
-    x, y = data[4]  # a step together after the join: negotiated, both ranks
+    # Rank 1 stopped updating at its join: start the next epoch from rank 0's parameters,
+    # then a step together (negotiated on both ranks) must keep them identical.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    x, y = data[4]
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x[r * per:(r + 1) * per]),
                                  y[r * per:(r + 1) * per]).backward()
