@@ -123,7 +123,7 @@ fi
 if [[ $what == sched ]]; then  # bucket schedule on/off, bf16 autocast, ROUNDS alternating
     # rounds of: GPU 0 alone, the 2-GPU job with the schedule (default), the 2-GPU job with
     # HOROVOD_BUCKET_SCHEDULE=0 (every bucket negotiated), DDP on 2 GPUs. ARGS adds options
-    # (e.g. "--compression bf16"; empty AMP drops --amp).
+    # (e.g. "--compression bf16"; empty AMP drops --amp); NODDP=1 skips DDP.
     R=(benchmarks/gpu_resnet.py ${AMP---amp} --iters 150 --warmup 30 --repeats 3 ${ARGS:-})
     D=(benchmarks/ddp_resnet.py ${AMP---amp} --iters 150 --warmup 30 --repeats 3)
     for r in $(seq "${ROUNDS:-3}"); do
@@ -131,7 +131,8 @@ if [[ $what == sched ]]; then  # bucket schedule on/off, bf16 autocast, ROUNDS a
         step "${MPI[@]}" "$PY" -u "${R[@]}" --tag="-sched" --breakdown
         step "${MPI[@]}" -x HOROVOD_BUCKET_SCHEDULE=0 "$PY" -u "${R[@]}" --tag="-nosched" \
             --breakdown
-        step "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 "${D[@]}"
+        [[ -n "${NODDP:-}" ]] || step "$PY" -m torch.distributed.run --standalone \
+            --nproc-per-node 2 "${D[@]}"
     done
 fi
 if [[ $what == all || $what == tests ]]; then
