@@ -338,8 +338,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     bucket.handle.wait()
                 bucket.unpack(self._compression.decompress(bucket.send, bucket.cctx))
-            specs = None
-            if sched is None and self._hvd_buckets:
+            specs = None  # set: decide on a schedule after this (negotiated) step
+            if (sched is None or (sched and sched.stale)) and self._hvd_buckets:
                 specs = [(b.send.numel(), b.send) for b in self._hvd_buckets]
             for slot in self._hvd_slots:
                 if slot.group is not None or (slot.bucket is not None and slot.handle is None):
@@ -358,6 +358,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._hvd_reset()
         if specs is not None:
+            # The first step, or the first after an elastic reset (old workers' schedules
+            # then end at their first bucket; new workers' optimizers have none yet): every
+            # rank decides here, together.
+            self._hvd_sched = None
             self._hvd_schedule_setup(specs)
         self._hvd_synchronized = True
 

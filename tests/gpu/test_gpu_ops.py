@@ -422,6 +422,51 @@ def test_bucket_schedule_ends_when_a_rank_joins(hvd) -> None:
 
 
 @pytest.mark.spmd
+def test_bucket_schedule_reopens_after_reinit(hvd) -> None:
+    # As in an elastic reset: the runtime is shut down and started again; rank 0 keeps its
+    # optimizer (its schedule ends at the next step's first bucket), rank 1 builds a new one
+    # (a new worker's). Both negotiate that step, open a new schedule together after it, and
+    # schedule the steps after.
+    import gc
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(),
+                                torch.nn.Linear(6, 4)).cuda()
+
+    def new_opt():
+        return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                        named_parameters=model.named_parameters())
+
+    def step(opt, seed):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(4, 8, generator=g).cuda(), torch.randn(4, 4, generator=g).cuda()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x + r), y).backward()
+        opt.step()
+
+    opt = new_opt()
+    for i in range(3):
+        step(opt, i)
+    old = opt._hvd_sched
+    assert old and old.active and old.steps == 2
+    hvd.shutdown()
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if r == 1:
+        del opt
+        gc.collect()  # the old optimizer's hooks must not fire any more
+        opt = new_opt()
+    for i in range(3, 6):
+        step(opt, i)
+    sched = opt._hvd_sched
+    assert sched and sched is not old and sched.active and sched.steps == 2, sched
+    for p in model.parameters():
+        gathered = hvd.allgather(p.detach().reshape(1, -1), name="reinit.check")
+        assert torch.equal(gathered[0], gathered[-1])
+
+
+@pytest.mark.spmd
 def test_sync_batch_norm_matches_full_batch(hvd) -> None:
     model, ref = _train(hvd, hvd.Compression.none, steps=4, sync_bn=True)
     for p, q in zip(model.parameters(), ref.parameters()):
