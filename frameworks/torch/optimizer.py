@@ -423,6 +423,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     if bucket.handle is None:
                         self._hvd_launch_bucket(bucket)
                 sched.finish()
+                for bucket in self._hvd_buckets:  # the next pack reuses the buffers
+                    if bucket.send is not None:
+                        sched.wait(bucket.index, _current_stream(bucket.send.get_device()))
             except Exception:  # noqa: BLE001 - the error that cut the step is what matters
                 sched.step_open = False
         for slot in self._hvd_slots:

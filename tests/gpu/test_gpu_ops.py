@@ -422,6 +422,34 @@ def test_bucket_schedule_ends_when_a_rank_joins(hvd) -> None:
 
 
 @pytest.mark.spmd
+def test_bucket_schedule_step_cut_short(hvd) -> None:
+    # set_backward_passes_per_step() between backward and step() resets the optimizer while
+    # the step's buckets are on the schedule: the rest are launched so that both ranks keep
+    # the same order, and training goes on with identical parameters on every rank.
+    r = hvd.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(),
+                                torch.nn.Linear(6, 4)).cuda()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    for i in range(5):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(4, 8, generator=g).cuda(), torch.randn(4, 4, generator=g).cuda()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x + r), y).backward()
+        if i == 2:
+            assert opt._hvd_sched.step_open
+            opt.set_backward_passes_per_step(1)  # the step is cut short
+            continue
+        opt.step()
+    sched = opt._hvd_sched
+    assert sched and sched.active and sched.steps == 4, sched  # steps 2..5, one cut short
+    for p in model.parameters():
+        gathered = hvd.allgather(p.detach().reshape(1, -1), name="cut.check")
+        assert torch.equal(gathered[0], gathered[-1])
+
+
+@pytest.mark.spmd
 def test_bucket_schedule_reopens_after_reinit(hvd) -> None:
     # As in an elastic reset: the runtime is shut down and started again; rank 0 keeps its
     # optimizer (its schedule ends at the next step's first bucket), rank 1 builds a new one
