@@ -80,7 +80,6 @@ class BucketSchedule:
         self.specs = list(specs)  # (element count, dtype) per slot
         self.op = op
         self.active = True
-        self.stale = False  # ended by a runtime change: the adapter opens a new one
         self.step_open = False
         self.steps = 0  # scheduled steps finished (tests and benchmarks read it)
         self._ptrs: list[int | None] = [None] * len(self.specs)
@@ -109,9 +108,8 @@ class BucketSchedule:
         if not self.active:
             return False
         if self.rt is not _rt.current_or_none() or self.rt.shut_down:
-            # An elastic reset (or shutdown and init): the adapter opens a new schedule after
-            # this step, on every rank, as a new worker's optimizer does after its first step.
-            self.stale = True
+            # An elastic reset (or shutdown and init): the adapter decides again after this
+            # step, on every rank, as a new worker's optimizer does after its first step.
             self._end("the runtime was shut down")
             return False
         beat, self._beat = self._beat, None

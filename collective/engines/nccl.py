@@ -253,6 +253,31 @@ def exchange_unique_id(control: ControlPlane) -> bytes:
     return control.bcast(_uid_bytes(nccl.get_unique_id()) if control.rank == 0 else None)
 
 
+def _abort_comm(comm: Any, device: int) -> None:
+    """ncclCommAbort, best effort (kernels waiting on a dead peer return)."""
+    try:
+        with cupy.cuda.Device(device):
+            comm.abort()
+    except Exception as exc:  # noqa: BLE001 - best effort
+        _log_.warning("ncclCommAbort failed on cuda:%d: %s", device, exc)
+
+
+def _drain(stream: Any, device: int, what: str) -> bool:
+    """Waits up to CLOSE_TIMEOUT for `stream` to finish its work; False (logged) if it did not
+    (a kernel waits on a dead peer): the caller then aborts the communicator."""
+    with cupy.cuda.Device(device):
+        ev = cupy.cuda.Event(block=False, disable_timing=True)
+        ev.record(stream)
+        deadline = time.monotonic() + CLOSE_TIMEOUT
+        while not ev.done:
+            if time.monotonic() > deadline:
+                _log_.error("the NCCL stream of %s did not drain within %.0f s at shutdown (a "
+                            "peer died?); aborting the communicator", what, CLOSE_TIMEOUT)
+                return False
+            time.sleep(0.001)
+    return True
+
+
 def init_communicator(raw: bytes, device: int, size: int, rank: int, group: list[int]) -> Any:
     """ncclCommInitRank on `device`, on a helper thread with a deadline (`COMM_INIT_TIMEOUT`):
     CuPy has no non-blocking init, and a peer that never joins would block forever.
@@ -671,11 +696,7 @@ class NCCLEngine(Engine):
             self._broken = HorovodInternalError(
                 f"the NCCL communicator of ranks {self.control.global_ranks} was aborted")
         if comm is not None:
-            try:
-                with cupy.cuda.Device(self.device):
-                    comm.abort()
-            except Exception as exc:  # noqa: BLE001 - best effort
-                _log_.warning("ncclCommAbort failed on cuda:%d: %s", self.device, exc)
+            _abort_comm(comm, self.device)
         self._inflight.clear()
 
     def close(self) -> None:
@@ -684,18 +705,10 @@ class NCCLEngine(Engine):
         if comm is None:
             self._inflight.clear()
             return
+        if not _drain(self.stream, self.device, f"ranks {self.control.global_ranks}"):
+            self.abort()
+            return
         with cupy.cuda.Device(self.device):
-            ev = cupy.cuda.Event(block=False, disable_timing=True)
-            ev.record(self.stream)
-            deadline = time.monotonic() + CLOSE_TIMEOUT
-            while not ev.done:
-                if time.monotonic() > deadline:
-                    _log_.error("the NCCL stream of ranks %s did not drain within %.0f s at "
-                                "shutdown (a peer died?); aborting the communicator",
-                                self.control.global_ranks, CLOSE_TIMEOUT)
-                    self.abort()
-                    return
-                time.sleep(0.001)
             self.comm = None
             self._inflight.clear()
             self._fusion_obj = None
@@ -828,29 +841,17 @@ class ScheduleComm:
             self.broken = HorovodInternalError(
                 f"the bucket schedule's NCCL communicator of ranks {self.group} was aborted")
         if comm is not None:
-            try:
-                with cupy.cuda.Device(self.device):
-                    comm.abort()
-            except Exception as exc:  # noqa: BLE001 - best effort
-                _log_.warning("ncclCommAbort failed on cuda:%d: %s", self.device, exc)
+            _abort_comm(comm, self.device)
 
     def close(self) -> None:
         """Destroys the communicator once the stream drained; aborts it after CLOSE_TIMEOUT."""
         comm = self.comm
         if comm is None:
             return
+        if not _drain(self.stream, self.device, f"the bucket schedule of ranks {self.group}"):
+            self.abort()
+            return
         with cupy.cuda.Device(self.device):
-            ev = cupy.cuda.Event(block=False, disable_timing=True)
-            ev.record(self.stream)
-            deadline = time.monotonic() + CLOSE_TIMEOUT
-            while not ev.done:
-                if time.monotonic() > deadline:
-                    _log_.error("the bucket schedule's NCCL stream of ranks %s did not drain "
-                                "within %.0f s at shutdown (a peer died?); aborting", self.group,
-                                CLOSE_TIMEOUT)
-                    self.abort()
-                    return
-                time.sleep(0.001)
             self.comm = None
             self.broken = HorovodInternalError("the bucket schedule was closed at shutdown")
             self._zeros = None

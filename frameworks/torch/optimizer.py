@@ -144,6 +144,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # The bucket schedule (collective/schedule.py): None until the first negotiated step
         # decides, then a BucketSchedule, or False when some rank cannot use one.
         self._hvd_sched: Any = None
+        self._hvd_sched_rt: Any = None  # weakref to the runtime in which that was decided
         self._hvd_hooks: list[Any] = []
         ps = process_set
         included = ps is global_process_set or ps.process_set_id == 0 or bool(ps.included())
@@ -338,8 +339,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     bucket.handle.wait()
                 bucket.unpack(self._compression.decompress(bucket.send, bucket.cctx))
-            specs = None  # set: decide on a schedule after this (negotiated) step
-            if (sched is None or (sched and sched.stale)) and self._hvd_buckets:
+            # The first step, or the first in a new runtime (an elastic reset: old workers'
+            # schedules end at the step's first bucket, new workers' optimizers have none):
+            # decide on a schedule after this negotiated step, every rank together.
+            specs = None
+            decided = self._hvd_sched_rt
+            if self._hvd_buckets and (decided is None
+                                      or decided() is not collective.runtime.current()):
                 specs = [(b.send.numel(), b.send) for b in self._hvd_buckets]
             for slot in self._hvd_slots:
                 if slot.group is not None or (slot.bucket is not None and slot.handle is None):
@@ -358,10 +364,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._hvd_reset()
         if specs is not None:
-            # The first step, or the first after an elastic reset (old workers' schedules
-            # then end at their first bucket; new workers' optimizers have none yet): every
-            # rank decides here, together.
-            self._hvd_sched = None
             self._hvd_schedule_setup(specs)
         self._hvd_synchronized = True
 
@@ -385,8 +387,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         on every rank): every rank says whether it can schedule its buckets, rank 0 adds an
         NCCL unique id, and the schedule opens only if all can (collective/schedule.py)."""
         from collective import schedule
+        self._hvd_sched = False
+        self._hvd_sched_rt = weakref.ref(collective.runtime.current())
         if not all(t.is_cuda for _, t in specs):  # CPU training: nothing to schedule
-            self._hvd_sched = False
             return
         why = self._hvd_schedule_refusal(specs)
         ps = self.process_set
@@ -404,7 +407,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not refusals and any(s != infos[0][2] for _, _, s in infos):
             refusals.append("bucket plans differ between ranks")
         if refusals:
-            self._hvd_sched = False
             _hvd_log.get_logger().info(
                 "DistributedOptimizer: gradient buckets are negotiated every step (no bucket "
                 "schedule: %s)", "; ".join(refusals))

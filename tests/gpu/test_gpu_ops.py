@@ -17,7 +17,6 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
                ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tests._spmd import (_LAUNCHERS, _tcp_command, in_spmd_rank, mpi_available,  # noqa: E402
@@ -355,6 +354,33 @@ def _train(hvd, compression, steps: int = 6, sync_bn: bool = False, out: dict | 
     return model, ref
 
 
+def _small(hvd):
+    """A small MLP on the GPU and a plain-SGD DistributedOptimizer over it (one bucket)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(),
+                                torch.nn.Linear(6, 4)).cuda()
+    return model, _sgd(hvd, model)
+
+
+def _sgd(hvd, model):
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                    named_parameters=model.named_parameters())
+
+
+def _backward(hvd, model, opt, seed: int) -> None:
+    """zero_grad and backward on this rank's own batch (the batch depends on the rank)."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(4, 8, generator=g).cuda(), torch.randn(4, 4, generator=g).cuda()
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x + hvd.rank()), y).backward()
+
+
+def _same_on_every_rank(hvd, model, name: str) -> None:
+    for p in model.parameters():
+        gathered = hvd.allgather(p.detach().reshape(1, -1), name=name)
+        assert torch.equal(gathered[0], gathered[-1])
+
+
 @pytest.mark.spmd
 def test_training_equality(hvd) -> None:
     for comp, tol in ((hvd.Compression.none, 1e-4), (hvd.Compression.fp16, 2e-3),
@@ -366,10 +392,7 @@ def test_training_equality(hvd) -> None:
         assert sched and sched.active and sched.steps == 5, sched
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=f"{comp.__name__} {name}")
-        # Every rank holds identical parameters.
-        for p in model.parameters():
-            gathered = hvd.allgather(p.detach().reshape(1, -1), name="eq.check")
-            assert torch.equal(gathered[0], gathered[-1])
+        _same_on_every_rank(hvd, model, "eq.check")  # every rank holds identical parameters
 
 
 @pytest.mark.spmd
@@ -379,18 +402,14 @@ def test_bucket_schedule_ends_when_a_rank_joins(hvd) -> None:
     # ranks, step 4 is negotiated with join's zeros (both equal to rank 0's gradient averaged
     # with zeros), and a step after the join works again.
     r, n = hvd.rank(), hvd.size()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(),
-                                torch.nn.Linear(6, 4)).cuda()
+    model, opt = _small(hvd)
     ref = copy.deepcopy(model)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                   named_parameters=model.named_parameters())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(9)
     per = 4
     data = [(torch.randn(n * per, 8, generator=g).cuda(), torch.randn(n * per, 4, generator=g
                                                                       ).cuda())
-            for _ in range(5)]
+            for _ in range(4)]
     my_steps = 4 if r == 0 else 2
     for step, (x, y) in enumerate(data[:my_steps]):
         opt.zero_grad()
@@ -411,14 +430,9 @@ def test_bucket_schedule_ends_when_a_rank_joins(hvd) -> None:
     # Rank 1 stopped updating at its join: start the next epoch from rank 0's parameters,
     # then a step together (negotiated on both ranks) must keep them identical.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    x, y = data[4]
-    opt.zero_grad()
-    torch.nn.functional.mse_loss(model(x[r * per:(r + 1) * per]),
-                                 y[r * per:(r + 1) * per]).backward()
+    _backward(hvd, model, opt, 4)
     opt.step()
-    for p in model.parameters():
-        gathered = hvd.allgather(p.detach().reshape(1, -1), name="join.check")
-        assert torch.equal(gathered[0], gathered[-1])
+    _same_on_every_rank(hvd, model, "join.check")
 
 
 @pytest.mark.spmd
@@ -426,17 +440,9 @@ def test_bucket_schedule_step_cut_short(hvd) -> None:
     # set_backward_passes_per_step() between backward and step() resets the optimizer while
     # the step's buckets are on the schedule: the rest are launched so that both ranks keep
     # the same order, and training goes on with identical parameters on every rank.
-    r = hvd.rank()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(),
-                                torch.nn.Linear(6, 4)).cuda()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                   named_parameters=model.named_parameters())
+    model, opt = _small(hvd)
     for i in range(5):
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(4, 8, generator=g).cuda(), torch.randn(4, 4, generator=g).cuda()
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x + r), y).backward()
+        _backward(hvd, model, opt, i)
         if i == 2:
             assert opt._hvd_sched.step_open
             opt.set_backward_passes_per_step(1)  # the step is cut short
@@ -444,9 +450,7 @@ def test_bucket_schedule_step_cut_short(hvd) -> None:
         opt.step()
     sched = opt._hvd_sched
     assert sched and sched.active and sched.steps == 4, sched  # steps 2..5, one cut short
-    for p in model.parameters():
-        gathered = hvd.allgather(p.detach().reshape(1, -1), name="cut.check")
-        assert torch.equal(gathered[0], gathered[-1])
+    _same_on_every_rank(hvd, model, "cut.check")
 
 
 @pytest.mark.spmd
@@ -456,42 +460,26 @@ def test_bucket_schedule_reopens_after_reinit(hvd) -> None:
     # (a new worker's). Both negotiate that step, open a new schedule together after it, and
     # schedule the steps after.
     import gc
-    r, n = hvd.rank(), hvd.size()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(),
-                                torch.nn.Linear(6, 4)).cuda()
-
-    def new_opt():
-        return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                        named_parameters=model.named_parameters())
-
-    def step(opt, seed):
-        g = torch.Generator().manual_seed(seed)
-        x, y = torch.randn(4, 8, generator=g).cuda(), torch.randn(4, 4, generator=g).cuda()
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x + r), y).backward()
-        opt.step()
-
-    opt = new_opt()
+    model, opt = _small(hvd)
     for i in range(3):
-        step(opt, i)
+        _backward(hvd, model, opt, i)
+        opt.step()
     old = opt._hvd_sched
     assert old and old.active and old.steps == 2
     hvd.shutdown()
     hvd.init()
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    if r == 1:
+    if hvd.rank() == 1:
         del opt
         gc.collect()  # the old optimizer's hooks must not fire any more
-        opt = new_opt()
+        opt = _sgd(hvd, model)
     for i in range(3, 6):
-        step(opt, i)
+        _backward(hvd, model, opt, i)
+        opt.step()
     sched = opt._hvd_sched
     assert sched and sched is not old and sched.active and sched.steps == 2, sched
-    for p in model.parameters():
-        gathered = hvd.allgather(p.detach().reshape(1, -1), name="reinit.check")
-        assert torch.equal(gathered[0], gathered[-1])
+    _same_on_every_rank(hvd, model, "reinit.check")
 
 
 @pytest.mark.spmd
