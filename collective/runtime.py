@@ -254,6 +254,11 @@ class Runtime:
         with self._lock:
             self._schedules.append(sched)
 
+    def schedules(self) -> list[Any]:
+        """The bucket schedules opened in this runtime."""
+        with self._lock:
+            return list(self._schedules)
+
     def has_changes(self) -> bool:
         return bool(self._ps_changes)
 

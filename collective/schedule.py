@@ -39,10 +39,16 @@ __all__ = ["BucketSchedule", "open_schedule", "refusal", "unique_id"]
 _log_ = _log.get_logger()
 
 
-def refusal(op: ReduceOp) -> str | None:
-    """Why this process cannot schedule reductions with `op` on its GPU (None: it can)."""
+def refusal(op: ReduceOp, name: str | None = None) -> str | None:
+    """Why this process cannot open a schedule named `name` that reduces with `op` on its GPU
+    (None: it can). A name in use by another active schedule is refused: their heartbeats
+    would collide (two optimizers over the same parameters)."""
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         return f"op {op.name} (a schedule reduces with Sum or Average)"
+    rt = _rt.current_or_none()
+    if name is not None and rt is not None and any(
+            s.active and s.name == name for s in rt.schedules()):
+        return f"another optimizer's schedule is named {name}"
     try:
         from .engines.nccl import nccl
         if op == ReduceOp.AVERAGE and int(nccl.get_version()) < 21000:

@@ -380,7 +380,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if rt.coordinator.timeline is not None:
             return "the timeline is on (it shows negotiated ops only)"
         from collective import schedule
-        return schedule.refusal(self.op)
+        return schedule.refusal(self.op, self._hvd_schedule_name())
+
+    def _hvd_schedule_name(self) -> str:
+        return f"schedule.{self._hvd_buckets[0].name}"
 
     def _hvd_schedule_setup(self, specs: list[tuple[int, torch.Tensor]]) -> None:
         """After the first negotiated step (which checked every bucket's name, size and dtype
@@ -401,7 +404,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             except Exception as exc:  # noqa: BLE001 - reported below, on every rank
                 why = f"no NCCL unique id ({exc})"
         sig = [(n, str(t.dtype)) for n, t in specs]
-        name = f"schedule.{self._hvd_buckets[0].name}"
+        name = self._hvd_schedule_name()
         infos = allgather_object((why, uid, sig), name=name, process_set=ps)
         refusals = [f"rank {i}: {w}" for i, (w, _, _) in enumerate(infos) if w]
         if not refusals and any(s != infos[0][2] for _, _, s in infos):

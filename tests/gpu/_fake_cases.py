@@ -376,8 +376,12 @@ def bucket_schedule_launches_in_slot_order(n: int) -> None:
     specs = [(5, DataType.FLOAT32), (3, DataType.FLOAT64), (4, DataType.FLOAT32)]
 
     def body(rank: int) -> None:
+        assert schedule.refusal(ReduceOp.AVERAGE, "sched.test") is None
         s = schedule.open_schedule(uid, collective.global_process_set, 0, "sched.test", specs,
                                    ReduceOp.AVERAGE)
+        # A second optimizer over the same parameters would reuse the name (and heartbeat).
+        assert "named sched.test" in (schedule.refusal(ReduceOp.AVERAGE, "sched.test") or "")
+        assert "Sum or Average" in (schedule.refusal(ReduceOp.MAX) or "")
         stream = _fakecuda.Stream(non_blocking=True)
         for step in range(3):
             bufs = [FakeArray.of(np.full(c, rank + step + k, NP[dt])) for k, (c, dt) in
@@ -398,6 +402,7 @@ def bucket_schedule_launches_in_slot_order(n: int) -> None:
         s.finish()
         s.rt = object()  # as after an elastic reset: the schedule ends at the next step
         assert not s.begin() and not s.active
+        assert schedule.refusal(ReduceOp.AVERAGE, "sched.test") is None  # ended: name free
         assert s.beat_name not in s.state.joined_hooks
     run_loopback(n, body)
 
