@@ -32,6 +32,7 @@ import numpy as np
 
 from . import _log
 from . import runtime as _rt
+from .ops import _PREFIX, enqueue
 from .types import DataType, ReduceOp, RequestType
 
 __all__ = ["BucketSchedule", "open_schedule", "refusal", "unique_id"]
@@ -77,21 +78,20 @@ class BucketSchedule:
     """
 
     def __init__(self, rt: Any, state: Any, process_set: Any, comm: Any, name: str,
-                 specs: Sequence[tuple[int, DataType]], op: ReduceOp) -> None:
+                 slots: int) -> None:
         self.rt = rt
         self.state = state
         self.process_set = process_set
-        self.comm = comm
+        self.comm = comm  # a ScheduleComm: it knows each slot's size, dtype and the op
         self.name = name
-        self.specs = list(specs)  # (element count, dtype) per slot
-        self.op = op
         self.active = True
         self.step_open = False
         self.steps = 0  # scheduled steps finished (tests and benchmarks read it)
-        self._ptrs: list[int | None] = [None] * len(self.specs)
+        self._ptrs: list[int | None] = [None] * slots
         self._next = 0  # the next slot to launch this step
         self._beat: Any = None  # the last step's heartbeat handle
-        self.beat_name = f"allreduce.{name}.step"
+        # The heartbeat's name as the coordinator sees it (`enqueue` adds the op's prefix).
+        self.beat_name = f"{_PREFIX[RequestType.ALLREDUCE]}.{name}.step"
         self._lock = threading.Lock()
         state.joined_hooks[self.beat_name] = self._on_joined
 
@@ -141,8 +141,7 @@ class BucketSchedule:
             ptrs[slot] = ptr
             k, n = self._next, len(ptrs)
             while k < n and ptrs[k] is not None:
-                count, dtype = self.specs[k]
-                self.comm.launch(k, ptrs[k], count, dtype, self.op)
+                self.comm.launch(k, ptrs[k])
                 k += 1
             self._next = k
 
@@ -157,7 +156,6 @@ class BucketSchedule:
         self._next = 0
         self.step_open = False
         self.steps += 1
-        from .ops import enqueue  # the ops layer imports this module's users, not the reverse
         ones = np.ones(1, dtype=np.int32)
         self._beat = enqueue(RequestType.ALLREDUCE, [ones], outputs=[ones],
                              name=f"{self.name}.step", process_set=self.process_set,
@@ -167,7 +165,7 @@ class BucketSchedule:
     def _on_joined(self) -> None:
         # Coordinator thread of a joined rank: the others launched this step's buckets; add
         # zeros so their kernels complete, then negotiate as they will.
-        self.comm.launch_zeros(self.specs, self.op)
+        self.comm.launch_zeros()
         self._end("this rank joined")
 
     def _end(self, why: str) -> None:
@@ -202,7 +200,7 @@ def open_schedule(raw: bytes, process_set: Any, device: int, name: str,
     from .engines.nccl import ScheduleComm
     rt = _rt.current()
     state = rt.process_set_state(process_set, "DistributedOptimizer")
-    comm = ScheduleComm(raw, device, state.size, state.rank, list(state.ranks))
-    sched = BucketSchedule(rt, state, process_set, comm, name, specs, op)
+    comm = ScheduleComm(raw, device, state.size, state.rank, list(state.ranks), list(specs), op)
+    sched = BucketSchedule(rt, state, process_set, comm, name, len(specs))
     rt.add_schedule(sched)
     return sched

@@ -723,37 +723,31 @@ class ScheduleComm:
 
     Every rank launches the same in-place allreduces in the same order from its own host, with
     no control-plane round: NCCL's kernels meet on the GPU, as with DDP's reducer. A slot is one
-    agreed bucket; `mark` records its ready event on the producer's stream when its data is
-    queued, `launch` (any later time, any thread) makes this stream wait on it and runs the
-    allreduce, `wait` orders a consumer stream after it. One lock orders launches from several
-    threads. Nothing blocks the host except `close()`.
+    agreed bucket (`specs`: element count and dtype per slot, all reduced with `op`); `mark`
+    records its ready event on the producer's stream when its data is queued, `launch` (any
+    later time) makes this stream wait on it and runs the allreduce, `wait` orders a consumer
+    stream after it. The caller orders launches (`BucketSchedule` holds the lock). Nothing
+    blocks the host except `close()`.
     """
 
-    def __init__(self, raw: bytes, device: int, size: int, rank: int, group: list[int]) -> None:
-        self.device, self.size, self.rank, self.group = device, size, rank, group
+    def __init__(self, raw: bytes, device: int, size: int, rank: int, group: list[int],
+                 specs: list[tuple[int, DataType]], op: ReduceOp) -> None:
+        self.device, self.rank, self.group = device, rank, group
         self.broken: BaseException | None = None
-        self.lock = threading.Lock()  # launches come from autograd threads and the coordinator
+        self._slots = [(n, _NCCL_TYPE[dt], dt.itemsize) for n, dt in specs]
+        self._op = _AVG if op == ReduceOp.AVERAGE else _NCCL_OP[op]
         self.comm = init_communicator(raw, device, size, rank, group)
         with cupy.cuda.Device(device):
             try:
                 self.stream = cupy.cuda.Stream(non_blocking=True, priority=STREAM_PRIORITY)
             except TypeError:  # CuPy without stream priorities
                 self.stream = cupy.cuda.Stream(non_blocking=True)
+            # Per slot: its ready event and its completion event (raw cudaEvent_t).
+            self._ready = [int(_rt.eventCreateWithFlags(_DISABLE_TIMING)) for _ in specs]
+            self._done = [int(_rt.eventCreateWithFlags(_DISABLE_TIMING)) for _ in specs]
         self._sp = int(self.stream.ptr)
         self._check = getattr(self.comm, "check_async_error", None)
-        try:
-            self.has_avg = int(nccl.get_version()) >= 21000
-        except Exception:  # noqa: BLE001
-            self.has_avg = False
-        self._ready: list[int] = []  # per slot: its ready event (raw cudaEvent_t)
-        self._done: list[int] = []  # per slot: its completion event
         self._zeros: Any = None  # a joined rank's zero input and scratch output (CuPy arrays)
-
-    def _events(self, slot: int) -> None:
-        with cupy.cuda.Device(self.device):
-            while len(self._ready) <= slot:
-                self._ready.append(int(_rt.eventCreateWithFlags(_DISABLE_TIMING)))
-                self._done.append(int(_rt.eventCreateWithFlags(_DISABLE_TIMING)))
 
     def _fail(self, what: str, exc: BaseException) -> HorovodInternalError:
         if isinstance(exc, HorovodInternalError):
@@ -784,38 +778,34 @@ class ScheduleComm:
 
     def mark(self, slot: int, producer: int) -> None:
         """Records slot `slot`'s ready event on the producer stream (a cudaStream_t as int)."""
-        if slot >= len(self._ready):
-            self._events(slot)
         _rt.eventRecord(self._ready[slot], producer)
 
-    def launch(self, slot: int, ptr: int, count: int, dtype: DataType, op: ReduceOp) -> None:
-        """In-place allreduce of `count` elements at `ptr` after the slot's ready event.
+    def launch(self, slot: int, ptr: int) -> None:
+        """In-place allreduce of slot `slot` at `ptr` after the slot's ready event.
 
         Raises:
             HorovodInternalError: the schedule is broken or the launch failed.
         """
         if self.broken is not None:
             raise self.broken
+        count, ntype, _ = self._slots[slot]
         try:
             _rt.streamWaitEvent(self._sp, self._ready[slot], 0)
-            self.comm.allReduce(ptr, ptr, count, _NCCL_TYPE[dtype], self._op(op), self._sp)
+            self.comm.allReduce(ptr, ptr, count, ntype, self._op, self._sp)
             _rt.eventRecord(self._done[slot], self._sp)
         except Exception as exc:  # noqa: BLE001
             raise self._fail("allreduce", exc) from None
-
-    def _op(self, op: ReduceOp) -> int:
-        return _AVG if op == ReduceOp.AVERAGE else _NCCL_OP[op]
 
     def wait(self, slot: int, stream: int) -> None:
         """Makes `stream` wait for slot `slot`'s last launch (no host block)."""
         _rt.streamWaitEvent(stream, self._done[slot], 0)
 
-    def launch_zeros(self, specs: list[tuple[int, DataType]], op: ReduceOp) -> None:
+    def launch_zeros(self) -> None:
         """A joined rank's share of one step: every slot reduced from zeros, in slot order
-        (coordinator thread). `specs`: (element count, dtype) per slot."""
+        (coordinator thread)."""
         if self.broken is not None:
             return
-        need = max((n * dt.itemsize for n, dt in specs), default=0)
+        need = max((n * item for n, _, item in self._slots), default=0)
         with cupy.cuda.Device(self.device):
             if self._zeros is None or pointer_of(self._zeros[0])[1] < need:
                 prev = cupy.cuda.get_current_stream()
@@ -827,9 +817,8 @@ class ScheduleComm:
                     prev.use()
             src, dst = (pointer_of(a)[0] for a in self._zeros)
             try:
-                for slot, (n, dt) in enumerate(specs):
-                    self._events(slot)
-                    self.comm.allReduce(src, dst, n, _NCCL_TYPE[dt], self._op(op), self._sp)
+                for slot, (count, ntype, _) in enumerate(self._slots):
+                    self.comm.allReduce(src, dst, count, ntype, self._op, self._sp)
                     _rt.eventRecord(self._done[slot], self._sp)
             except Exception as exc:  # noqa: BLE001
                 raise self._fail("allreduce (joined rank)", exc) from None

@@ -375,8 +375,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         devices = {t.get_device() if t.is_cuda else -1 for _, t in specs}
         if len(devices) != 1 or -1 in devices:
             return "buckets not all on one CUDA device"
-        if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM) or self._hvd_scale != (1.0, 1.0):
-            return "gradient_predivide_factor or an op other than Average/Sum"
+        if self._hvd_scale != (1.0, 1.0):
+            return "gradient_predivide_factor"  # the schedule runs no scaling kernels
         if rt.coordinator.timeline is not None:
             return "the timeline is on (it shows negotiated ops only)"
         from collective import schedule

@@ -400,6 +400,9 @@ def bucket_schedule_launches_in_slot_order(n: int) -> None:
             s.ready(k, FakeArray.of(np.zeros(specs[k][0], NP[specs[k][1]])
                                     ).__cuda_array_interface__["data"][0], stream.ptr)
         s.finish()
+        # A joined rank's share of a step, here from every rank at once: zeros, slot by slot.
+        s.comm.launch_zeros()
+        assert not s.comm._zeros[1].get().any()
         s.rt = object()  # as after an elastic reset: the schedule ends at the next step
         assert not s.begin() and not s.active
         assert schedule.refusal(ReduceOp.AVERAGE, "sched.test") is None  # ended: name free
