@@ -3,8 +3,8 @@
 the device. Prints the median per-op time and the mean over blocks of 1000 ops. Also the
 target of a sampling profiler (py-spy) for the per-op host time.
 
-    mpirun -np 2 python benchmarks/lone_loop.py --device cuda [--impl torch]
-    mpirun -np 2 py-spy record -f raw -o prof.txt -- python benchmarks/lone_loop.py
+    mpirun -np 2 python tools/lone_loop.py --device cuda [--impl torch]
+    mpirun -np 2 py-spy record -f raw -o prof.txt -- python tools/lone_loop.py
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ synchronous allreduce many times, then prints the median time from the call to e
 
 Launch one process per device (CPU works too, for the host path)::
 
-    mpirun -np 2 python benchmarks/latency_probe.py [--device cuda] [--bytes 4096]
+    mpirun -np 2 python tools/latency_probe.py [--device cuda] [--bytes 4096]
 """
 from __future__ import annotations
 
