@@ -55,7 +55,7 @@ _NO_HOLD_BYTES = 512 * 1024
 _HELD = (RequestType.ALLREDUCE, RequestType.REDUCESCATTER)
 # A host op with a new output this large runs on the coordinator thread, not a driving caller.
 _DRIVE_ALLOC_LIMIT = 64 * 1024
-# Enum members read once per op (a class attribute read of an enum costs ~75 ns).
+# Enum members read once (a class attribute read of an enum is slow, and this is per op).
 _HIT = CacheState.HIT
 _R_ERROR, _R_JOIN, _R_BARRIER = ResponseType.ERROR, ResponseType.JOIN, ResponseType.BARRIER
 _R_ALLREDUCE, _R_ADASUM, _R_ALLGATHER = (ResponseType.ALLREDUCE, ResponseType.ADASUM,
@@ -211,7 +211,7 @@ class Coordinator:
         caller then submits the entry (a name already pending is refused there).
         """
         # Checked in order of cost: this runs for every synchronous op, whose whole host path
-        # is ~14 µs of Python at size 1 on the CPU box.
+        # is a few dozen Python calls.
         if (self.shutdown_requested or ps.join_active or not self._express_ok
                 or (self.timeline is not None and ps.is_global_root)
                 or self._thread_id == threading.get_ident() or self.stopped.is_set()):
@@ -657,9 +657,8 @@ def _coordinator_only(req: Request, new_output: bool, gpu_bound: bool) -> bool:
     * the first device op (`gpu_bound` False): it binds the GPU to the coordinator thread;
     * a host op that needs a new output of `_DRIVE_ALLOC_LIMIT` bytes or more: on the main
       thread glibc's main arena gives freed memory at the top of the heap back to the OS, so
-      every new output page-faults in again (`allreduce_cpu.py` on the CPU box, new-array
-      1 MiB: 741 µs with such ops driven, 334 µs after this rule, two runs on one quiet day;
-      benchmarks/results/allreduce_cpu_session2*).
+      every new output page-faults in again (`benchmarks/allreduce_cpu.py`: a new-array 1 MiB
+      allreduce took twice as long with such ops driven).
     """
     if req.device != CPU_DEVICE:
         return not gpu_bound

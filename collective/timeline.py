@@ -1,4 +1,4 @@
-"""Horovod's timeline: a Chrome trace-event JSON file of every tensor's life (API.md §1.8).
+"""Horovod's timeline: a Chrome trace-event JSON file of every tensor's life.
 
 The coordinator thread (rank 0 of the global process set) calls the event methods of
 `Timeline`. Each call costs about a microsecond: it reads a clock and puts a tuple on a
@@ -326,7 +326,7 @@ class _FileWriter:
 
 
 class Timeline:
-    """Rank 0's timeline (API.md §1.8); see the module docstring for the file format.
+    """Rank 0's timeline; see the module docstring for the file format.
 
     The event methods may be called from one thread (the coordinator); `start_file`,
     `stop_file`, `flush` and `close` from any thread. Event methods do nothing unless `enabled`.

@@ -1,4 +1,4 @@
-"""`hvdrun`: Horovod's `horovodrun` command line (API.md §4.1).
+"""`hvdrun`: Horovod's `horovodrun` command line.
 
 `hvdrun -np N [-H h1:2,h2:2 | --hostfile F] [--mpi | --tcp | --gloo] [flags] command...`
 
@@ -49,7 +49,7 @@ _LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 FLAG_OPTIONS: dict[str, Option] = {o.cli.lstrip("-").replace("-", "_"): o
                                    for o in OPTIONS if o.cli}
 
-# YAML keys (API.md §4.1) -> argparse dest; a leading "!" means the value is negated.
+# YAML keys (horovodrun's) -> argparse dest; a leading "!" means the value is negated.
 YAML_KEYS: dict[str, dict[str, str]] = {
     "params": {"fusion_threshold_mb": "fusion_threshold_mb", "cycle_time_ms": "cycle_time_ms",
                "cache_capacity": "cache_capacity",
@@ -119,7 +119,7 @@ class _ConfigFileAction(argparse.Action):
 
 
 def apply_config_file(path: str, namespace: argparse.Namespace) -> None:
-    """Sets the namespace fields named by a YAML config file (API.md §4.1 keys).
+    """Sets the namespace fields named by a YAML config file (Horovod's keys).
 
     Raises:
         ImportError: PyYAML is not installed.
@@ -163,7 +163,7 @@ def apply_config_file(path: str, namespace: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The hvdrun argument parser (flags per API.md §4.1, tuning flags from the config table)."""
+    """The hvdrun argument parser (horovodrun's flags; tuning flags from the config table)."""
     p = argparse.ArgumentParser(
         prog="hvdrun", description="Launch a ringvod (Horovod-compatible) job.",
         epilog="Each tuning flag sets the HOROVOD_* variable shown in its help.")

@@ -1,6 +1,6 @@
 """Static launches: tcp mode (workers spawned here, rendezvous server) and MPI mode (mpirun).
 
-tcp mode, following Horovod's `gloo_run.launch_gloo` (API.md §4.2):
+tcp mode, following Horovod's `gloo_run.launch_gloo`:
 
 1. slot assignment; hosts that are not this machine are remote;
 2. `ssh <host> true` on every remote host, within --start-timeout;
@@ -159,7 +159,7 @@ def mpi_command(settings: LaunchSettings, extra_env: Mapping[str, str] | None = 
     oversubscribed = any(network.is_local_host(h.hostname, local) and h.slots > cores
                          for h in settings.used_hosts)
     if oversubscribed:
-        # DESIGN.md §7: busy polling with more ranks than cores makes latency bimodal.
+        # Open MPI's busy polling with more ranks than cores makes latency bimodal.
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     if settings.tcp_only:
         env["NCCL_IB_DISABLE"] = "1"

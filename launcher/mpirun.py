@@ -1,4 +1,4 @@
-"""Builds the `mpirun` command line for `hvdrun --mpi` (API.md §4.2 "MPI launch").
+"""Builds the `mpirun` command line for `hvdrun --mpi` (as horovodrun builds it).
 
 `mpirun <basic> -np N -H <hosts> <binding> <impl flags> <ssh args> <nic args>
 [--output-filename D] -x <each exportable env var> <--mpi-args> <command>`

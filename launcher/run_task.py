@@ -7,7 +7,7 @@ launcher stored and the launcher only what a job member stored.
 
 An uncaught exception ends this process at once with exit code 1 after printing the traceback
 (as `python -m mpi4py.run` aborts): the launcher then stops the whole job, so no other rank
-waits forever in a collective (STYLE.md lesson 6).
+waits forever in a collective.
 """
 from __future__ import annotations
 

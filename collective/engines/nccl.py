@@ -1,8 +1,8 @@
 """NCCL engine: collectives on GPU tensors through CuPy's NCCL binding (`cupy.cuda.nccl`).
 
 One engine per process set (the coordinator creates it on the set's first device response), one
-communicator per engine, bound to the GPU of the op's tensors. DESIGN.md §4 "GPU ordering" and
-docs/gpu.md ("How it works") describe it; in short:
+communicator per engine, bound to the GPU of the op's tensors. docs/gpu.md ("How it works")
+describes it; in short:
 
 * Binding: every rank reports over the control plane whether it can use its GPU before group
   rank 0's unique id is broadcast; the init runs on a helper thread with a deadline
@@ -75,15 +75,15 @@ _NCCL_OP = {ReduceOp.SUM: _SUM, ReduceOp.PRODUCT: _PROD, ReduceOp.MAX: _MAX,
 _D2D = 3  # cudaMemcpyKind
 _FREE_EVENTS = 64  # completion events kept for reuse
 # Finished ops are reaped (entries released, events recycled) once this many are in flight or
-# no event is free: querying an event took ~1.4 µs on the H200 hosts (`enqueue_micro.py`),
-# against ~25 µs for a lone op's whole engine path (`latency_probe.py`).
+# no event is free: an event query is a noticeable share of a lone op's engine path
+# (`tools/latency_probe.py`), so it is not done per op.
 _REAP_AT = 4
 
 _rt = cupy.cuda.runtime
 
 
 class _EngineTLS(threading.local):
-    # Class defaults: reading an unset thread-local attribute raises inside (~0.3 µs).
+    # Class defaults: reading an unset thread-local attribute raises (slow) inside.
     engine: Any = None  # which engine's stream is CuPy's current stream on this thread
     guest = False  # a user thread running a cycle (`guest_enter`)
     saved: Any = None  # that thread's (device, CuPy stream) before an engine took them
@@ -130,8 +130,8 @@ class _ReadyEvents:
     """Ready events for adapters (`collective.engines.device.record_ready`): raw CUDA events
     recorded on the producer's stream at enqueue, from a free list per device. The engine
     hands one back (`release`) as soon as its stream waits on it: a later record cannot change
-    a wait already enqueued. Creating and recording a torch.cuda.Event took 2.1–4.5 µs on the
-    H200 hosts, a recycled raw event 0.5–1.1 µs (`enqueue_micro.py`, same calls). Events of
+    a wait already enqueued. Recording a recycled raw event costs a fraction of creating and
+    recording a torch.cuda.Event (one CUDA call instead of object set-up). Events of
     ops that fail before the engine runs them (a mismatch, shutdown) come back through
     `device.release_ready`, except a grouped op's shared one."""
 
@@ -371,9 +371,8 @@ class NCCLEngine(Engine):
     def _use(self) -> None:
         """Before a kernel launch or a CuPy allocation: they use the current device and stream.
         NCCL calls, event records and waits name their stream and need neither, so a lone
-        op on a guest thread skips the switch and its undoing (six CuPy calls, ~1 µs on the
-        H200 hosts: `stream.use()` 0.16–0.35 µs, `get_current_stream()` 0.07–0.13,
-        `getDevice()` 0.05–0.08 in `enqueue_micro.py`)."""
+        op on a guest thread skips the switch and its undoing (six CuPy calls:
+        `stream.use()`, `get_current_stream()`, `getDevice()` and their undoing)."""
         if _tls.engine is not self:
             self._activate()
 
@@ -484,7 +483,7 @@ class NCCLEngine(Engine):
         q = self._inflight
         free = self._free_events
         # One stream runs the ops in order: when the newest is done, all are (one query
-        # instead of one per op; a query costs ~1.4 µs).
+        # instead of one per op).
         if q and q[-1][0].done:
             while q:
                 ev = q.popleft()[0]

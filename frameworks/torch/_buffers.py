@@ -146,8 +146,8 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
     Raises:
         ValueError: tensors on different devices, or any `to_collective`/`enqueue` error.
     """
-    # Most ops have one tensor: skipping the five per-tensor lists below saves 0.6–1.0 µs of
-    # this function's ~9 µs (CPU box, timeit).
+    # Most ops have one tensor: skipping the five per-tensor lists below saves about a tenth
+    # of this function's time (timeit).
     if len(tensors) == 1:
         a = to_collective(tensors[0], None if outputs is None else outputs[0])
         device = a.device

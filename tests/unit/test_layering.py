@@ -1,4 +1,4 @@
-"""The import graph (STYLE.md §4 "Dependency direction", Lesson 16).
+"""The import graph: dependencies point one way.
 
 Two kinds of checks:
 * runtime: import a package in a fresh interpreter in which the forbidden packages are stubbed

@@ -1,4 +1,4 @@
-"""Stall inspector (API.md §1.7) with an injected clock: when it checks, who is missing, the
+"""Stall inspector with an injected clock: when it checks, who is missing, the
 exact message, shutdown marking, and the shutdown-below-warning rule."""
 from __future__ import annotations
 
