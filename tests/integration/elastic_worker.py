@@ -1,0 +1,166 @@
+"""Worker of tests/integration/test_elastic.py (and benchmarks/elastic_recovery.py).
+
+A toy training loop under `hvd.elastic.run` whose result is exactly predictable: at step s every
+rank r contributes `base(s) + r - (size-1)/2` and the average is `base(s)` at any size, in exact
+floating point (small dyadic numbers). So the final weights are `-0.5 * sum(base(s))` over the
+steps, each applied once, whatever resets happened; `log` lists the steps in the order they were
+committed. Settings come from ET_* variables:
+
+ET_OUT      directory for result.<rank>.json, progress and markers (required)
+ET_STEPS    number of steps (default 30)
+ET_COMMIT   commit every this many steps (default 3)
+ET_SLEEP    seconds per step (default 0.05)
+ET_KILL     "host:step[,host:step]": the worker on that host SIGKILLs itself once at that step
+ET_FAIL     "host:step": the worker on that host exits 3 at that step (every time)
+ET_TORCH    1: use torch (TorchState with a model, an optimizer and an ElasticSampler)
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+OUT = os.environ["ET_OUT"]
+STEPS = int(os.environ.get("ET_STEPS", "30"))
+COMMIT = int(os.environ.get("ET_COMMIT", "3"))
+SLEEP = float(os.environ.get("ET_SLEEP", "0.05"))
+HOST = os.environ.get("HOROVOD_HOSTNAME", "")
+WID = os.environ.get("HOROVOD_ELASTIC_WORKER_ID", "?")
+TORCH = os.environ.get("ET_TORCH") == "1"
+
+
+def base(s: int) -> float:
+    return float(s % 7 - 3)
+
+
+def _triggers(var: str) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for item in filter(None, os.environ.get(var, "").split(",")):
+        h, s = item.rsplit(":", 1)
+        out.setdefault(h, []).append(int(s))
+    return out
+
+
+KILL, FAIL = _triggers("ET_KILL"), _triggers("ET_FAIL")
+
+
+def maybe_die(step: int) -> None:
+    if step in KILL.get(HOST, []):
+        marker = os.path.join(OUT, f"killed.{HOST}.{step}")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            with open(os.path.join(OUT, "kill_times"), "a") as f:
+                f.write(f"{time.time()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+    if step in FAIL.get(HOST, []):
+        sys.exit(3)
+
+
+def progress(hvd, step: int) -> None:
+    with open(os.path.join(OUT, f"progress.{WID}"), "a") as f:
+        f.write(f"{time.time()} {hvd.rank()} {hvd.size()} {step}\n")
+
+
+def main_numpy() -> None:
+    import collective as hvd
+    from collective import elastic
+
+    hvd.init()
+    state = elastic.ObjectState(step=0, w=np.zeros(4), log=[], sizes=[])
+    resets = []
+
+    def on_reset() -> None:
+        resets.append((hvd.size(), dict(elastic.last_reset_timings)))
+
+    state.register_reset_callbacks([on_reset])
+
+    @elastic.run
+    def train(state):
+        while state.step < STEPS:
+            s = state.step
+            maybe_die(s)
+            g = np.full(4, base(s) + hvd.rank() - (hvd.size() - 1) / 2)
+            avg = hvd.allreduce(g, name="grad")
+            state.w = state.w - 0.5 * avg
+            state.log.append(s)
+            state.sizes.append(hvd.size())
+            state.step += 1
+            progress(hvd, state.step)
+            if state.step % COMMIT == 0:
+                state.commit()
+            time.sleep(SLEEP)
+        state.commit()
+
+    train(state)
+    write(hvd, state.w, state, resets)
+
+
+def main_torch() -> None:
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5),
+                                   named_parameters=model.named_parameters())
+    dataset = list(range(int(os.environ.get("ET_DATASET", "0")) or 1))
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=1)
+    state = hvd.elastic.TorchState(model, opt, sampler=sampler, step=0, log=[], sizes=[],
+                                   seen=[])
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(
+        (hvd.size(), dict(hvd.elastic_timings())) if hasattr(hvd, "elastic_timings")
+        else resets.append((hvd.size(), {})))])
+    batch = int(os.environ.get("ET_BATCH", "2"))
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < STEPS:
+            s = state.step
+            maybe_die(s)
+            it = iter(torch.utils.data.DataLoader(dataset, batch_size=batch,
+                                                  sampler=state.sampler))
+            idx = next(it, None)
+            mine = [] if idx is None else [int(i) for i in idx]
+            # d loss / d w = base(s) + rank - (size-1)/2 for every weight: an input of ones.
+            opt.zero_grad()
+            scale = base(s) + hvd.rank() - (hvd.size() - 1) / 2
+            loss = model(torch.ones(1, 4)).sum() * scale
+            loss.backward()
+            opt.step()
+            gathered = hvd.allgather_object(mine)
+            state.seen = state.seen + [i for part in gathered for i in part]
+            state.sampler.record_batch(0, batch)
+            state.log = state.log + [s]
+            state.sizes = state.sizes + [hvd.size()]
+            state.step += 1
+            progress(hvd, state.step)
+            if state.step % COMMIT == 0:
+                state.commit()
+            time.sleep(SLEEP)
+        state.commit()
+
+    train(state)
+    write(hvd, model.weight.detach().numpy().reshape(-1), state, resets)
+
+
+def write(hvd, w, state, resets) -> None:
+    res = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "w": [float(x) for x in w],
+           "log": list(state.log), "sizes": list(state.sizes), "resets": resets,
+           "seen": list(getattr(state, "seen", [])), "host": HOST, "worker": WID}
+    tmp = os.path.join(OUT, f".result.{hvd.rank()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(res, f)
+    os.replace(tmp, os.path.join(OUT, f"result.{hvd.rank()}.json"))
+
+
+if __name__ == "__main__":
+    main_torch() if TORCH else main_numpy()
