@@ -351,10 +351,9 @@ class ElasticDriver:
         self._forming_since = None
         self._stopping_since = time.monotonic()
         for w in self._workers.values():
-            if w.exit is None and w.waiting:
+            if w.exit is None and w.waiting:  # told why; it exits by itself (else SIGKILL)
                 self._answer(w, w.ready_seq, {"stop": reason})
-        for w in self._workers.values():
-            if w.exit is None:
+            elif w.exit is None:
                 self.spawner.stop(w.id, signal.SIGTERM)
 
     # -- rounds ---------------------------------------------------------------------------------

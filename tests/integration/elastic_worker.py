@@ -12,7 +12,8 @@ ET_COMMIT   commit every this many steps (default 3)
 ET_SLEEP    seconds per step (default 0.05)
 ET_KILL     "host:step[,host:step]": the worker on that host SIGKILLs itself once at that step
 ET_FAIL     "host:step": the worker on that host exits 3 at that step (every time)
-ET_TORCH    1: use torch (TorchState with a model, an optimizer and an ElasticSampler)
+ET_TORCH    1: torch instead (TorchState: model, optimizer, ElasticSampler; see main_torch)
+ET_DATASET, ET_BATCH  torch: dataset size (60) and batch size per rank (2)
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ SLEEP = float(os.environ.get("ET_SLEEP", "0.05"))
 HOST = os.environ.get("HOROVOD_HOSTNAME", "")
 WID = os.environ.get("HOROVOD_ELASTIC_WORKER_ID", "?")
 TORCH = os.environ.get("ET_TORCH") == "1"
+
+with open(os.path.join(OUT, f"pid.{WID}"), "w") as _f:
+    _f.write(str(os.getpid()))
 
 
 def base(s: int) -> float:
@@ -100,43 +104,39 @@ def main_numpy() -> None:
 
 
 def main_torch() -> None:
+    """One epoch over ET_DATASET samples in batches of ET_BATCH per rank (ElasticSampler),
+    SGD with momentum on a 4-weight linear model whose averaged gradient is base(step)."""
     import torch
 
     import horovod.torch as hvd
+    from collective import elastic
 
     hvd.init()
-    torch.manual_seed(0)
     model = torch.nn.Linear(4, 1, bias=False)
     with torch.no_grad():
         model.weight.zero_()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5),
                                    named_parameters=model.named_parameters())
-    dataset = list(range(int(os.environ.get("ET_DATASET", "0")) or 1))
+    dataset = list(range(int(os.environ.get("ET_DATASET", "60"))))
+    batch = int(os.environ.get("ET_BATCH", "2"))
     sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=1)
     state = hvd.elastic.TorchState(model, opt, sampler=sampler, step=0, log=[], sizes=[],
                                    seen=[])
     resets = []
-    state.register_reset_callbacks([lambda: resets.append(
-        (hvd.size(), dict(hvd.elastic_timings())) if hasattr(hvd, "elastic_timings")
-        else resets.append((hvd.size(), {})))])
-    batch = int(os.environ.get("ET_BATCH", "2"))
+    state.register_reset_callbacks(
+        [lambda: resets.append((hvd.size(), dict(elastic.last_reset_timings)))])
 
     @hvd.elastic.run
     def train(state):
-        while state.step < STEPS:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=state.sampler)
+        for idx in loader:
             s = state.step
             maybe_die(s)
-            it = iter(torch.utils.data.DataLoader(dataset, batch_size=batch,
-                                                  sampler=state.sampler))
-            idx = next(it, None)
-            mine = [] if idx is None else [int(i) for i in idx]
-            # d loss / d w = base(s) + rank - (size-1)/2 for every weight: an input of ones.
             opt.zero_grad()
             scale = base(s) + hvd.rank() - (hvd.size() - 1) / 2
-            loss = model(torch.ones(1, 4)).sum() * scale
-            loss.backward()
+            (model(torch.ones(1, 4)).sum() * scale).backward()
             opt.step()
-            gathered = hvd.allgather_object(mine)
+            gathered = hvd.allgather_object([int(i) for i in idx])
             state.seen = state.seen + [i for part in gathered for i in part]
             state.sampler.record_batch(0, batch)
             state.log = state.log + [s]
