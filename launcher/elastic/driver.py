@@ -335,6 +335,8 @@ class ElasticDriver:
             text = f"blacklisting host {w.host} {how}: {what} failed"
             self._blacklist_log.append(f"{w.host} ({what} failed)")
             self._message(f"hvdrun: {text}")
+            # The survivors re-form after the failure anyway: no host update to announce.
+            self._notified = self._signature()
         if not any(x.live for x in self._workers.values()):
             self._stop("no worker is left to continue the job")
 

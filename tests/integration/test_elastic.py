@@ -233,3 +233,43 @@ def test_elastic_sampler_covers_dataset_once(tmp_path: Path) -> None:
         assert r["w"] == pytest.approx([w] * 4, abs=1e-5), (r["w"], w)
     assert res[0]["w"] == res[1]["w"]
     _no_orphans(job)
+
+
+API_SCRIPT = r"""
+import os, signal, time
+import horovod
+
+def train(steps):
+    import numpy as np
+    import collective as hvd
+    from collective import elastic
+
+    hvd.init()
+    state = elastic.ObjectState(step=0, total=0.0)
+
+    @elastic.run
+    def loop(state):
+        while state.step < steps:
+            if state.step == 5 and os.environ["HOROVOD_HOSTNAME"] == "127.0.0.1":
+                os.kill(os.getpid(), signal.SIGKILL)
+            state.total += float(hvd.allreduce(np.ones(1), name="x")[0])
+            state.step += 1
+            state.commit()
+            time.sleep(0.02)
+
+    loop(state)
+    return hvd.rank(), hvd.size(), state.step, state.total
+
+print("RESULT", horovod.run(train, args=(20,), num_proc=3, min_num_proc=2,
+                            hosts="localhost:2,127.0.0.1:1"))
+"""
+
+
+def test_horovod_run_elastic() -> None:
+    """horovod.run(..., min_num_proc=...): results of the last round's ranks."""
+    pytest.importorskip("cloudpickle")  # the function is defined in __main__
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", API_SCRIPT], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT [(0, 2, 20, 20.0), (1, 2, 20, 20.0)]" in proc.stdout, proc.stdout
