@@ -1,14 +1,13 @@
 """Elastic training end to end: `hvdrun --min-np ...` with real worker processes on this machine.
 
 "Hosts" are names of this machine (localhost, 127.0.0.1, its hostname), which hvdrun runs
-locally, so a test can fail, add and remove hosts. The worker is `elastic_worker.py`: a toy
+locally, so a test can fail, add and remove hosts. The worker is `tests/_elastic_worker.py`: a toy
 training loop whose final weights are known exactly. Every test has a hard timeout; when it
 fires, every worker still alive dumps its Python stacks (faulthandler, SIGABRT) into the output,
 which is printed.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -19,84 +18,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = str(Path(__file__).with_name("elastic_worker.py"))
+from tests._elastic_job import REPO, Job, no_orphans, progress_steps
+
 HOSTNAME = socket.gethostname()
-
-
-class Job:
-    def __init__(self, out: Path, args: list[str], env: dict[str, str], timeout: float) -> None:
-        self.out, self.timeout = out, timeout
-        full = dict(os.environ, ET_OUT=str(out), PYTHONFAULTHANDLER="1",
-                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                    **env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launcher", *args, sys.executable, WORKER], cwd=REPO,
-            env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
-        self.deadline = time.monotonic() + timeout
-
-    def pids(self) -> list[int]:
-        return [int(p.read_text()) for p in self.out.glob("pid.*") if p.read_text().strip()]
-
-    def _dump_and_kill(self) -> str:
-        for pid in self.pids():
-            try:
-                os.kill(pid, signal.SIGABRT)
-            except ProcessLookupError:
-                pass
-        time.sleep(1.0)
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.proc.communicate()[0]
-
-    def wait_progress(self, step: int) -> None:
-        """Waits until some worker has finished `step` steps."""
-        while time.monotonic() < self.deadline:
-            for p in self.out.glob("progress.*"):
-                lines = p.read_text().split("\n")
-                if any(line and int(line.split()[3]) >= step for line in lines):
-                    return
-            if self.proc.poll() is not None:
-                pytest.fail("hvdrun ended early:\n" + self.proc.communicate()[0])
-            time.sleep(0.05)
-        pytest.fail(f"no worker reached step {step}:\n{self._dump_and_kill()}")
-
-    def finish(self) -> tuple[int, str]:
-        try:
-            out = self.proc.communicate(timeout=max(self.deadline - time.monotonic(), 1))[0]
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"hvdrun did not finish within {self.timeout} s:\n"
-                        f"{self._dump_and_kill()}")
-        return self.proc.returncode, out
-
-    def results(self) -> list[dict]:
-        return [json.loads(p.read_text()) for p in sorted(self.out.glob("result.*.json"))]
 
 
 def _expected_w(steps: int) -> float:
     return -0.5 * sum(float(s % 7 - 3) for s in range(steps))
-
-
-def _no_orphans(job: Job) -> None:
-    time.sleep(0.2)
-    alive = []
-    for pid in job.pids():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        try:  # a zombie that is someone else's business is not an orphan
-            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-                continue
-        except OSError:
-            continue
-        alive.append(pid)
-    assert not alive, f"workers still running after hvdrun exited: {alive}"
-
-
-def _progress_steps(job: Job) -> dict[str, list[int]]:
-    return {p.name: [int(line.split()[3]) for line in p.read_text().split("\n") if line]
-            for p in job.out.glob("progress.*")}
 
 
 def test_sigkill_rolls_back_to_last_commit(tmp_path: Path) -> None:
@@ -115,11 +43,11 @@ def test_sigkill_rolls_back_to_last_commit(tmp_path: Path) -> None:
         assert r["w"] == [_expected_w(steps)] * 4, r["w"]
         assert r["sizes"][:6] == [3] * 6 and set(r["sizes"][6:]) == {2}, r["sizes"]
     # Step 7 was reached (the kill), so steps 6 and 7 ran twice on the survivors: a rollback.
-    redone = [s for s in _progress_steps(job)["progress.0"] if s == 7]
-    assert len(redone) == 2, _progress_steps(job)
+    redone = [s for s in progress_steps(job)["progress.0"] if s == 7]
+    assert len(redone) == 2, progress_steps(job)
     assert "blacklisting host 127.0.0.1" in out and "exited with status code 137" in out
     assert "elastic job finished" in out and "1 reset(s)" in out
-    _no_orphans(job)
+    no_orphans(job)
 
 
 def test_host_added_by_discovery(tmp_path: Path) -> None:
@@ -145,9 +73,9 @@ def test_host_added_by_discovery(tmp_path: Path) -> None:
         assert r["sizes"][0] == 2 and r["sizes"][-1] == 3
     assert "hosts added" in out and "1 new" in out, out
     # No failure: nothing was rolled back or redone.
-    for name, seq in _progress_steps(job).items():
+    for name, seq in progress_steps(job).items():
         assert seq == sorted(set(seq)), (name, seq)
-    _no_orphans(job)
+    no_orphans(job)
 
 
 def test_host_removed_interrupts_without_rollback(tmp_path: Path) -> None:
@@ -170,9 +98,9 @@ def test_host_removed_interrupts_without_rollback(tmp_path: Path) -> None:
         assert r["w"] == [_expected_w(steps)] * 4
     assert "hosts removed" in out and "has been removed from elastic job" in out, out
     assert "restoring the last commit" not in out and "blacklisting" not in out, out
-    for name, seq in _progress_steps(job).items():
+    for name, seq in progress_steps(job).items():
         assert seq == sorted(set(seq)), (name, seq)  # nothing ran twice
-    _no_orphans(job)
+    no_orphans(job)
 
 
 def test_reset_limit_fails_cleanly(tmp_path: Path) -> None:
@@ -188,7 +116,7 @@ def test_reset_limit_fails_cleanly(tmp_path: Path) -> None:
     assert "elastic job failed" in out and "2 failed" in out, out
     assert "blacklisting host 127.0.0.1" in out and f"blacklisting host {HOSTNAME}" in out
     assert not job.results()
-    _no_orphans(job)
+    no_orphans(job)
 
 
 def test_fewer_than_min_np_times_out(tmp_path: Path) -> None:
@@ -205,7 +133,7 @@ def test_fewer_than_min_np_times_out(tmp_path: Path) -> None:
            "127.0.0.1)" in out, out
     assert "hvdrun stopped the elastic job" in out  # what the waiting survivor was told
     assert time.monotonic() - t0 < 30
-    _no_orphans(job)
+    no_orphans(job)
 
 
 def test_elastic_sampler_covers_dataset_once(tmp_path: Path) -> None:
@@ -232,7 +160,7 @@ def test_elastic_sampler_covers_dataset_once(tmp_path: Path) -> None:
         assert r["log"] == list(range(13)) and r["sizes"] == [3] * 4 + [2] * 9, r
         assert r["w"] == pytest.approx([w] * 4, abs=1e-5), (r["w"], w)
     assert res[0]["w"] == res[1]["w"]
-    _no_orphans(job)
+    no_orphans(job)
 
 
 API_SCRIPT = r"""

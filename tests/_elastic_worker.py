@@ -1,4 +1,4 @@
-"""Worker of tests/integration/test_elastic.py (and benchmarks/elastic_recovery.py).
+"""Worker of tests/integration/test_elastic.py, tests/gpu/test_elastic_gpu.py (and benchmarks/elastic_recovery.py).
 
 A toy training loop under `hvd.elastic.run` whose result is exactly predictable: at step s every
 rank r contributes `base(s) + r - (size-1)/2` and the average is `base(s)` at any size, in exact
@@ -14,6 +14,7 @@ ET_KILL     "host:step[,host:step]": the worker on that host SIGKILLs itself onc
 ET_FAIL     "host:step": the worker on that host exits 3 at that step (every time)
 ET_TORCH    1: torch instead (TorchState: model, optimizer, ElasticSampler; see main_torch)
 ET_DATASET, ET_BATCH  torch: dataset size (60) and batch size per rank (2)
+ET_CUDA     1: torch on CUDA (NCCL), the worker of host "localhost" on GPU 0, others on GPU 1
 """
 from __future__ import annotations
 
@@ -111,8 +112,13 @@ def main_torch() -> None:
     import horovod.torch as hvd
     from collective import elastic
 
+    device = torch.device("cpu")
+    if os.environ.get("ET_CUDA") == "1":  # one GPU per "host": localhost 0, any other 1
+        device = torch.device("cuda", (0 if HOST == "localhost" else 1)
+                              % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     hvd.init()
-    model = torch.nn.Linear(4, 1, bias=False)
+    model = torch.nn.Linear(4, 1, bias=False).to(device)
     with torch.no_grad():
         model.weight.zero_()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5),
@@ -134,7 +140,7 @@ def main_torch() -> None:
             maybe_die(s)
             opt.zero_grad()
             scale = base(s) + hvd.rank() - (hvd.size() - 1) / 2
-            (model(torch.ones(1, 4)).sum() * scale).backward()
+            (model(torch.ones(1, 4, device=device)).sum() * scale).backward()
             opt.step()
             gathered = hvd.allgather_object([int(i) for i in idx])
             state.seen = state.seen + [i for part in gathered for i in part]
@@ -149,7 +155,7 @@ def main_torch() -> None:
         state.commit()
 
     train(state)
-    write(hvd, model.weight.detach().numpy().reshape(-1), state, resets)
+    write(hvd, model.weight.detach().cpu().numpy().reshape(-1), state, resets)
 
 
 def write(hvd, w, state, resets) -> None:
