@@ -63,8 +63,9 @@ class HostUpdateResult:
 
 
 # Wall-clock times (time.time()) of the last reset's phases, for benchmarks and logs:
-# "error" (the failure was caught), "assigned" (the driver answered), "initialized" (the new
-# world is up), "synced" (state broadcast from rank 0), "resumed" (callbacks ran).
+# "error" (the failure or interrupt was caught), "assigned" (the driver answered),
+# "initialized" (the new world is up), "callbacks" (the reset callbacks ran), "synced" (the
+# state was broadcast from rank 0; the training function is called next).
 last_reset_timings: dict[str, float] = {}
 
 
@@ -153,7 +154,8 @@ def rendezvous(config: Any) -> tuple[Any, str]:
     finally:
         kv.close()
     msg = json.loads(raw)
-    last_reset_timings["assigned"] = time.time()
+    if last_reset_timings:  # a reset (not the first init) is under way
+        last_reset_timings["assigned"] = time.time()
     if "removed" in msg:
         sys.stderr.write(f"{msg['removed']}\n")
         sys.stderr.flush()
@@ -351,7 +353,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 skip_sync = exc.skip_sync
             reset()
             state.on_reset()
-            last_reset_timings["resumed"] = time.time()
+            last_reset_timings["callbacks"] = time.time()
 
     return wrapper
 

@@ -85,6 +85,7 @@ def main_numpy() -> None:
 
     @elastic.run
     def train(state):
+        first = True
         while state.step < STEPS:
             s = state.step
             maybe_die(s)
@@ -95,6 +96,11 @@ def main_numpy() -> None:
             state.sizes.append(hvd.size())
             state.step += 1
             progress(hvd, state.step)
+            if first and elastic.last_reset_timings:  # the first step after a reset
+                with open(os.path.join(OUT, f"timings.{WID}"), "a") as f:
+                    f.write(json.dumps(dict(elastic.last_reset_timings, step=time.time(),
+                                            rank=hvd.rank(), size=hvd.size())) + "\n")
+            first = False
             if state.step % COMMIT == 0:
                 state.commit()
             time.sleep(SLEEP)
