@@ -39,9 +39,10 @@ def elastic_settings_from_args(args: argparse.Namespace
         hosts = (parse_hosts(args.hosts) if args.hosts else parse_hostfile(args.hostfile)
                  if args.hostfile else [HostInfo("localhost", num_proc)])
         if len(hosts) < 2:
-            raise ValueError("Cannot run in fault tolerance mode with fewer than 2 hosts. Give "
-                             "-H with two hosts or more (localhost, 127.0.0.1 and this "
-                             "machine's name are all local), or --host-discovery-script.")
+            raise ValueError("Cannot run in fault tolerance mode with fewer than 2 hosts. "
+                             "Elastic jobs need -H with two hosts or more (localhost, "
+                             "127.0.0.1 and this machine's name are all local), or "
+                             "--host-discovery-script.")
     cooldown = args.blacklist_cooldown_range
     elastic = ElasticSettings(
         min_np=min_np, max_np=max_np, discovery_script=args.host_discovery_script,

@@ -152,6 +152,9 @@ class ElasticDriver:
         reset_limit: the most resets (None: no limit).
         cooldown_range: (lo, hi) seconds of blacklist cooldown, or None (permanent).
         message: where driver messages go (stderr lines).
+        straggler_timeout: seconds a live worker may keep the others waiting for a new round
+            (it should fail its next collective within the tcp timeout); after that it is
+            killed and counted as failed.
     """
 
     def __init__(self, discovery: Any, spawner: WorkerSpawner,
@@ -161,7 +164,8 @@ class ElasticDriver:
                  cooldown_range: tuple[float, float] | None = None,
                  message: Callable[[str], None] | None = None,
                  discovery_interval: float = DISCOVERY_INTERVAL_S,
-                 grace_period: float = GRACE_PERIOD_S) -> None:
+                 grace_period: float = GRACE_PERIOD_S,
+                 straggler_timeout: float = 90.0) -> None:
         if min_np < 1 or num_proc < min_np or (max_np is not None and max_np < num_proc):
             raise ValueError(f"elastic sizes must satisfy 1 <= --min-np ({min_np}) <= -np "
                              f"({num_proc}) <= --max-np ({max_np})")
@@ -175,6 +179,8 @@ class ElasticDriver:
         self.hosts = HostManager(cooldown_range)
         self._message = message or (lambda text: None)
         self._interval = discovery_interval
+        self._straggler_timeout = straggler_timeout
+        self._waiting_since: float | None = None
         self._grace = grace_period
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._workers: dict[int, _Worker] = {}
@@ -363,8 +369,23 @@ class ElasticDriver:
         if self._forming_since is not None:
             return
         live = [w for w in self._workers.values() if w.live]
-        if not live or not all(w.waiting for w in live):
+        if not any(w.waiting for w in live):
+            self._waiting_since = None
             return
+        if not all(w.waiting for w in live):
+            now = time.monotonic()
+            if self._waiting_since is None:
+                self._waiting_since = now
+            elif now - self._waiting_since > self._straggler_timeout:
+                for w in live:
+                    if not w.waiting:
+                        self._message(f"hvdrun: worker {w.id} (rank {w.rank} on host {w.host}) "
+                                      f"did not rejoin within {self._straggler_timeout:g} s of "
+                                      "the others asking for a new round; stopping it")
+                        self.spawner.stop(w.id, signal.SIGKILL)
+                self._waiting_since = now  # its exit (a failure) completes the barrier
+            return
+        self._waiting_since = None
         self.timings["barrier"] = time.time()
         finished = [w for w in self._workers.values()
                     if w.exit is not None and w.exit[0] == 0 and not w.removed]

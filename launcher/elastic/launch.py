@@ -107,7 +107,8 @@ def run_elastic(settings: LaunchSettings, elastic: ElasticSettings, *,
             discovery, spawner, env_for, server, num_proc=settings.num_proc,
             min_np=elastic.min_np, max_np=elastic.max_np,
             elastic_timeout=elastic.elastic_timeout, reset_limit=elastic.reset_limit,
-            cooldown_range=elastic.cooldown_range, message=spawner.message)
+            cooldown_range=elastic.cooldown_range, message=spawner.message,
+            straggler_timeout=2 * _gloo_timeout(overrides) + 30.0)
         holder["driver"] = driver
         if settings.verbose:
             err.write(f"hvdrun: elastic mode: -np {settings.num_proc}, --min-np "
@@ -121,3 +122,12 @@ def run_elastic(settings: LaunchSettings, elastic: ElasticSettings, *,
     finally:
         server.stop()
 
+
+
+def _gloo_timeout(overrides: dict[str, str]) -> float:
+    """HOROVOD_GLOO_TIMEOUT_SECONDS as the workers will see it."""
+    from collective.config import read_env  # noqa: PLC0415
+
+    raw = overrides.get("HOROVOD_GLOO_TIMEOUT_SECONDS")
+    value = float(raw) if raw else read_env().gloo_timeout
+    return value if value > 0 else 30.0
