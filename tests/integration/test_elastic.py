@@ -140,26 +140,26 @@ def test_elastic_sampler_covers_dataset_once(tmp_path: Path) -> None:
     """Test 6 (torch): across a SIGKILL and rollback, the samples of the committed batches are
     exactly the dataset once; model and momentum are rolled back consistently."""
     pytest.importorskip("torch")
-    # 60 samples, 2 per rank per batch: 10 batches at 3 ranks; the kill at batch 5 rolls back
-    # to the commit after batch 4 (24 samples), the 36 left are 9 batches at 2 ranks.
-    job = Job(tmp_path, ["-np", "3", "--min-np", "2", "-H", "localhost:2,127.0.0.1:1"],
+    # 60 samples, 2 per rank per batch: 15 batches at 2 ranks; the kill at batch 5 rolls back
+    # to the commit after batch 4 (16 samples), the 44 left are 22 batches at 1 rank.
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1"],
               {"ET_TORCH": "1", "ET_DATASET": "60", "ET_BATCH": "2", "ET_COMMIT": "2",
-               "ET_KILL": "127.0.0.1:5"}, 120)
+               "ET_SLEEP": "0.01", "ET_KILL": "127.0.0.1:5"}, 120)
     code, out = job.finish()
     assert code == 0, out
     res = job.results()
-    assert [r["rank"] for r in res] == [0, 1], out
+    assert [r["rank"] for r in res] == [0], out
     # SGD(lr=0.5, momentum=0.5) on an averaged gradient of base(step) per weight.
     w, buf = 0.0, None
-    for s in range(13):
+    for s in range(26):
         g = float(s % 7 - 3)
         buf = g if buf is None else 0.5 * buf + g
         w -= 0.5 * buf
     for r in res:
         assert sorted(r["seen"]) == list(range(60)), r["seen"]
-        assert r["log"] == list(range(13)) and r["sizes"] == [3] * 4 + [2] * 9, r
+        assert r["log"] == list(range(26)) and r["sizes"] == [2] * 4 + [1] * 22, r
         assert r["w"] == pytest.approx([w] * 4, abs=1e-5), (r["w"], w)
-    assert res[0]["w"] == res[1]["w"]
+    assert "restoring the last commit" in out
     no_orphans(job)
 
 
