@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import pickle
 import queue
 import sys
@@ -41,6 +40,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ._log import get_logger
+from .config import update_environ
 from .errors import CollectiveTimeoutError, HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["State", "ObjectState", "run", "run_fn", "reset", "broadcast_object",
@@ -136,7 +136,7 @@ def rendezvous(config: Any) -> tuple[Any, str]:
     from .rendezvous import KVClient  # noqa: PLC0415
 
     global _inits
-    wid = os.environ.get(WORKER_ID_ENV, "")
+    wid = config.elastic_worker_id
     if not wid:
         raise ValueError(f"HOROVOD_ELASTIC=1 but {WORKER_ID_ENV} is not set: start elastic "
                          "jobs with hvdrun --min-np/--host-discovery-script or horovod.run("
@@ -165,8 +165,7 @@ def rendezvous(config: Any) -> tuple[Any, str]:
     names = {"rank": "HOROVOD_RANK", "size": "HOROVOD_SIZE", "local_rank": "HOROVOD_LOCAL_RANK",
              "local_size": "HOROVOD_LOCAL_SIZE", "cross_rank": "HOROVOD_CROSS_RANK",
              "cross_size": "HOROVOD_CROSS_SIZE"}
-    for field, env in names.items():
-        os.environ[env] = str(msg[field])
+    update_environ({env: str(msg[field]) for field, env in names.items()})
     _updates.restart(config.rendezvous_addr, config.rendezvous_port, secret,
                      int(msg["updates"]))
     return config.replace(**{f: int(msg[f]) for f in names}), str(msg["scope"])

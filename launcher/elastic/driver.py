@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from collective.elastic import SCOPE, WORKER_ID_ENV, HostUpdateResult
 from collective.rendezvous import KVServer
 
 from .._proc import describe_exit
@@ -37,6 +36,15 @@ __all__ = ["ElasticDriver", "ElasticKVServer", "ElasticResult", "assign_slots",
            "RESET_LIMIT_MESSAGE", "DISCOVERY_INTERVAL_S"]
 
 DISCOVERY_INTERVAL_S = 1.0
+
+# The worker side of the protocol is collective/elastic.py (which the launcher does not import:
+# it needs numpy); tests/unit/test_elastic_driver.py checks that both agree.
+SCOPE = "elastic"
+WORKER_ID_ENV = "HOROVOD_ELASTIC_WORKER_ID"
+
+
+class HostUpdateResult:
+    no_update, removed, added, mixed = 0, 1, 2, 3
 GRACE_PERIOD_S = 5.0
 RESET_LIMIT_MESSAGE = ("Horovod was shutdown because number of resets during elastic job "
                        "exceeded limit: {}")

@@ -110,3 +110,12 @@ def test_cli_elastic_settings() -> None:
 def test_cli_elastic_errors(argv, match) -> None:
     with pytest.raises(ValueError, match=match):
         elastic_settings_from_args(_args(*argv))
+
+
+def test_protocol_constants_match_the_worker_side() -> None:
+    import collective.elastic as worker
+    from launcher.elastic import driver
+
+    assert (driver.SCOPE, driver.WORKER_ID_ENV) == (worker.SCOPE, worker.WORKER_ID_ENV)
+    for name in ("no_update", "removed", "added", "mixed"):
+        assert getattr(driver.HostUpdateResult, name) == getattr(worker.HostUpdateResult, name)
