@@ -47,8 +47,7 @@ class Job:
         """Waits until some worker has finished `step` steps."""
         while time.monotonic() < self.deadline:
             for p in self.out.glob("progress.*"):
-                lines = p.read_text().split("\n")
-                if any(line and int(line.split()[3]) >= step for line in lines):
+                if any(s >= step for s in _steps(p.read_text())):
                     return
             if self.proc.poll() is not None:
                 pytest.fail("hvdrun ended early:\n" + self.proc.communicate()[0])
@@ -85,5 +84,14 @@ def no_orphans(job: Job) -> None:
 
 
 def progress_steps(job: Job) -> dict[str, list[int]]:
-    return {p.name: [int(line.split()[3]) for line in p.read_text().split("\n") if line]
-            for p in job.out.glob("progress.*")}
+    return {p.name: _steps(p.read_text()) for p in job.out.glob("progress.*")}
+
+
+def _steps(text: str) -> list[int]:
+    """The step numbers of complete progress lines (a line being written is skipped)."""
+    out = []
+    for line in text.split("\n"):
+        parts = line.split()
+        if len(parts) == 4 and parts[3].isdigit():
+            out.append(int(parts[3]))
+    return out
