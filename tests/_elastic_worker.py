@@ -14,6 +14,8 @@ ET_KILL     "host:step[,host:step]": the worker on that host SIGKILLs itself onc
 ET_FAIL     "host:step": the worker on that host exits 3 at that step (every time)
 ET_TORCH    1: torch instead (TorchState: model, optimizer, ElasticSampler; see main_torch)
 ET_DATASET, ET_BATCH  torch: dataset size (60) and batch size per rank (2)
+ET_BPPS     torch: backward_passes_per_step (default 1); the averaged gradient is then
+            ET_BPPS * base(step) (passes add up, as in Horovod)
 ET_CUDA     1: torch on CUDA (NCCL), the worker of host "localhost" on GPU 0, others on GPU 1
 """
 from __future__ import annotations
@@ -127,8 +129,10 @@ def main_torch() -> None:
     model = torch.nn.Linear(4, 1, bias=False).to(device)
     with torch.no_grad():
         model.weight.zero_()
+    passes = int(os.environ.get("ET_BPPS", "1"))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes)
     dataset = list(range(int(os.environ.get("ET_DATASET", "60"))))
     batch = int(os.environ.get("ET_BATCH", "2"))
     sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=1)
@@ -146,7 +150,8 @@ def main_torch() -> None:
             maybe_die(s)
             opt.zero_grad()
             scale = base(s) + hvd.rank() - (hvd.size() - 1) / 2
-            (model(torch.ones(1, 4, device=device)).sum() * scale).backward()
+            for _ in range(passes):  # accumulated locally, one allreduce per step
+                (model(torch.ones(1, 4, device=device)).sum() * scale).backward()
             opt.step()
             gathered = hvd.allgather_object([int(i) for i in idx])
             state.seen = state.seen + [i for part in gathered for i in part]

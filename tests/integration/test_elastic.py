@@ -138,21 +138,23 @@ def test_fewer_than_min_np_times_out(tmp_path: Path) -> None:
 
 def test_elastic_sampler_covers_dataset_once(tmp_path: Path) -> None:
     """Test 6 (torch): across a SIGKILL and rollback, the samples of the committed batches are
-    exactly the dataset once; model and momentum are rolled back consistently."""
+    exactly the dataset once; model, momentum and the backward_passes_per_step=2 accumulation
+    (cut short on the survivor by the failure) are rolled back consistently."""
     pytest.importorskip("torch")
     # 60 samples, 2 per rank per batch: 15 batches at 2 ranks; the kill at batch 5 rolls back
     # to the commit after batch 4 (16 samples), the 44 left are 22 batches at 1 rank.
     job = Job(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1"],
               {"ET_TORCH": "1", "ET_DATASET": "60", "ET_BATCH": "2", "ET_COMMIT": "2",
-               "ET_SLEEP": "0.01", "ET_KILL": "127.0.0.1:5"}, 120)
+               "ET_SLEEP": "0.01", "ET_KILL": "127.0.0.1:5", "ET_BPPS": "2"}, 120)
     code, out = job.finish()
     assert code == 0, out
     res = job.results()
     assert [r["rank"] for r in res] == [0], out
-    # SGD(lr=0.5, momentum=0.5) on an averaged gradient of base(step) per weight.
+    # SGD(lr=0.5, momentum=0.5) on an averaged gradient of 2 * base(step) per weight (two
+    # backward passes per step add up).
     w, buf = 0.0, None
     for s in range(26):
-        g = float(s % 7 - 3)
+        g = 2.0 * float(s % 7 - 3)
         buf = g if buf is None else 0.5 * buf + g
         w -= 0.5 * buf
     for r in res:
