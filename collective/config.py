@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 __all__ = ["Option", "OPTIONS", "Config", "read_env", "options_by_field", "environ_snapshot",
-           "no_effect_set", "warn_no_effect"]
+           "no_effect_set", "warn_no_effect", "update_environ"]
 
 
 def _bool(text: str) -> bool:
@@ -146,6 +146,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("cross_size", "HOROVOD_CROSS_SIZE", int, -1, "", "number of hosts"),
     Option("hostname", "HOROVOD_HOSTNAME", str, "", "", "host id of this process"),
     Option("elastic", "HOROVOD_ELASTIC", _bool, False, "", "elastic mode"),
+    Option("elastic_worker_id", "HOROVOD_ELASTIC_WORKER_ID", str, "", "",
+           "elastic: this worker's id (set by the elastic driver)"),
     Option("dynamic_process_sets", "HOROVOD_DYNAMIC_PROCESS_SETS", _bool, False, "",
            "allow add_process_set/remove_process_set after init"),
     Option("start_timeout", "HOROVOD_START_TIMEOUT", float, 30.0, "s",
@@ -211,6 +213,12 @@ def environ_snapshot() -> dict[str, str]:
     return dict(os.environ)
 
 
+def update_environ(values: Mapping[str, str]) -> None:
+    """Sets variables of this process (an elastic reset rewrites HOROVOD_RANK and the sizes, so
+    that code reading them, and the next `read_env()`, see the new world)."""
+    os.environ.update(values)
+
+
 @dataclass(frozen=True)
 class Config:
     fusion_threshold: int
@@ -254,6 +262,7 @@ class Config:
     cross_size: int
     hostname: str
     elastic: bool
+    elastic_worker_id: str
     dynamic_process_sets: bool
     start_timeout: float
     elastic_timeout: float

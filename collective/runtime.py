@@ -129,7 +129,11 @@ class Runtime:
         config = config or read_env()
         if control is None:
             mode = mode or detect_mode(config, comm)
-            control = create_backend(mode, config, comm=comm)
+            extra: dict[str, Any] = {}
+            if config.elastic and mode == "tcp":  # the elastic driver assigns rank and size
+                from .elastic import rendezvous  # noqa: PLC0415
+                config, extra["scope"] = rendezvous(config)
+            control = create_backend(mode, config, comm=comm, **extra)
         return cls(config, control, mode or "loopback", process_sets, **kw)
 
     def _topology(self) -> None:

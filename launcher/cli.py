@@ -229,11 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
                          help="prefix each output line with a timestamp")
 
     el = groups.get("elastic arguments") or p.add_argument_group("elastic arguments")
-    el.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int)
-    el.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int)
-    el.add_argument("--slots-per-host", dest="slots", type=int)
-    el.add_argument("--reset-limit", type=int)
-    el.add_argument("--blacklist-cooldown-range", type=int, nargs=2)
+    el.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int,
+                    help="elastic: the fewest processes the job runs with (default: -np)")
+    el.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int,
+                    help="elastic: the most processes (default: every discovered slot)")
+    el.add_argument("--slots-per-host", dest="slots", type=int,
+                    help="elastic: slots of a host the discovery script names without ':N'")
+    el.add_argument("--reset-limit", type=int,
+                    help="elastic: stop the job after this many resets (default: no limit)")
+    el.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                    help="elastic: a failed host comes back after a cooldown of MIN..MAX "
+                         "seconds, growing with each failure (default: never)")
 
     hg = p.add_argument_group("host arguments").add_mutually_exclusive_group()
     hg.add_argument("-H", "--hosts", help="host list, e.g. host1:2,host2:4 (default "
@@ -351,8 +357,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.min_num_proc is not None or args.max_num_proc is not None \
             or args.host_discovery_script:
-        parser.error("elastic mode (--min-np/--max-np/--host-discovery-script) is not "
-                     "available in this ringvod version yet; run a static job with -np")
+        from .elastic.cli import elastic_settings_from_args, launch_elastic  # noqa: PLC0415
+        try:
+            settings, elastic = elastic_settings_from_args(args)
+        except (ValueError, OSError) as exc:
+            parser.error(str(exc))
+        return launch_elastic(settings, elastic)
     try:
         settings = settings_from_args(args)
     except (ValueError, OSError) as exc:

@@ -2,7 +2,7 @@
 
 Re-exports only: `ops` (async, in-place and control collectives), `autograd` (differentiable
 collectives), `compression`, `functions` (broadcast helpers), `optimizer`
-(`DistributedOptimizer`), `sync_batch_norm`, `elastic` (stub); the basics come from
+(`DistributedOptimizer`), `sync_batch_norm`, `elastic` (elastic training); the basics come from
 `collective`.
 """
 from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet,

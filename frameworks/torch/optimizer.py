@@ -148,7 +148,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_hooks: list[Any] = []
         ps = process_set
         included = ps is global_process_set or ps.process_set_id == 0 or bool(ps.included())
-        self._hvd_active = included and collective.size() > 1
+        # Elastic jobs may grow from one rank: hooks are registered at any size there.
+        self._hvd_active = included and (collective.size() > 1
+                                         or collective.runtime.current().config.elastic)
         if self._hvd_active:
             self._hvd_register(groups)
 
