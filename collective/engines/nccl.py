@@ -48,9 +48,8 @@ except ImportError as exc:  # pragma: no cover - the registry reports it
         "GPU tensors need CuPy with NCCL: `pip install ringvod[gpu]` (CUDA 12) or "
         "`pip install ringvod[gpu-cu13]` (CUDA 13)") from exc
 
-__all__ = ["NCCLEngine", "ScheduleComm", "create_engine", "versions", "guest_enter",
-           "guest_exit", "init_communicator", "new_unique_id", "COMM_INIT_TIMEOUT",
-           "CLOSE_TIMEOUT"]
+__all__ = ["NCCLEngine", "create_engine", "versions", "guest_enter", "guest_exit",
+           "init_communicator", "COMM_INIT_TIMEOUT", "CLOSE_TIMEOUT"]
 
 _log_ = _log.get_logger()
 
@@ -716,146 +715,6 @@ class NCCLEngine(Engine):
                 comm.destroy()
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                 _log_.warning("ncclCommDestroy failed: %s", exc)
-
-
-class ScheduleComm:
-    """The NCCL communicator and stream of one pre-agreed bucket schedule (`collective.schedule`).
-
-    Every rank launches the same in-place allreduces in the same order from its own host, with
-    no control-plane round: NCCL's kernels meet on the GPU, as with DDP's reducer. A slot is one
-    agreed bucket (`specs`: element count and dtype per slot, all reduced with `op`); `mark`
-    records its ready event on the producer's stream when its data is queued, `launch` (any
-    later time) makes this stream wait on it and runs the allreduce, `wait` orders a consumer
-    stream after it. The caller orders launches (`BucketSchedule` holds the lock). Nothing
-    blocks the host except `close()`.
-    """
-
-    def __init__(self, raw: bytes, device: int, size: int, rank: int, group: list[int],
-                 specs: list[tuple[int, DataType]], op: ReduceOp) -> None:
-        self.device, self.rank, self.group = device, rank, group
-        self.broken: BaseException | None = None
-        self._slots = [(n, _NCCL_TYPE[dt], dt.itemsize) for n, dt in specs]
-        self._op = _AVG if op == ReduceOp.AVERAGE else _NCCL_OP[op]
-        self.comm = init_communicator(raw, device, size, rank, group)
-        with cupy.cuda.Device(device):
-            try:
-                self.stream = cupy.cuda.Stream(non_blocking=True, priority=STREAM_PRIORITY)
-            except TypeError:  # CuPy without stream priorities
-                self.stream = cupy.cuda.Stream(non_blocking=True)
-            # Per slot: its ready event and its completion event (raw cudaEvent_t).
-            self._ready = [int(_rt.eventCreateWithFlags(_DISABLE_TIMING)) for _ in specs]
-            self._done = [int(_rt.eventCreateWithFlags(_DISABLE_TIMING)) for _ in specs]
-        self._sp = int(self.stream.ptr)
-        self._check = getattr(self.comm, "check_async_error", None)
-        self._zeros: Any = None  # a joined rank's zero input and scratch output (CuPy arrays)
-
-    def _fail(self, what: str, exc: BaseException) -> HorovodInternalError:
-        if isinstance(exc, HorovodInternalError):
-            err = exc
-        else:
-            err = HorovodInternalError(
-                f"NCCL {what} of the bucket schedule failed on rank {self.rank} "
-                f"(cuda:{self.device}) of group {self.group}: {type(exc).__name__}: {exc}")
-            err.__cause__ = exc
-        if self.broken is None:
-            self.broken = err
-            self.abort()
-        return err
-
-    def check(self) -> None:
-        """Raises the error that ended the schedule, or an NCCL error of a finished launch.
-
-        Raises:
-            HorovodInternalError: the communicator failed or was aborted.
-        """
-        if self.broken is not None:
-            raise self.broken
-        if self._check is not None:
-            try:
-                self._check()
-            except Exception as exc:  # noqa: BLE001 - NcclError of an earlier launch
-                raise self._fail("allreduce", exc) from None
-
-    def mark(self, slot: int, producer: int) -> None:
-        """Records slot `slot`'s ready event on the producer stream (a cudaStream_t as int)."""
-        _rt.eventRecord(self._ready[slot], producer)
-
-    def launch(self, slot: int, ptr: int) -> None:
-        """In-place allreduce of slot `slot` at `ptr` after the slot's ready event.
-
-        Raises:
-            HorovodInternalError: the schedule is broken or the launch failed.
-        """
-        if self.broken is not None:
-            raise self.broken
-        count, ntype, _ = self._slots[slot]
-        try:
-            _rt.streamWaitEvent(self._sp, self._ready[slot], 0)
-            self.comm.allReduce(ptr, ptr, count, ntype, self._op, self._sp)
-            _rt.eventRecord(self._done[slot], self._sp)
-        except Exception as exc:  # noqa: BLE001
-            raise self._fail("allreduce", exc) from None
-
-    def wait(self, slot: int, stream: int) -> None:
-        """Makes `stream` wait for slot `slot`'s last launch (no host block)."""
-        _rt.streamWaitEvent(stream, self._done[slot], 0)
-
-    def launch_zeros(self) -> None:
-        """A joined rank's share of one step: every slot reduced from zeros, in slot order
-        (coordinator thread)."""
-        if self.broken is not None:
-            return
-        need = max((n * item for n, _, item in self._slots), default=0)
-        with cupy.cuda.Device(self.device):
-            if self._zeros is None or pointer_of(self._zeros[0])[1] < need:
-                prev = cupy.cuda.get_current_stream()
-                self.stream.use()  # the memset is ordered before the launches below
-                try:
-                    self._zeros = (cupy.zeros(need, dtype="uint8"),
-                                   cupy.empty(need, dtype="uint8"))
-                finally:
-                    prev.use()
-            src, dst = (pointer_of(a)[0] for a in self._zeros)
-            try:
-                for slot, (count, ntype, _) in enumerate(self._slots):
-                    self.comm.allReduce(src, dst, count, ntype, self._op, self._sp)
-                    _rt.eventRecord(self._done[slot], self._sp)
-            except Exception as exc:  # noqa: BLE001
-                raise self._fail("allreduce (joined rank)", exc) from None
-
-    def abort(self) -> None:
-        """ncclCommAbort: kernels waiting on a dead peer return; unusable afterwards."""
-        comm, self.comm = self.comm, None
-        if self.broken is None:
-            self.broken = HorovodInternalError(
-                f"the bucket schedule's NCCL communicator of ranks {self.group} was aborted")
-        if comm is not None:
-            _abort_comm(comm, self.device)
-
-    def close(self) -> None:
-        """Destroys the communicator once the stream drained; aborts it after CLOSE_TIMEOUT."""
-        comm = self.comm
-        if comm is None:
-            return
-        if not _drain(self.stream, self.device, f"the bucket schedule of ranks {self.group}"):
-            self.abort()
-            return
-        with cupy.cuda.Device(self.device):
-            self.comm = None
-            self.broken = HorovodInternalError("the bucket schedule was closed at shutdown")
-            self._zeros = None
-            for ev_ in self._ready + self._done:
-                _rt.eventDestroy(ev_)
-            self._ready, self._done = [], []
-            try:
-                comm.destroy()
-            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
-                _log_.warning("ncclCommDestroy failed: %s", exc)
-
-
-def new_unique_id() -> bytes:
-    """A fresh NCCL unique id (128 bytes), for `ScheduleComm` on every rank."""
-    return _uid_bytes(nccl.get_unique_id())
 
 
 def create_engine(control: ControlPlane, config: Any) -> NCCLEngine:

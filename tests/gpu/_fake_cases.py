@@ -365,51 +365,6 @@ def ready_events_of_failed_ops_return_to_the_pool(n: int) -> None:
     run_loopback(n, body)
 
 
-@case
-def bucket_schedule_launches_in_slot_order(n: int) -> None:
-    # A schedule's slots become ready in any order on each rank (here reversed on odd ranks);
-    # each launch waits for the slots before it, so every rank's NCCL calls come in slot
-    # order (the fake collectives pair calls by order: a wrong order gives wrong sums), and
-    # each step ends with a heartbeat that the next step's begin() waits for.
-    from collective import schedule
-    uid = schedule.unique_id()  # the threads share it; real ranks allgather it
-    specs = [(5, DataType.FLOAT32), (3, DataType.FLOAT64), (4, DataType.FLOAT32)]
-
-    def body(rank: int) -> None:
-        assert schedule.refusal(ReduceOp.AVERAGE, "sched.test") is None
-        s = schedule.open_schedule(uid, collective.global_process_set, 0, "sched.test", specs,
-                                   ReduceOp.AVERAGE)
-        # A second optimizer over the same parameters would reuse the name (and heartbeat).
-        assert "named sched.test" in (schedule.refusal(ReduceOp.AVERAGE, "sched.test") or "")
-        assert "Sum or Average" in (schedule.refusal(ReduceOp.MAX) or "")
-        stream = _fakecuda.Stream(non_blocking=True)
-        for step in range(3):
-            bufs = [FakeArray.of(np.full(c, rank + step + k, NP[dt])) for k, (c, dt) in
-                    enumerate(specs)]
-            assert s.begin()
-            order = range(len(specs)) if rank % 2 == 0 else reversed(range(len(specs)))
-            for k in order:
-                s.ready(k, bufs[k].__cuda_array_interface__["data"][0], stream.ptr)
-            for k in range(len(specs)):
-                s.wait(k, stream.ptr)
-                want = np.mean([r + step + k for r in range(n)])
-                assert np.allclose(bufs[k].get(), want), (step, k, bufs[k].get(), want)
-            s.finish()
-        assert s.begin() and s.steps == 3  # the last heartbeat saw every rank
-        for k in range(len(specs)):  # close the step as synchronize would
-            s.ready(k, FakeArray.of(np.zeros(specs[k][0], NP[specs[k][1]])
-                                    ).__cuda_array_interface__["data"][0], stream.ptr)
-        s.finish()
-        # A joined rank's share of a step, here from every rank at once: zeros, slot by slot.
-        s.comm.launch_zeros()
-        assert not s.comm._zeros[1].get().any()
-        s.rt = object()  # as after an elastic reset: the schedule ends at the next step
-        assert not s.begin() and not s.active
-        assert schedule.refusal(ReduceOp.AVERAGE, "sched.test") is None  # ended: name free
-        assert s.beat_name not in s.state.joined_hooks
-    run_loopback(n, body)
-
-
 def main() -> int:
     passed = failed = 0
     for n in (2, 3):
