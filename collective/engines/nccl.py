@@ -38,7 +38,8 @@ from . import _nccl_layouts as _layouts
 from ._cuda_kernels import CopyStager, Kernels
 from ._nccl_layouts import _pad16
 from .base import ControlPlane, Engine
-from .device import DeviceResult, pointer_of, set_allocation_stream, set_ready_events
+from .device import (DeviceOpError, DeviceResult, pointer_of, set_allocation_stream,
+                     set_ready_events)
 
 try:
     import cupy
@@ -108,10 +109,15 @@ class _Completion:
         self.event = event
         self._waited: int | None = None  # the last stream made to wait (waiting twice is moot)
 
-    def wait_on(self, stream: int) -> None:
+    def wait_on(self, stream: int, device: int = -1) -> None:
         if stream == self._waited:
             return
-        _rt.streamWaitEvent(stream, self.event.ptr, 0)
+        if stream == 0 and device >= 0:
+            # Handle 0 is the legacy default stream of the *current* device: make the waiting
+            # stream's device current (a stream may wait on another device's event).
+            _on_device(device, _rt.streamWaitEvent, stream, self.event.ptr, 0)
+        else:
+            _rt.streamWaitEvent(stream, self.event.ptr, 0)
         self._waited = stream
 
     def synchronize(self) -> None:
@@ -119,6 +125,20 @@ class _Completion:
 
     def query(self) -> bool:
         return bool(self.event.done)
+
+
+def _on_device(device: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` with `device` current on this thread (restored after): event records and
+    stream handle 0 refer to the current device, and the caller's tensor may live elsewhere
+    (a rank that places tensors with `t.cuda(local_rank)` without `set_device`)."""
+    prev = int(_rt.getDevice())
+    if prev == device:
+        return fn(*args)
+    _rt.setDevice(device)
+    try:
+        return fn(*args)
+    finally:
+        _rt.setDevice(prev)
 
 
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
@@ -143,18 +163,13 @@ class _ReadyEvents:
             ev = self._free[device].pop()  # list.pop is atomic: enqueueing threads share this
         except (KeyError, IndexError):
             ev = self._create(device)
-        _rt.eventRecord(ev, stream)
+        # The event and the stream must be on one device, and `stream` may be 0 (the current
+        # device's default stream): record with `device` current.
+        _on_device(device, _rt.eventRecord, ev, stream)
         return ev
 
     def _create(self, device: int) -> int:
-        prev = int(_rt.getDevice())
-        if prev != device:
-            _rt.setDevice(device)
-        try:
-            ev = int(_rt.eventCreateWithFlags(_DISABLE_TIMING))
-        finally:
-            if prev != device:
-                _rt.setDevice(prev)
+        ev = int(_on_device(device, _rt.eventCreateWithFlags, _DISABLE_TIMING))
         self._free.setdefault(device, [])
         self._device_of[ev] = device
         return ev
@@ -430,14 +445,19 @@ class NCCLEngine(Engine):
             if self.comm is None:
                 self._bind(entries)
                 self._check = getattr(self.comm, "check_async_error", None)
-            elif _tls.engine is not self and int(_rt.getDevice()) != self.device:
-                self._activate()  # a guest thread on another device
+            elif int(_rt.getDevice()) != self.device:
+                # A guest thread, or user code on this thread, made another device current:
+                # events and CuPy work below belong to the engine's device.
+                self._activate()
             if len(self._inflight) >= _REAP_AT or not self._free_events:
                 self._reap()
             if self._check is not None:
                 self._check()  # an NCCL error of an earlier op (e.g. a peer died) fails this one
             sp, last = self._sp, None
             for e in entries:
+                if e.device != self.device and e.device >= 0 and id(e.tensor) not in \
+                        self._zero_ids:
+                    raise self._other_device(e)
                 ev = e.ready_event
                 if ev is not None:
                     ev = _event_ptr(ev)
@@ -478,6 +498,18 @@ class NCCLEngine(Engine):
         finally:
             if self._zero_ids:
                 self._zero_ids.clear()
+
+    def _other_device(self, e: Entry) -> HorovodInternalError:
+        """The error for an op whose tensor is not on the device this process set's
+        communicator was bound to. It ends the job: a peer may have launched its half of the
+        op already, so the communicator cannot go on in step."""
+        return HorovodInternalError(
+            f"tensor {e.name} on rank {self.rank} is on cuda:{e.device}, but this rank's NCCL "
+            f"communicator for ranks {self.control.global_ranks} is bound to "
+            f"cuda:{self.device} (the device of its first GPU op); ringvod runs every GPU op "
+            f"of a process set on one device per rank. Keep this rank's tensors on "
+            f"cuda:{self.device}, e.g. call torch.cuda.set_device(hvd.local_rank()) once at "
+            "start and place tensors with .cuda().")
 
     def _reap(self) -> None:
         q = self._inflight
@@ -571,7 +603,7 @@ class NCCLEngine(Engine):
     def _new_reduction(self, dtype: DataType, resp: Response) -> tuple[int, int, float, float]:
         ntype = _NCCL_TYPE.get(dtype)
         if ntype is None:
-            raise _OpError(ValueError(
+            raise _OpError(DeviceOpError(
                 f"{dtype.label} tensors cannot be reduced on GPU (NCCL has no {dtype.label} "
                 f"type); tensors {resp.names[:4]}: cast to int32 or a float type first"))
         op, pre, post = resp.reduce_op, resp.prescale, resp.postscale
@@ -583,9 +615,9 @@ class NCCLEngine(Engine):
             op, post = ReduceOp.SUM, post / self.size
         nop = _NCCL_OP.get(op)
         if nop is None:
-            raise _OpError(ValueError(f"reduce op {op.name} is not supported on GPU"))
+            raise _OpError(DeviceOpError(f"reduce op {op.name} is not supported on GPU"))
         if (pre != 1.0 or post != 1.0) and not Kernels.can_scale(dtype):
-            raise _OpError(ValueError(
+            raise _OpError(DeviceOpError(
                 f"{dtype.label} tensors cannot be scaled (prescale/postscale/Average); "
                 f"tensors {resp.names[:4]}"))
         return ntype, nop, pre, post
