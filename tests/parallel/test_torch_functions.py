@@ -134,10 +134,12 @@ def test_broadcast_optimizer_state_frozen_parameter():
     torch.manual_seed(hvd.rank())
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     model[0].weight.requires_grad_(False)
-    for opt in (torch.optim.Adam(model.parameters(), lr=0.01),
-                hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
-                                                         momentum=0.9),
-                                         named_parameters=model.named_parameters())):
+    makers = (lambda: torch.optim.Adam(model.parameters(), lr=0.01),
+              lambda: hvd.DistributedOptimizer(
+                  torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                  named_parameters=model.named_parameters()))
+    for make in makers:  # the DistributedOptimizer's hooks exist only in its own round
+        opt = make()
         for p in model.parameters():
             p.grad = None
         hvd.broadcast_optimizer_state(opt, root_rank=0)
