@@ -365,6 +365,67 @@ def ready_events_of_failed_ops_return_to_the_pool(n: int) -> None:
     run_loopback(n, body)
 
 
+@case
+def tensors_on_a_device_that_is_not_current(n: int) -> None:
+    # Rank r places its tensors on device r but never makes it current (its threads stay on
+    # device 0), as a script that uses `t.cuda(hvd.local_rank())` without `set_device`. Ready
+    # events are recorded on device r's default stream (handle 0), the engine binds to device
+    # r, the caller's default stream of device r waits for the result, and the user thread's
+    # current device stays 0. The fake fails a record or launch on the wrong device as CUDA
+    # does (cudaErrorInvalidResourceHandle).
+    from collective.engines import device
+    from collective.ops import wait_now
+
+    def body(rank: int) -> None:
+        assert _fakecuda._current_device() == 0
+        for i in range(6):
+            x = FakeArray.of(np.full(5, float(rank + i), np.float32))
+            ev = device.record_ready(rank, 0)  # the default stream of the tensor's device
+            assert _fakecuda._current_device() == 0
+            kw = dict(device=rank, dtypes=[DataType.FLOAT32], shapes=[(5,)], ready_events=[ev],
+                      op=ReduceOp.SUM, name="offdev", prescale=0.5 if i % 2 else 1.0)
+            if i < 3:
+                res = collective.enqueue(RequestType.ALLREDUCE, [x], **kw).wait(10)
+            else:  # synchronous: the express lane runs the engine on this thread
+                res = wait_now(collective.synchronize,
+                               lambda: collective.enqueue(RequestType.ALLREDUCE, [x], **kw))
+            assert _fakecuda._current_device() == 0, "an op left another device current"
+            del _fakecuda.waits()[:]
+            res.wait(0, rank)  # the caller's default stream of device `rank`
+            assert _fakecuda.waits()[-1] == (0, rank), _fakecuda.waits()
+            assert _fakecuda._current_device() == 0
+            want = sum(r + i for r in range(n)) * (0.5 if i % 2 else 1.0)
+            assert np.array_equal(value(res), np.full(5, want, np.float32)), value(res)
+        eng = collective.runtime.current().member_sets()[0].device_engine
+        assert eng.device == rank
+    run_loopback(n, body)
+
+
+@case
+def an_op_on_a_second_device_names_both_devices(n: int) -> None:
+    # After the communicator was bound to device r, an op whose tensor is on device r + n
+    # fails with an error naming both devices (never a CUDA error), on every rank here since
+    # every rank does it; the runtime then shuts down (a peer may have launched its half).
+    def body(rank: int) -> None:
+        kw = dict(dtypes=[DataType.FLOAT32], shapes=[(3,)], op=ReduceOp.SUM)
+        x = FakeArray.of(np.ones(3, np.float32))
+        res = collective.enqueue(RequestType.ALLREDUCE, [x], device=rank, name="first",
+                                 **kw).wait(10)
+        assert np.array_equal(value(res), np.full(3, n, np.float32))
+        other = rank + n
+        try:
+            collective.enqueue(RequestType.ALLREDUCE, [FakeArray.of(np.ones(3, np.float32))],
+                               device=other, name="second", **kw).wait(10)
+        except collective.HorovodInternalError as exc:
+            # This rank's own error, or the first failing peer's (which aborted the group).
+            text = str(exc)
+            assert "is on cuda:" in text and "is bound to cuda:" in text, text
+            assert "InvalidResourceHandle" not in text, text
+        else:
+            raise AssertionError("an op on a second device did not fail")
+    run_loopback(n, body)
+
+
 def main() -> int:
     passed = failed = 0
     for n in (2, 3):
