@@ -1,7 +1,10 @@
 """NCCL engine: collectives on GPU tensors through CuPy's NCCL binding (`cupy.cuda.nccl`).
 
 One engine per process set (the coordinator creates it on the set's first device response), one
-communicator per engine, bound to the GPU of the op's tensors. DESIGN.md §4 "GPU ordering" and
+communicator per engine, bound to the GPU of that first op's tensors, whichever device is
+current: every CUDA call that names a device's default stream or records an event runs with
+that device current (`_on_device`), and the engine makes its own device current before its
+work. A later op of the set whose tensor is on another device fails, naming both devices. DESIGN.md §4 "GPU ordering" and
 docs/gpu.md ("How it works") describe it; in short:
 
 * Binding: every rank reports over the control plane whether it can use its GPU before group
