@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - the registry reports it
         "GPU tensors need CuPy with NCCL: `pip install ringvod[gpu]` (CUDA 12) or "
         "`pip install ringvod[gpu-cu13]` (CUDA 13)") from exc
 
-__all__ = ["NCCLEngine", "create_engine", "versions", "guest_enter", "guest_exit",
+__all__ = ["NCCLEngine", "UnsupportedOnGPUError", "create_engine", "versions", "guest_enter", "guest_exit",
            "init_communicator", "COMM_INIT_TIMEOUT", "CLOSE_TIMEOUT"]
 
 _log_ = _log.get_logger()
@@ -93,6 +93,11 @@ class _EngineTLS(threading.local):
 
 
 _tls = _EngineTLS()
+
+
+class UnsupportedOnGPUError(DeviceOpError, HorovodInternalError):
+    """A dtype, op or scaling NCCL cannot run, reported at `synchronize` on every rank. Horovod
+    raises `HorovodInternalError` for a failed GPU op; ringvod raised ValueError: it is both."""
 
 
 class _OpError(Exception):
@@ -606,7 +611,7 @@ class NCCLEngine(Engine):
     def _new_reduction(self, dtype: DataType, resp: Response) -> tuple[int, int, float, float]:
         ntype = _NCCL_TYPE.get(dtype)
         if ntype is None:
-            raise _OpError(DeviceOpError(
+            raise _OpError(UnsupportedOnGPUError(
                 f"{dtype.label} tensors cannot be reduced on GPU (NCCL has no {dtype.label} "
                 f"type); tensors {resp.names[:4]}: cast to int32 or a float type first"))
         op, pre, post = resp.reduce_op, resp.prescale, resp.postscale
@@ -618,9 +623,9 @@ class NCCLEngine(Engine):
             op, post = ReduceOp.SUM, post / self.size
         nop = _NCCL_OP.get(op)
         if nop is None:
-            raise _OpError(DeviceOpError(f"reduce op {op.name} is not supported on GPU"))
+            raise _OpError(UnsupportedOnGPUError(f"reduce op {op.name} is not supported on GPU"))
         if (pre != 1.0 or post != 1.0) and not Kernels.can_scale(dtype):
-            raise _OpError(DeviceOpError(
+            raise _OpError(UnsupportedOnGPUError(
                 f"{dtype.label} tensors cannot be scaled (prescale/postscale/Average); "
                 f"tensors {resp.names[:4]}"))
         return ntype, nop, pre, post

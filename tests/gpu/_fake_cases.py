@@ -234,8 +234,9 @@ def unsupported_dtype_fails_op_only(n: int) -> None:
         h = enq(RequestType.ALLREDUCE, [x], DataType.INT16, op=ReduceOp.SUM, name="i16")
         try:
             h.wait(10)
-        except ValueError as exc:
+        except ValueError as exc:  # and a HorovodInternalError, as Horovod raises
             assert "int16" in str(exc), exc
+            assert isinstance(exc, collective.HorovodInternalError), type(exc).__mro__
         else:
             raise AssertionError("int16 allreduce on GPU did not fail")
         y = np.ones(4, np.float32)

@@ -110,3 +110,14 @@ def test_execute_function_multithreaded_reports_failed_calls(monkeypatch):
 
     with pytest.raises(RuntimeError, match="Some threads for func fails_on_two did not complete"):
         execute_function_multithreaded(fails_on_two, [(1,), (2,), (3,)])
+
+
+def test_device_error_types_are_what_horovod_users_catch():
+    # A grouped op mixing CPU and CUDA tensors: Horovod raises a RuntimeError (ringvod's was a
+    # ValueError; it is both). A dtype NCCL cannot reduce fails at synchronize, where Horovod
+    # raises HorovodInternalError.
+    from collective import HorovodInternalError
+    from collective.engines.device import DeviceOpError
+
+    assert issubclass(DeviceOpError, RuntimeError) and issubclass(DeviceOpError, ValueError)
+    assert not issubclass(DeviceOpError, HorovodInternalError)  # a local usage error
