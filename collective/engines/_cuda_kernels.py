@@ -7,9 +7,10 @@
   16-byte aligned, 4-byte moves when 4-byte aligned, bytes otherwise.
 * `ringvod_scale_<dtype>`: in-place multiplication by a double factor (pre/postscale), with
   Horovod's GPU arithmetic: integers go through double and truncate toward zero, float32 and
-  float64 multiply in their own type, float16 in half precision (the factor rounded to float16,
-  one rounding of the product); bfloat16 through float32, rounded to nearest even. No CUDA headers are needed: half and bfloat16
-  conversions are written with PTX `cvt` and bit operations.
+  float64 multiply in their own type, float16 in half precision (the factor rounded to
+  float16, one rounding of the product); bfloat16 through float32, rounded to nearest even.
+  No CUDA headers are needed: half and bfloat16 conversions are written with PTX `cvt` and bit
+  operations.
 
 Table layout for `ringvod_batched_copy` (uint64 words): src[n], dst[n], size[n], first[n + 1],
 where first[i] is the first block of copy i and first[n] the number of blocks.

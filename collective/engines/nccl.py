@@ -4,8 +4,8 @@ One engine per process set (the coordinator creates it on the set's first device
 communicator per engine, bound to the GPU of that first op's tensors, whichever device is
 current: every CUDA call that names a device's default stream or records an event runs with
 that device current (`_on_device`), and the engine makes its own device current before its
-work. A later op of the set whose tensor is on another device fails, naming both devices. DESIGN.md §4 "GPU ordering" and
-docs/gpu.md ("How it works") describe it; in short:
+work. A later op of the set whose tensor is on another device fails, naming both devices.
+docs/gpu.md ("How it works") describes it; in short:
 
 * Binding: every rank reports over the control plane whether it can use its GPU before group
   rank 0's unique id is broadcast; the init runs on a helper thread with a deadline
@@ -52,8 +52,8 @@ except ImportError as exc:  # pragma: no cover - the registry reports it
         "GPU tensors need CuPy with NCCL: `pip install ringvod[gpu]` (CUDA 12) or "
         "`pip install ringvod[gpu-cu13]` (CUDA 13)") from exc
 
-__all__ = ["NCCLEngine", "UnsupportedOnGPUError", "create_engine", "versions", "guest_enter", "guest_exit",
-           "init_communicator", "COMM_INIT_TIMEOUT", "CLOSE_TIMEOUT"]
+__all__ = ["NCCLEngine", "UnsupportedOnGPUError", "create_engine", "versions", "guest_enter",
+           "guest_exit", "init_communicator", "COMM_INIT_TIMEOUT", "CLOSE_TIMEOUT"]
 
 _log_ = _log.get_logger()
 
@@ -118,15 +118,18 @@ class _Completion:
         self._waited: int | None = None  # the last stream made to wait (waiting twice is moot)
 
     def wait_on(self, stream: int, device: int = -1) -> None:
-        if stream == self._waited:
+        # Handle 0 is the legacy default stream of the *current* device, so it is one stream
+        # per device: remembered as ~device.
+        key = stream if stream else ~device
+        if key == self._waited:
             return
         if stream == 0 and device >= 0:
-            # Handle 0 is the legacy default stream of the *current* device: make the waiting
-            # stream's device current (a stream may wait on another device's event).
+            # Make the waiting stream's device current (a stream may wait on another
+            # device's event).
             _on_device(device, _rt.streamWaitEvent, stream, self.event.ptr, 0)
         else:
             _rt.streamWaitEvent(stream, self.event.ptr, 0)
-        self._waited = stream
+        self._waited = key
 
     def synchronize(self) -> None:
         self.event.synchronize()

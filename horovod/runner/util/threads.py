@@ -1,4 +1,5 @@
-"""Thread helpers with the names, signatures and behaviour of Horovod's `horovod.runner.util.threads`.
+"""Thread helpers with the names, signatures and behaviour of Horovod's
+`horovod.runner.util.threads`.
 
 - `in_thread(target, args=(), name=None, daemon=True, silent=False)` starts `target(*args)` in a
   thread and returns the started thread.
@@ -19,7 +20,8 @@ __all__ = ["in_thread", "on_event", "execute_function_multithreaded"]
 
 def _check_args(args: Any) -> None:
     if not isinstance(args, tuple):
-        raise ValueError(f"args must be a tuple, not {type(args)}, for a single argument use (arg,)")
+        raise ValueError(f"args must be a tuple, not {type(args)}, "
+                         "for a single argument use (arg,)")
 
 
 def in_thread(target: Callable[..., Any], args: tuple = (), name: Optional[str] = None,
@@ -70,9 +72,10 @@ def on_event(event: threading.Event, func: Callable[..., Any], args: tuple = (),
     return in_thread(wait_then_call, silent=silent)
 
 
-def execute_function_multithreaded(fn: Callable[..., Any], args_list: Sequence[Sequence[Any]],
-                                   block_until_all_done: bool = True,
-                                   max_concurrent_executions: int = 1000) -> Optional[Dict[int, Any]]:
+def execute_function_multithreaded(
+        fn: Callable[..., Any], args_list: Sequence[Sequence[Any]],
+        block_until_all_done: bool = True,
+        max_concurrent_executions: int = 1000) -> Optional[Dict[int, Any]]:
     """Call `fn(*args_list[i])` for every i on at most `max_concurrent_executions` threads.
 
     Blocking (the default): waits for all calls and returns `{i: result}`; raises RuntimeError
