@@ -75,10 +75,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("bucket_cap_mb", "HOROVOD_BUCKET_CAP_MB", float, 25.0, "MB",
            "ringvod: DistributedOptimizer packs gradients into buckets of this size, one "
            "allreduce each (0 = one allreduce per gradient, as Horovod)", "--bucket-cap-mb"),
-    Option("bucket_schedule", "HOROVOD_BUCKET_SCHEDULE", _bool, True, "",
-           "ringvod: after a first negotiated step, DistributedOptimizer launches its GPU "
-           "buckets on a communicator of their own with no negotiation round, as DDP does "
-           "(0 = negotiate every bucket)", "--bucket-schedule"),
     Option("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", int, 1, "",
            "NCCL streams per device; ringvod uses one", "--num-nccl-streams",
            no_effect=True),
@@ -230,7 +226,6 @@ class Config:
     disable_group_fusion: bool
     batch_d2d_memcopies: bool
     bucket_cap_mb: float
-    bucket_schedule: bool
     num_nccl_streams: int
     thread_affinity: str
     autotune: bool

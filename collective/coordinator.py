@@ -86,9 +86,6 @@ class ProcessSetState:
         self.hits = PendingHits()  # cached requests waiting for the other ranks
         self.carry: list[Request] = []  # requests that lost their cache entry; sent next cycle
         self.join_active = False  # some rank of the set has joined (cache suspended)
-        # Op name -> callable run (coordinator thread) when this rank performs that op with
-        # zeros because it joined: bucket schedules' heartbeats (collective/schedule.py).
-        self.joined_hooks: dict[str, Any] = {}
         self.messages = MessageTable(self.size, ranks) if self.is_root else None
         self.stall = StallInspector(config.stall_check_time, config.stall_shutdown_time,
                                     not config.stall_check_disable,
@@ -586,13 +583,9 @@ class Coordinator:
         engine = self._engine(ps, device)
         with ps.lock:
             popped = [ps.table.pop(name, None) for name in resp.names]
-        joined_hooks = None
         for i, name in enumerate(resp.names):
             e = popped[i]
             if e is None:  # this rank joined: contribute zeros of the agreed size
-                hook = ps.joined_hooks.get(name)
-                if hook is not None:
-                    joined_hooks = (joined_hooks or []) + [hook]
                 shape = resp.shapes[i] if resp.shapes else (resp.sizes[i],)
                 z = engine.zeros(shape, resp.dtype, device)
                 e = Entry(Request(rank=ps.rank, type=RequestType(int(resp.type)), name=name,
@@ -619,9 +612,6 @@ class Coordinator:
                     out = e.output
                     tl.end(e.name, resp.dtype.label, tuple(getattr(out, "shape", ())))
                 e.handle._set_result(engine.finish(e))
-            if joined_hooks is not None:
-                for hook in joined_hooks:
-                    hook()
         except BaseException as exc:
             # These entries already left the table, so the loop's exit path (fail_all) cannot
             # reach them: fail them here or their waiters hang forever.

@@ -111,7 +111,6 @@ class Runtime:
         self._ps_changes: list[tuple[str, Any, Handle]] = []
         self.shut_down = False
         self.cause: BaseException | None = None
-        self._schedules: list[Any] = []  # open bucket schedules (collective/schedule.py)
         self._topology()
         _log.configure(config.log_level, config.log_hide_time, self.rank,
                        self.hostname if self.cross_size > 1 else None)
@@ -253,16 +252,6 @@ class Runtime:
         self.coordinator.wake()
         return h
 
-    def add_schedule(self, sched: Any) -> None:
-        """Registers a bucket schedule: closed at shutdown, aborted when the loop fails."""
-        with self._lock:
-            self._schedules.append(sched)
-
-    def schedules(self) -> list[Any]:
-        """The bucket schedules opened in this runtime."""
-        with self._lock:
-            return list(self._schedules)
-
     def has_changes(self) -> bool:
         return bool(self._ps_changes)
 
@@ -348,12 +337,6 @@ class Runtime:
                 for ps in self._members:
                     ps.control.abort("shutdown timed out")
                 self.coordinator.join(5.0)
-        for sched in self._schedules:
-            try:
-                sched.close()
-            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
-                _log_.warning("closing bucket schedule %s failed: %s", sched.name, exc)
-        self._schedules = []
         for ps in self._members:
             for eng in (ps.host_engine, ps.device_engine):
                 if eng is not None:
@@ -371,12 +354,6 @@ class Runtime:
             self.cause = cause
             changes, self._ps_changes = self._ps_changes, []
         exc = shutdown_error(cause)
-        if cause is not None:  # kernels of bucket schedules may wait on a dead peer
-            for sched in list(self._schedules):
-                try:
-                    sched.abort()
-                except Exception:  # noqa: BLE001 - best effort
-                    pass
         for ps in self._members:
             ps.fail_all(exc)
         for _, _, h in changes:

@@ -53,7 +53,7 @@ class Bucket:
     def __init__(self, params: list[torch.Tensor], name: str, index: int = 0) -> None:
         self.params = params
         self.name = name
-        self.index = index  # position in the optimizer's plan (its slot in a bucket schedule)
+        self.index = index  # position in the optimizer's plan
         self.offsets: list[int] = []
         n = 0
         for p in params:

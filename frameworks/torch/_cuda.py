@@ -111,7 +111,7 @@ def settle(result: Any) -> Any:
         t = out.obj if type(out) is DeviceBuffer else out
         if isinstance(t, torch.Tensor):
             dev = t.get_device()
-            result.wait(_current_stream(dev))
+            result.wait(_current_stream(dev), dev)
             if result.allocated:
                 t.record_stream(_stream_object(dev))
         else:  # a CuPy array (zeros of a joined rank): order on the device's current stream

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests._spmd import run_spmd
+from tests._spmd import mpi_available, run_spmd, skip_or_fail
 
 FILES = ["tests/parallel/test_torch_ops.py", "tests/parallel/test_torch_optimizer.py",
          "tests/parallel/test_torch_functions.py"]
@@ -27,6 +27,20 @@ def test_torch_spmd(np_: int, request: pytest.FixtureRequest) -> None:
     if selected and np_ not in selected:
         pytest.skip(f"np={np_} not selected by --np")
     run_spmd(FILES, np_, TIMEOUT)
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("mode", ["mpi", "tcp"])
+@pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
+def test_torch_horovod_parity(np_: int, mode: str) -> None:
+    """Scale-factor arithmetic, broadcast gradients in process sets, alltoall's received splits
+    and horovod.common.exceptions, bit for bit as Horovod, at 2 and 3 ranks in both modes."""
+    if mode == "mpi":
+        reason = mpi_available()
+        if reason:
+            skip_or_fail(reason, "mpi")
+    run_spmd("tests/parallel/test_torch_horovod_parity.py", np_, TIMEOUT, mode=mode)
 
 
 @pytest.mark.spmd_driver
