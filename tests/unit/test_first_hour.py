@@ -77,3 +77,39 @@ def test_install_commands_in_messages_and_docs_work():
                             "test_first_hour" not in path:
                         bad.append(f"{os.path.relpath(path, REPO)}:{n}: {line.strip()}")
     assert not bad, "\n".join(bad)
+
+
+def _write_idx(path: str, array, gz: bool) -> None:
+    import gzip
+
+    import numpy as np
+    a = np.asarray(array, dtype=np.uint8)
+    head = bytes([0, 0, 8, a.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in a.shape)
+    opener = gzip.open if gz else open
+    with opener(path + (".gz" if gz else ""), "wb") as f:
+        f.write(head + a.tobytes())
+
+
+def test_mnist_example_reads_torchvisions_folder(tmp_path):
+    pytest.importorskip("torch")
+    import importlib.util
+
+    import numpy as np
+    spec = importlib.util.spec_from_file_location(
+        "pytorch_mnist_example", os.path.join(REPO, "examples/pytorch/pytorch_mnist.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.mnist_raw_dir(str(tmp_path)) is None  # no MNIST: synthetic data
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    _write_idx(str(raw / "train-images-idx3-ubyte"), rng.integers(0, 256, (6, 28, 28)), True)
+    _write_idx(str(raw / "train-labels-idx1-ubyte"), [0, 1, 2, 3, 4, 9], True)
+    _write_idx(str(raw / "t10k-images-idx3-ubyte"), rng.integers(0, 256, (2, 28, 28)), False)
+    assert mod.mnist_raw_dir(str(tmp_path)) is None  # one file missing
+    _write_idx(str(raw / "t10k-labels-idx1-ubyte"), [7, 8], False)
+    assert mod.mnist_raw_dir(str(tmp_path)) == str(raw)
+    train, test = mod.real_mnist(str(raw), "train"), mod.real_mnist(str(raw), "test")
+    x, y = train.tensors
+    assert tuple(x.shape) == (6, 1, 28, 28) and y.tolist() == [0, 1, 2, 3, 4, 9]
+    assert test.tensors[1].tolist() == [7, 8]
