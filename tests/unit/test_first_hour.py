@@ -113,3 +113,21 @@ def test_mnist_example_reads_torchvisions_folder(tmp_path):
     x, y = train.tensors
     assert tuple(x.shape) == (6, 1, 28, 28) and y.tolist() == [0, 1, 2, 3, 4, 9]
     assert test.tensors[1].tolist() == [7, 8]
+
+
+def test_setup_script_says_what_it_installs_and_skip_ssh(tmp_path):
+    """scripts/setup.sh with a stand-in python: what it prints, and SKIP_SSH=1."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\n"
+                    "case \"$*\" in *'import torch'*) exit 1;; esac\nexit 0\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "SKIP_SSH": "1"}
+    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "setup.sh")], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "setup: installing PyTorch 2.13.0 from https://download.pytorch.org/whl/cpu" in r.stdout
+    assert "SKIP_SSH=1: not installing OpenSSH" in r.stdout
+    calls = log.read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in calls
+    assert '-e .[mpi,torch,test,yaml,plot]' in calls
