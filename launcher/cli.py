@@ -429,7 +429,8 @@ def _launch(settings: LaunchSettings, quiet: bool = False) -> int:
         if settings.mode == MODE_MPI:
             argv, env = launch.mpi_command(settings)
             if settings.verbose:
-                sys.stderr.write(launch.describe_plan(settings, set()) + "\n")
+                sys.stderr.write(launch.describe_plan(
+                    settings, launch.network.local_addresses()) + "\n")
             if not quiet:
                 sys.stderr.write(start_line(settings, launch.detected_mpi_text()) + "\n")
                 sys.stderr.flush()

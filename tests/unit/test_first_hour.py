@@ -131,3 +131,12 @@ def test_setup_script_says_what_it_installs_and_skip_ssh(tmp_path):
     calls = log.read_text()
     assert "--index-url https://download.pytorch.org/whl/cpu" in calls
     assert '-e .[mpi,torch,test,yaml,plot]' in calls
+
+
+def test_mpi_output_tags_become_tcp_modes_prefix():
+    from launcher.mpi_job import rewrite_tag
+    assert rewrite_tag(b"[1,3]<stdout>: hello\n", "stdout") == (3, b"hello\n")
+    assert rewrite_tag(b"[12,0]<stderr>:x\n", "stderr") == (0, b"x\n")
+    assert rewrite_tag(b"[2] from hydra\n", "stdout") == (2, b"from hydra\n")
+    assert rewrite_tag(b"PMIX ERROR: PMIX_ERR_UNREACH\n", "stderr") == (
+        None, b"PMIX ERROR: PMIX_ERR_UNREACH\n")
