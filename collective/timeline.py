@@ -31,8 +31,7 @@ or not at all. The writer keeps to that:
   last whole record, so cutting it at the page boundary leaves whole records followed by
   spaces, with only the closing ``]`` missing (a form Chrome's trace viewer, Perfetto and
   `load_events` read); it never crosses a second boundary;
-* no record is longer than `_MAX_RECORD` bytes (long names are shortened), so every record fits
-  in a page.
+* names are shortened to 1 KiB, so every record fits in a page.
 
 A file left by a killed job is therefore always ``[`` + whole records, ending in ``]`` unless
 the kill landed in the middle of a page-crossing write.
@@ -81,9 +80,8 @@ _POLL_S = 0.005
 # Linux stops a write hit by SIGKILL only between pages, so every write stays inside one page or
 # crosses one boundary right after whitespace padding (see the module docstring and `flush`).
 _PAGE = 4096
-# Longest record (bytes): with the ",\n" before it and the tail after it, a record always fits
-# in one page. Names that would make a longer record are shortened (`_literal`).
-_MAX_RECORD = 2048
+# Names are shortened (`_literal`) so that no record comes near a page: with the ",\n" before it
+# and the tail after it, every record fits in one.
 _MAX_LITERAL = 1024  # longest JSON string literal of a name, quotes included
 _TAIL = b"\n]\n"
 
@@ -352,37 +350,37 @@ class _FileWriter:
 
     # --- I/O --------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Appends the formatted records, one page at a time (see the module docstring)."""
+        """Appends the formatted records, a page at a time (see the module docstring)."""
         parts = self.parts
         if not parts:
             return
         self.parts = []
-        fd, start = self.fd, self.end
-        chunk: list[bytes] = []
-        pos = start  # file offset where the next piece goes
-        limit = (start // _PAGE + 1) * _PAGE - 3  # the tail must end inside this write's pages
-        crossed = False
-        for rec in parts:
-            # Records are single-line ASCII (names go through json.dumps).
-            piece = (",\n" + rec).encode("ascii")
-            if len(piece) > _MAX_RECORD + 2:  # cannot happen: names are shortened
-                _log.error("Timeline: dropping a %d-byte record", len(piece))
-                continue
-            if pos + len(piece) > limit:
-                if crossed:  # this write already spans two pages: write it, start the next
-                    os.pwrite(fd, b"".join(chunk) + _TAIL, start)
-                    chunk, start, crossed = [], pos, False
-                    limit = (pos // _PAGE + 1) * _PAGE - 3
-                if pos + len(piece) > limit:
-                    # Pad to the boundary: a cut there leaves whole records and spaces.
-                    boundary = limit + 3
-                    chunk.append(b" " * (boundary - pos))
-                    pos, limit, crossed = boundary, boundary + _PAGE - 3, True
-            chunk.append(piece)
-            pos += len(piece)
-        if chunk:
-            os.pwrite(fd, b"".join(chunk) + _TAIL, start)
-        self.end = pos
+        # Records are single-line ASCII (names go through json.dumps), so ",\n" occurs only
+        # between records: every ",\n" in `data` is a place where whole records end.
+        data = (",\n" + ",\n".join(parts)).encode("ascii")
+        fd, off, pos, total = self.fd, self.end, 0, len(data)
+        while pos < total:  # data[pos] is a separator, written at file offset `off`
+            page_end = (off // _PAGE + 1) * _PAGE
+            room = page_end - 3 - off  # the tail must stay in this page
+            if total - pos <= room:
+                os.pwrite(fd, data[pos:] + _TAIL, off)
+                off += total - pos
+                break
+            # Whole records that fit, spaces up to the boundary, then whole records that fit
+            # in the next page: a kill can cut this write only at the boundary.
+            cut = data.rfind(b",\n", pos + 1, pos + room + 2)
+            if cut < 0:
+                cut = pos
+            nxt = total if total - cut <= _PAGE - 3 else data.rfind(
+                b",\n", cut + 1, cut + _PAGE - 1)
+            if nxt < 0:  # a record longer than a page (names are shortened, so never)
+                nxt = data.find(b",\n", cut + 2)
+                nxt = total if nxt < 0 else nxt
+            pad = page_end - off - (cut - pos)
+            os.pwrite(fd, data[pos:cut] + b" " * pad + data[cut:nxt] + _TAIL, off)
+            off = page_end + (nxt - cut)
+            pos = nxt
+        self.end = off
 
 
 class Timeline:
