@@ -454,8 +454,10 @@ class Coordinator:
                 uncached.append(req)
         limit = self.config.stall_check_time
         if hits and not self.config.stall_check_disable and limit > 0:
-            # Hits waiting longer than the warning time go to the slow path to be reported.
-            for bit in hits.older_than(now - limit):
+            # Hits waiting for other ranks go to the slow path, where rank 0's stall inspector
+            # sees them, after a tenth of the warning time (at most 1 s): the warning then comes
+            # at most that much after the setting.
+            for bit in hits.older_than(now - min(limit / 10, 1.0)):
                 uncached.append(hits.pop(bit))
                 invalid.add(bit)
         if ps.is_root and self._check_stall(ps):

