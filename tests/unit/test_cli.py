@@ -119,8 +119,8 @@ def test_cli_main_reports_errors_as_usage(capsys):
         cli.main(["true"])
     assert "-np" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.main(["-np", "2", "--min-np", "1", "true"])
-    assert "elastic" in capsys.readouterr().err
+        cli.main(["-np", "2", "--min-np", "1", "true"])  # elastic on one host
+    assert "Elastic jobs need -H with two hosts" in capsys.readouterr().err
 
 
 def test_version_and_settings(capsys):
