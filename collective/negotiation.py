@@ -7,7 +7,7 @@ the same cache operations in the same order, so cache bit numbering stays identi
 from __future__ import annotations
 
 import enum
-import pickle
+import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,9 +17,10 @@ import numpy as np
 
 from .types import (CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response,
                     ResponseType)
+from .wire import MAX_DIMS, MAX_STR_BYTES, Reader, WireError, Writer
 
 __all__ = ["CacheState", "ResponseCache", "MessageTable", "PendingHits", "encode_requests",
-           "decode_requests", "encode_responses", "decode_responses", "CACHEABLE"]
+           "decode_requests", "decode_gathered", "encode_responses", "decode_responses", "CACHEABLE"]
 
 CACHEABLE = (ResponseType.ALLREDUCE, ResponseType.ALLGATHER, ResponseType.ADASUM,
              ResponseType.ALLTOALL)
@@ -124,32 +125,172 @@ class ResponseCache:
 
 
 # -- wire format (control plane payloads) -----------------------------------------------------
+# Fixed-layout fields (collective/wire.py); never pickle: a peer's message is data, not code.
+_REQ_MAGIC, _RESP_MAGIC = b"RQ1", b"RS1"
+_REQ_HEAD = struct.Struct("<IB")  # count, shutdown
+_REQ_ROW = struct.Struct("<iBBiiBddB")  # rank type dtype device root op pre post ndim
+_RESP_HEAD = struct.Struct("<IBB")  # count, shutdown, join_active
+_RESP_ROW = struct.Struct("<BBBiiiddIII")  # type dtype op device root last pre post n_names
+#                                            n_sizes n_shapes
+
+
+def _enum(table: dict, v: int, what: str):
+    try:
+        return table[v]
+    except KeyError:
+        raise WireError(f"malformed {what}: {v} is not a valid "
+                        f"{type(next(iter(table.values()))).__name__}") from None
+
+
+_DIMS = [struct.Struct(f"<{n}q") for n in range(MAX_DIMS + 1)]
+_U32 = struct.Struct("<I")
+_REQUEST_TYPES = {int(v): v for v in RequestType}
+_RESPONSE_TYPES = {int(v): v for v in ResponseType}
+_DATA_TYPES = {int(v): v for v in DataType}
+_REDUCE_OPS = {int(v): v for v in ReduceOp}
+
+
+def _shape(rd: Reader) -> tuple[int, ...]:
+    n = rd.u8()
+    if n > MAX_DIMS:
+        raise WireError(f"malformed {rd.what}: tensor rank {n} exceeds {MAX_DIMS}")
+    dims = rd.unpack(_DIMS[n]) if n else ()
+    if dims and min(dims) < 0:
+        raise WireError(f"malformed {rd.what}: negative dimension in {dims}")
+    return dims
+
+
 def encode_requests(reqs: Sequence[Request], shutdown: bool) -> bytes:
-    return pickle.dumps(([(r.rank, int(r.type), r.name, int(r.dtype), r.shape, r.device, r.root,
-                           int(r.reduce_op), r.prescale, r.postscale) for r in reqs], shutdown),
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    parts = [_REQ_MAGIC, _REQ_HEAD.pack(len(reqs), bool(shutdown))]
+    add = parts.append
+    for r in reqs:
+        shape = r.shape
+        name = r.name.encode("utf-8", "surrogatepass")
+        if len(name) > MAX_STR_BYTES or len(shape) > MAX_DIMS:
+            raise WireError(f"tensor {r.name[:60]!r}: name longer than {MAX_STR_BYTES} bytes "
+                            f"or rank above {MAX_DIMS}")
+        add(_REQ_ROW.pack(r.rank, r.type, r.dtype, r.device, r.root, r.reduce_op, r.prescale,
+                          r.postscale, len(shape)))
+        if shape:
+            add(_DIMS[len(shape)].pack(*shape))
+        add(_U32.pack(len(name)))
+        add(name)
+    return b"".join(parts)
 
 
 def decode_requests(data: bytes) -> tuple[list[Request], bool]:
-    rows, shutdown = pickle.loads(data)
-    return [Request(rank=r[0], type=RequestType(r[1]), name=r[2], dtype=DataType(r[3]),
-                    shape=tuple(r[4]), device=r[5], root=r[6], reduce_op=ReduceOp(r[7]),
-                    prescale=r[8], postscale=r[9]) for r in rows], shutdown
+    """Raises: WireError: `data` is not a well-formed request list."""
+    data = bytes(data)
+    end = len(data)
+    if data[:3] != _REQ_MAGIC or end < 3 + _REQ_HEAD.size:
+        raise WireError(f"malformed request list: bad header {data[:8]!r}")
+    n, shutdown = _REQ_HEAD.unpack_from(data, 3)
+    pos = 3 + _REQ_HEAD.size
+    row = _REQ_ROW.size
+    if n * (row + 4) > end - pos:
+        raise WireError(f"malformed request list: {n} requests cannot fit in {end} bytes")
+    out = []
+    try:
+        for _ in range(n):
+            if pos + row > end:
+                raise WireError("truncated")
+            rank, rtype, dtype, device, root, op, pre, post, ndim = _REQ_ROW.unpack_from(
+                data, pos)
+            pos += row
+            if ndim:
+                st = _DIMS[ndim]  # IndexError past MAX_DIMS
+                if pos + st.size > end:
+                    raise WireError("truncated shape")
+                shape = st.unpack_from(data, pos)
+                pos += st.size
+                if min(shape) < 0:
+                    raise WireError(f"negative dimension in {shape}")
+            else:
+                shape = ()
+            if pos + 4 > end:
+                raise WireError("truncated name")
+            (ln,) = _U32.unpack_from(data, pos)
+            pos += 4
+            if pos + ln > end:
+                raise WireError("truncated name")
+            name = data[pos:pos + ln].decode("utf-8", "surrogatepass")
+            pos += ln
+            out.append(Request(rank, _REQUEST_TYPES[rtype], name, _DATA_TYPES[dtype], shape,
+                               device, root, _REDUCE_OPS[op], pre, post))
+    except WireError as exc:
+        raise WireError(f"malformed request list: {exc} at offset {pos}") from None
+    except (KeyError, IndexError, UnicodeDecodeError, struct.error) as exc:
+        raise WireError(f"malformed request list: bad field ({type(exc).__name__}: {exc}) "
+                        f"at offset {pos}") from None
+    if pos != end:
+        raise WireError(f"malformed request list: {end - pos} unexpected bytes after the end")
+    return out, bool(shutdown)
+
+
+def decode_gathered(gathered: Sequence[bytes], ranks: Sequence[int]) -> list[list[Request]]:
+    """Every rank's request list (rank 0 of a set, slow path).
+
+    Raises:
+        WireError: a rank's message is malformed, naming that rank.
+    """
+    out = []
+    for i, data in enumerate(gathered):
+        try:
+            out.append(decode_requests(data)[0])
+        except WireError as exc:
+            raise WireError(f"rank {ranks[i]} sent a {exc}; it is not a ringvod rank of this "
+                            "version, or the connection is corrupt (a job without "
+                            "HOROVOD_SECRET_KEY accepts any process as a rank)") from None
+    return out
 
 
 def encode_responses(resps: Sequence[Response], shutdown: bool, join_active: bool) -> bytes:
-    return pickle.dumps(([(int(r.type), r.names, int(r.dtype), r.device, r.sizes,
-                           int(r.reduce_op), r.prescale, r.postscale, r.root, r.error,
-                           r.last_joined_rank, r.shapes) for r in resps], shutdown, join_active),
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    w = Writer(_RESP_MAGIC)
+    w.pack(_RESP_HEAD, len(resps), bool(shutdown), bool(join_active))
+    for r in resps:
+        w.pack(_RESP_ROW, int(r.type), int(r.dtype), int(r.reduce_op), r.device, r.root,
+               r.last_joined_rank, r.prescale, r.postscale, len(r.names), len(r.sizes),
+               len(r.shapes))
+        for name in r.names:
+            w.str(name)
+        if r.sizes:
+            w.buf += struct.pack(f"<{len(r.sizes)}q", *r.sizes)
+        for shape in r.shapes:
+            if len(shape) > MAX_DIMS:
+                raise WireError(f"tensor rank {len(shape)} exceeds {MAX_DIMS}")
+            w.u8(len(shape))
+            if shape:
+                w.buf += _DIMS[len(shape)].pack(*shape)
+        w.str(r.error)
+    return bytes(w.buf)
 
 
 def decode_responses(data: bytes) -> tuple[list[Response], bool, bool]:
-    rows, shutdown, join_active = pickle.loads(data)
-    return [Response(type=ResponseType(r[0]), names=r[1], dtype=DataType(r[2]), device=r[3],
-                     sizes=r[4], reduce_op=ReduceOp(r[5]), prescale=r[6], postscale=r[7],
-                     root=r[8], error=r[9], last_joined_rank=r[10], shapes=r[11])
-            for r in rows], shutdown, join_active
+    """Raises: WireError: `data` is not a well-formed response list."""
+    rd = Reader(data, "response list", _RESP_MAGIC)
+    n, shutdown, join_active = rd.unpack(_RESP_HEAD)
+    if n * (_RESP_ROW.size + 4) > len(rd.data) - rd.pos:
+        raise WireError(f"malformed response list: {n} responses cannot fit in "
+                        f"{len(rd.data)} bytes")
+    out = []
+    what = "response list"
+    left = len(rd.data)
+    for _ in range(n):
+        (rtype, dtype, op, device, root, last, pre, post, n_names, n_sizes,
+         n_shapes) = rd.unpack(_RESP_ROW)
+        if 4 * n_names + 8 * n_sizes + n_shapes > left:
+            raise WireError(f"malformed response list: {n_names} names, {n_sizes} sizes and "
+                            f"{n_shapes} shapes cannot fit in {left} bytes")
+        names = [rd.str() for _ in range(n_names)]
+        sizes = rd.ints_n(n_sizes)
+        shapes = [_shape(rd) for _ in range(n_shapes)]
+        out.append(Response(type=_enum(_RESPONSE_TYPES, rtype, what), names=names,
+                            dtype=_enum(_DATA_TYPES, dtype, what), device=device, sizes=sizes,
+                            reduce_op=_enum(_REDUCE_OPS, op, what), prescale=pre,
+                            postscale=post, root=root, error=rd.str(), last_joined_rank=last,
+                            shapes=shapes))
+    rd.done()
+    return out, bool(shutdown), bool(join_active)
 
 
 # -- rank 0's message table -------------------------------------------------------------------
