@@ -390,11 +390,11 @@ class Runtime:
 # -- plain-data messages of the topology exchange and process-set changes (never pickle) -------
 def _host_of(data: bytes, rank: int) -> str:
     if not 0 < len(data) <= MAX_STR_BYTES:
-        raise WireError(f"rank {rank} sent a host name of {len(data)} bytes")
+        raise WireError(f"rank {rank} sent a malformed host name ({len(data)} bytes)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise WireError(f"rank {rank} sent a host name that is not UTF-8 ({exc})") from None
+        raise WireError(f"rank {rank} sent a malformed host name (not UTF-8: {exc})") from None
 
 
 def _json(data: bytes, rank: int, what: str) -> Any:
