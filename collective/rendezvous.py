@@ -63,6 +63,11 @@ _U32 = struct.Struct("!I")
 _U64 = struct.Struct("!Q")
 _REQ = struct.Struct("!cHH")
 
+# Sent instead of the server's proof when the client's proof is wrong, so that the client can
+# tell a refused secret (final) from a connection dropped under load (worth retrying).
+REFUSED = b"RVOD-REFUSED-BAD-SECRET-PROOF..."
+assert len(REFUSED) == 32
+
 _OK, _NOT_FOUND, _ERROR = 0, 1, 2
 _TO_SERVER, _TO_CLIENT = b"c", b"s"
 
@@ -115,6 +120,7 @@ def handshake_server(sock: socket.socket, secret: bytes, magic: bytes,
         rest = recv_exact(sock, hlen + MAC_BYTES, deadline)
         hello, proof = rest[:hlen], rest[hlen:]
         if not hmac.compare_digest(proof, _mac(secret, b"C", magic, sn, cn, hello)):
+            sock.sendall(REFUSED)
             return None
         sock.sendall(_mac(secret, b"S", magic, cn, sn, hello))
         return hello, _mac(secret, b"K", sn, cn)
@@ -143,10 +149,13 @@ def handshake_client(sock: socket.socket, secret: bytes, magic: bytes, hello: by
     try:
         proof = recv_exact(sock, MAC_BYTES, deadline)
     except ConnectionError:
+        raise ConnectionError(f"{where} closed the connection during the handshake (busy, "
+                              "or shutting down)") from None
+    if proof == REFUSED:
         raise HorovodInternalError(
             f"{where} refused authentication: this process's job secret (HOROVOD_SECRET_KEY) "
             "differs from the server's. Start every worker from the same hvdrun, or give all "
-            "of them the same secret.") from None
+            "of them the same secret.")
     if not hmac.compare_digest(proof, _mac(secret, b"S", magic, cn, sn, hello)):
         raise HorovodInternalError(
             f"{where} could not prove it knows the job secret; refusing to talk to it. "
@@ -204,6 +213,9 @@ class RefusalLog:
     def tick(self) -> None:
         with self._lock:
             self._roll(time.monotonic())
+
+
+_NO_PROOF = "it did not prove the job secret (wrong or missing HOROVOD_SECRET_KEY)"
 
 
 class _Pending:
@@ -319,6 +331,8 @@ class PreAuthGate:
                 self._refuse(p, f"cannot watch the connection: {exc}")
 
     def _step(self, p: _Pending, mask: int) -> None:
+        if self._pending.get(p.sock) is not p:
+            return  # dropped earlier in this round (evicted or expired)
         try:
             if p.out and mask & selectors.EVENT_WRITE:
                 n = p.sock.send(p.out)
@@ -336,8 +350,7 @@ class PreAuthGate:
                 if p.need == NONCE_BYTES + _U16.size:
                     (hlen,) = _U16.unpack_from(p.inbuf, NONCE_BYTES)
                     if hlen > MAX_HELLO_BYTES:
-                        self._refuse(p, "it did not prove the job secret (wrong or missing "
-                                        "HOROVOD_SECRET_KEY, or not a ringvod peer)")
+                        self._refuse(p, _NO_PROOF)
                         return
                     p.need += hlen + MAC_BYTES
                     return
@@ -353,8 +366,11 @@ class PreAuthGate:
         proof = p.inbuf[-MAC_BYTES:]
         if p.out or not hmac.compare_digest(proof, _mac(self.secret, b"C", self.magic, p.sn,
                                                         cn, hello)):
-            self._refuse(p, "it did not prove the job secret (wrong or missing "
-                            "HOROVOD_SECRET_KEY)")
+            try:
+                p.sock.send(REFUSED)  # best effort: tells a real client its secret is wrong
+            except OSError:
+                pass
+            self._refuse(p, _NO_PROOF)
             return
         self._forget(p)
         sock = p.sock

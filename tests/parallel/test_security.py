@@ -91,3 +91,181 @@ def test_pickle_from_an_unauthenticated_rank_does_not_run(where: str, tmp_path) 
     assert "malformed" in out and "rank 1" in out, _report(res)
     # rank 0 said, once, that the job is not authenticated
     assert out.count("without a job secret") == 1, _report(res)
+
+
+# -- 4. pre-authentication limits ---------------------------------------------------------------
+@pytest.fixture
+def log(caplog: pytest.LogCaptureFixture):
+    """The `horovod` logger does not propagate to the root logger: attach caplog directly."""
+    logger = logging.getLogger("horovod")
+    logger.addHandler(caplog.handler)
+    caplog.handler.setLevel(logging.WARNING)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def _slowloris(port: int, magic_len: int, interval: float, limit: float) -> float:
+    """Reads the greeting, then sends one byte every `interval`; returns when the server hung
+    up (seconds after the greeting), or `limit` if it never did."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        got = b""
+        while len(got) < magic_len + 32:
+            got += s.recv(64)
+        t0 = time.monotonic()
+        s.settimeout(interval)
+        while time.monotonic() - t0 < limit:
+            try:
+                s.sendall(b"\x00")
+                if s.recv(1) == b"":
+                    return time.monotonic() - t0
+            except socket.timeout:
+                continue
+            except OSError:
+                return time.monotonic() - t0
+    return limit
+
+
+@pytest.mark.timeout(30)
+def test_slowloris_is_cut_at_the_handshake_deadline() -> None:
+    from collective.engines.tcp_net import Fabric
+    from collective.rendezvous import KVServer
+    srv = KVServer("127.0.0.1", 0, b"s" * 32)
+    srv.handshake_timeout = 1.0
+    _, port = srv.start()
+    fab = Fabric(0, b"s" * 32, 1.0, "127.0.0.1", use_unix=False)
+    me = fab.start("localhost")
+    try:
+        # 34 bytes would take 10 s at 0.3 s each; the deadline is for the whole handshake
+        for p in (port, me.port):
+            held = _slowloris(p, 8, 0.3, 6.0)
+            assert held < 2.5, f"a byte every 0.3 s held a connection to port {p} {held:.1f} s"
+    finally:
+        srv.stop()
+        fab.close()
+
+
+class _Flood:
+    """Holds `hold` silent connections to `port` and keeps opening ones that send garbage."""
+
+    def __init__(self, port: int, hold: int) -> None:
+        self.port, self.stop, self.opened = port, threading.Event(), 0
+        self.held = []
+        for _ in range(hold):
+            try:
+                self.held.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+            except OSError:
+                break
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                    s.sendall(os.urandom(40) + b"\x00\x10" + os.urandom(64))
+                self.opened += 1
+            except OSError:
+                time.sleep(0.01)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for s in self.held:
+            s.close()
+
+
+def _warnings(log) -> list[str]:
+    seen, out = set(), []
+    for r in log.records:  # a record may reach caplog through two handlers
+        if r.levelno >= logging.WARNING and id(r) not in seen:
+            seen.add(id(r))
+            out.append(r.getMessage())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_store_flood_does_not_lock_out_real_clients(log) -> None:
+    from collective.rendezvous import MAX_PENDING, KVClient, KVServer
+    secret = os.urandom(32)
+    srv = KVServer("127.0.0.1", 0, secret)
+    srv.handshake_timeout = 2.0
+    _, port = srv.start()
+    flood = _Flood(port, 2 * MAX_PENDING)
+    try:
+        t0 = time.monotonic()
+        i, slowest = 0, 0.0
+        while i < 20 or time.monotonic() - t0 < 2.5:  # a fresh handshake each time
+            t1 = time.monotonic()
+            with KVClient("127.0.0.1", port, secret, timeout=10) as c:
+                c.put("s", f"k{i}", b"v")
+                assert c.get("s", f"k{i}", timeout=5) == b"v"
+            slowest = max(slowest, time.monotonic() - t1)
+            i += 1
+        time.sleep(0.5)
+        assert srv._gate.pending <= MAX_PENDING
+    finally:
+        flood.close()
+        srv.stop()
+    assert flood.opened > 20, flood.opened
+    assert slowest < 5, slowest
+    lines = _warnings(log)
+    # summarised: a few lines naming peers, then one summary per window, not one per connection
+    assert len(lines) <= 6, f"{len(lines)} warnings for {flood.opened} connections: {lines[:8]}"
+    assert any("more connection(s)" in m for m in lines), lines
+
+
+@pytest.mark.timeout(60)
+def test_worker_listener_flood_does_not_stop_connections(log) -> None:
+    from collective.engines.tcp_net import Fabric
+    from collective.rendezvous import MAX_PENDING
+    secret = os.urandom(32)
+    fabs = [Fabric(r, secret, 10.0, "127.0.0.1", use_unix=False) for r in range(2)]
+    infos = [f.start("localhost") for f in fabs]
+    for f in fabs:
+        f.set_table("sess", infos)
+    flood = _Flood(infos[0].port, 2 * MAX_PENDING)
+    try:
+        t0, i = time.monotonic(), 0
+        while i < 10 or time.monotonic() - t0 < 2.5:
+            i += 1
+            deadline = time.monotonic() + 10
+            out: list = []
+            t = threading.Thread(target=lambda: out.append(fabs[1].connect(f"p{i}", 0, deadline)))
+            t.start()
+            inc = fabs[0].connect(f"p{i}", 1, deadline)
+            t.join(10)
+            out[0].sendall(b"ping")
+            assert inc.recv(4) == b"ping"
+            inc.close()
+            out[0].close()
+    finally:
+        flood.close()
+        for f in fabs:
+            f.close()
+    assert flood.opened > 20, flood.opened
+    lines = _warnings(log)
+    assert len(lines) <= 6, f"{len(lines)} warnings for {flood.opened} connections: {lines[:8]}"
+
+
+# -- 5. a handshake that times out while dialling names the ranks and the address ---------------
+@pytest.mark.timeout(30)
+def test_dial_handshake_timeout_names_rank_peer_and_address() -> None:
+    from collective.engines.tcp_net import Fabric, PeerInfo
+    from collective.errors import CollectiveTimeoutError
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)  # accepts (the kernel does) but never answers the handshake
+    port = mute.getsockname()[1]
+    fab = Fabric(3, b"k" * 32, 1.5, "127.0.0.1", use_unix=False)
+    me = fab.start("hostA")
+    fab.set_table("s", [PeerInfo(1, "hostB", "127.0.0.1", port, "", ""), me])
+    try:
+        with pytest.raises(CollectiveTimeoutError) as ei:
+            fab.connect("w", 1, time.monotonic() + 1.5)
+    finally:
+        fab.close()
+        mute.close()
+    msg = str(ei.value)
+    for part in ("rank 3", "rank 1", f"127.0.0.1:{port}", "hostB", "HOROVOD_SECRET_KEY",
+                 "log"):
+        assert part in msg, msg
