@@ -269,3 +269,59 @@ def test_dial_handshake_timeout_names_rank_peer_and_address() -> None:
     for part in ("rank 3", "rank 1", f"127.0.0.1:{port}", "hostB", "HOROVOD_SECRET_KEY",
                  "log"):
         assert part in msg, msg
+
+
+_FLOODED_JOB = r"""
+import os, sys, time, numpy as np
+import collective as hvd
+from collective.runtime import current
+for i in range(2):  # init -> work -> shutdown -> init under the flood
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        port = current().control.fabric.me.port
+        with open(os.environ["PORT_FILE"] + ".tmp", "w") as f:
+            f.write(str(port))
+        os.replace(os.environ["PORT_FILE"] + ".tmp", os.environ["PORT_FILE"])
+    t0 = time.monotonic()
+    for step in range(400):  # while the flood goes on
+        out = hvd.allreduce(np.full(1000, r + 1.0, np.float32), op=hvd.Sum, name=f"s{step % 3}")
+        assert (out == n * (n + 1) / 2).all()
+    hvd.shutdown()
+    print(f"rank {r} round {i}: 400 steps in {time.monotonic() - t0:.1f} s", flush=True)
+print("FLOODED JOB OK", flush=True)
+"""
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.timeout(120)
+def test_job_keeps_running_and_reinits_under_a_connection_flood(tmp_path) -> None:
+    port = _free_port()
+    port_file = tmp_path / "port"
+    secret = os.urandom(32).hex()
+
+    def env_of(r: int) -> dict[str, str]:
+        return dict(_base_env(), RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port - 1), HOROVOD_GLOO_TIMEOUT_SECONDS="30",
+                    HOROVOD_SECRET_KEY=secret, PORT_FILE=str(port_file))
+
+    floods = [_Flood(port, 0)]  # the store (MASTER_PORT + 1), while it exists
+    stop = threading.Event()
+
+    def listener_flood() -> None:  # rank 0's worker listener, once it is known
+        while not stop.is_set() and not port_file.exists():
+            time.sleep(0.05)
+        if not stop.is_set():
+            floods.append(_Flood(int(port_file.read_text()), 100))
+
+    t = threading.Thread(target=listener_flood, daemon=True)
+    t.start()
+    try:
+        res = _spawn(_FLOODED_JOB, 2, env_of, timeout=90)
+    finally:
+        stop.set()
+        t.join(5)
+        for f in floods:
+            f.close()
+    assert all(rc == 0 and "FLOODED JOB OK" in out for rc, out in res), _report(res)
+    assert len(floods) == 2 and floods[1].opened > 20, [f.opened for f in floods]
