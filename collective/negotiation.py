@@ -7,6 +7,7 @@ the same cache operations in the same order, so cache bit numbering stays identi
 from __future__ import annotations
 
 import enum
+import itertools
 import struct
 import time
 from collections import OrderedDict
@@ -17,7 +18,7 @@ import numpy as np
 
 from .types import (CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response,
                     ResponseType)
-from .wire import MAX_DIMS, MAX_STR_BYTES, Reader, WireError, Writer
+from .wire import MAX_DIMS, MAX_STR_BYTES, WireError
 
 __all__ = ["CacheState", "ResponseCache", "MessageTable", "PendingHits", "encode_requests",
            "decode_requests", "decode_gathered", "encode_responses", "decode_responses", "CACHEABLE"]
@@ -132,32 +133,12 @@ _REQ_ROW = struct.Struct("<iBBiiBddB")  # rank type dtype device root op pre pos
 _RESP_HEAD = struct.Struct("<IBB")  # count, shutdown, join_active
 _RESP_ROW = struct.Struct("<BBBiiiddIII")  # type dtype op device root last pre post n_names
 #                                            n_sizes n_shapes
-
-
-def _enum(table: dict, v: int, what: str):
-    try:
-        return table[v]
-    except KeyError:
-        raise WireError(f"malformed {what}: {v} is not a valid "
-                        f"{type(next(iter(table.values()))).__name__}") from None
-
-
 _DIMS = [struct.Struct(f"<{n}q") for n in range(MAX_DIMS + 1)]
 _U32 = struct.Struct("<I")
 _REQUEST_TYPES = {int(v): v for v in RequestType}
 _RESPONSE_TYPES = {int(v): v for v in ResponseType}
 _DATA_TYPES = {int(v): v for v in DataType}
 _REDUCE_OPS = {int(v): v for v in ReduceOp}
-
-
-def _shape(rd: Reader) -> tuple[int, ...]:
-    n = rd.u8()
-    if n > MAX_DIMS:
-        raise WireError(f"malformed {rd.what}: tensor rank {n} exceeds {MAX_DIMS}")
-    dims = rd.unpack(_DIMS[n]) if n else ()
-    if dims and min(dims) < 0:
-        raise WireError(f"malformed {rd.what}: negative dimension in {dims}")
-    return dims
 
 
 def encode_requests(reqs: Sequence[Request], shutdown: bool) -> bytes:
@@ -244,52 +225,137 @@ def decode_gathered(gathered: Sequence[bytes], ranks: Sequence[int]) -> list[lis
     return out
 
 
+def _pack_strs(parts: list, strs: Sequence[str]) -> None:
+    """u32 total bytes + the UTF-8 names separated by NUL (the usual case, split in C), or,
+    when a name contains NUL, u32 0xFFFFFFFF + u32 byte lengths + the names concatenated."""
+    if not strs:
+        return
+    joined = "\0".join(strs)
+    if joined.count("\0") == len(strs) - 1:
+        blob = joined.encode("utf-8", "surrogatepass")
+        parts.append(_U32.pack(len(blob)))
+        parts.append(blob)
+        return
+    enc = [x.encode("utf-8", "surrogatepass") for x in strs]
+    lens = [len(e) for e in enc]
+    parts.append(_U32.pack(0xFFFFFFFF))
+    parts.append(struct.pack(f"<{len(lens)}I", *lens))
+    parts.append(b"".join(enc))
+
+
 def encode_responses(resps: Sequence[Response], shutdown: bool, join_active: bool) -> bytes:
-    w = Writer(_RESP_MAGIC)
-    w.pack(_RESP_HEAD, len(resps), bool(shutdown), bool(join_active))
+    parts = [_RESP_MAGIC, _RESP_HEAD.pack(len(resps), bool(shutdown), bool(join_active))]
+    add = parts.append
     for r in resps:
-        w.pack(_RESP_ROW, int(r.type), int(r.dtype), int(r.reduce_op), r.device, r.root,
-               r.last_joined_rank, r.prescale, r.postscale, len(r.names), len(r.sizes),
-               len(r.shapes))
-        for name in r.names:
-            w.str(name)
+        err = r.error.encode("utf-8", "surrogatepass")
+        if len(err) > MAX_STR_BYTES:
+            raise WireError(f"an error text of {len(err)} bytes exceeds {MAX_STR_BYTES}")
+        shapes = r.shapes
+        add(_RESP_ROW.pack(r.type, r.dtype, r.reduce_op, r.device, r.root, r.last_joined_rank,
+                           r.prescale, r.postscale, len(r.names), len(r.sizes), len(shapes)))
+        _pack_strs(parts, r.names)
         if r.sizes:
-            w.buf += struct.pack(f"<{len(r.sizes)}q", *r.sizes)
-        for shape in r.shapes:
-            if len(shape) > MAX_DIMS:
-                raise WireError(f"tensor rank {len(shape)} exceeds {MAX_DIMS}")
-            w.u8(len(shape))
-            if shape:
-                w.buf += _DIMS[len(shape)].pack(*shape)
-        w.str(r.error)
-    return bytes(w.buf)
+            add(struct.pack(f"<{len(r.sizes)}q", *r.sizes))
+        if shapes:
+            ndims = [len(sh) for sh in shapes]
+            if max(ndims) > MAX_DIMS:
+                raise WireError(f"tensor rank {max(ndims)} exceeds {MAX_DIMS}")
+            add(bytes(ndims))
+            dims = list(itertools.chain.from_iterable(shapes))
+            if dims:
+                add(struct.pack(f"<{len(dims)}q", *dims))
+        add(_U32.pack(len(err)))
+        add(err)
+    return b"".join(parts)
 
 
 def decode_responses(data: bytes) -> tuple[list[Response], bool, bool]:
     """Raises: WireError: `data` is not a well-formed response list."""
-    rd = Reader(data, "response list", _RESP_MAGIC)
-    n, shutdown, join_active = rd.unpack(_RESP_HEAD)
-    if n * (_RESP_ROW.size + 4) > len(rd.data) - rd.pos:
-        raise WireError(f"malformed response list: {n} responses cannot fit in "
-                        f"{len(rd.data)} bytes")
+    data = bytes(data)
+    end = len(data)
+    if data[:3] != _RESP_MAGIC or end < 3 + _RESP_HEAD.size:
+        raise WireError(f"malformed response list: bad header {data[:8]!r}")
+    n, shutdown, join_active = _RESP_HEAD.unpack_from(data, 3)
+    pos = 3 + _RESP_HEAD.size
+    row = _RESP_ROW.size
+    if n * (row + 4) > end - pos:
+        raise WireError(f"malformed response list: {n} responses cannot fit in {end} bytes")
     out = []
-    what = "response list"
-    left = len(rd.data)
-    for _ in range(n):
-        (rtype, dtype, op, device, root, last, pre, post, n_names, n_sizes,
-         n_shapes) = rd.unpack(_RESP_ROW)
-        if 4 * n_names + 8 * n_sizes + n_shapes > left:
-            raise WireError(f"malformed response list: {n_names} names, {n_sizes} sizes and "
-                            f"{n_shapes} shapes cannot fit in {left} bytes")
-        names = [rd.str() for _ in range(n_names)]
-        sizes = rd.ints_n(n_sizes)
-        shapes = [_shape(rd) for _ in range(n_shapes)]
-        out.append(Response(type=_enum(_RESPONSE_TYPES, rtype, what), names=names,
-                            dtype=_enum(_DATA_TYPES, dtype, what), device=device, sizes=sizes,
-                            reduce_op=_enum(_REDUCE_OPS, op, what), prescale=pre,
-                            postscale=post, root=root, error=rd.str(), last_joined_rank=last,
-                            shapes=shapes))
-    rd.done()
+
+    def need(k: int, what: str) -> None:
+        if k < 0 or pos + k > end:
+            raise WireError(f"truncated {what}")
+
+    try:
+        for _ in range(n):
+            need(row, "response")
+            (rtype, dtype, op, device, root, last, pre, post, n_names, n_sizes,
+             n_shapes) = _RESP_ROW.unpack_from(data, pos)
+            pos += row
+            names: list[str] = []
+            if n_names:
+                need(4, "names")
+                (total,) = _U32.unpack_from(data, pos)
+                pos += 4
+                if total != 0xFFFFFFFF:
+                    need(total, "names")
+                    names = data[pos:pos + total].decode("utf-8", "surrogatepass").split("\0")
+                    pos += total
+                    if len(names) != n_names:
+                        raise WireError(f"{len(names)} names where {n_names} were announced")
+                else:
+                    need(4 * n_names, "name lengths")
+                    lens = struct.unpack_from(f"<{n_names}I", data, pos)
+                    pos += 4 * n_names
+                    total = sum(lens)
+                    need(total, "names")
+                    blob, off = data[pos:pos + total], 0
+                    pos += total
+                    for ln in lens:
+                        names.append(blob[off:off + ln].decode("utf-8", "surrogatepass"))
+                        off += ln
+            sizes: list[int] = []
+            if n_sizes:
+                need(8 * n_sizes, "sizes")
+                sizes = list(struct.unpack_from(f"<{n_sizes}q", data, pos))
+                pos += 8 * n_sizes
+            shapes: list[tuple[int, ...]] = []
+            if n_shapes:
+                need(n_shapes, "shape ranks")
+                ndims = data[pos:pos + n_shapes]
+                pos += n_shapes
+                if max(ndims) > MAX_DIMS:
+                    raise WireError(f"tensor rank {max(ndims)} exceeds {MAX_DIMS}")
+                total = sum(ndims)
+                need(8 * total, "shapes")
+                dims = struct.unpack_from(f"<{total}q", data, pos) if total else ()
+                pos += 8 * total
+                if dims and min(dims) < 0:
+                    raise WireError("negative dimension")
+                k = ndims[0]
+                if k and ndims.count(k) == n_shapes:  # all of one rank: split in C
+                    it = iter(dims)
+                    shapes = list(zip(*([it] * k)))
+                else:
+                    off = 0
+                    for k in ndims:
+                        shapes.append(dims[off:off + k])
+                        off += k
+            need(4, "error text")
+            (ln,) = _U32.unpack_from(data, pos)
+            pos += 4
+            need(ln, "error text")
+            error = data[pos:pos + ln].decode("utf-8", "surrogatepass") if ln else ""
+            pos += ln
+            out.append(Response(_RESPONSE_TYPES[rtype], names, _DATA_TYPES[dtype], device,
+                                sizes, _REDUCE_OPS[op], pre, post, root, error, last, shapes))
+    except WireError as exc:
+        raise WireError(f"malformed response list: {exc} at offset {pos}") from None
+    except (KeyError, IndexError, UnicodeDecodeError, struct.error) as exc:
+        raise WireError(f"malformed response list: bad field ({type(exc).__name__}: {exc}) "
+                        f"at offset {pos}") from None
+    if pos != end:
+        raise WireError(f"malformed response list: {end - pos} unexpected bytes after the end")
     return out, bool(shutdown), bool(join_active)
 
 

@@ -21,7 +21,9 @@ REQS = [Request(rank=1, type=RequestType.ALLREDUCE, name="grad.w", dtype=DataTyp
         Request(rank=1, type=RequestType.JOIN, name="join.noname")]
 RESPS = [Response(type=ResponseType.ALLGATHER, names=["a", "b"], dtype=DataType.INT64,
                   sizes=[1, 2, 3, 4], shapes=[(1, 2), (2, 2)], root=-1, last_joined_rank=2),
-         Response(type=ResponseType.ERROR, names=["x"], error="Mismatched ... ✓")]
+         Response(type=ResponseType.ERROR, names=["x"], error="Mismatched ... ✓"),
+         Response(type=ResponseType.ALLREDUCE, names=["with\0nul", "", "ü"], sizes=[1, 2, 3],
+                  shapes=[(1,), (2, 1), ()])]
 
 
 def test_round_trip() -> None:
