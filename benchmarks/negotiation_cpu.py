@@ -3,8 +3,8 @@
 Two parts, each alternating the trees given with `--tree` (e.g. this checkout and an older one
 unpacked with `git archive`), so that every number has its baseline from the same run:
 
-* codec: encode + decode of a request list and a response list of `--tensors` entries, in
-  process (median of many repetitions);
+* codec: encode + decode of a request list and a response list of `--tensors` entries, every
+  tree's codec loaded into one process and run interleaved (median of many repetitions);
 * rounds: a 2-rank tcp job (torchrun-style variables, loopback) with the response cache off
   (HOROVOD_CACHE_CAPACITY=0), so every step negotiates on the slow path: `--tensors` tiny
   tensors submitted with allreduce_async and synchronized; median time per step.
@@ -21,22 +21,34 @@ import subprocess
 import sys
 
 _CODEC = r"""
-import statistics, sys, time
-from collective.negotiation import encode_requests, decode_requests, encode_responses
-from collective.negotiation import decode_responses
+import importlib.util, statistics, sys, time
 from collective.types import *
-n = int(sys.argv[1])
+trees, n, reps = sys.argv[3:], int(sys.argv[1]), int(sys.argv[2])
+mods = []
+for i, t in enumerate(trees):  # each tree's codec, in this one process (types are shared)
+    spec = importlib.util.spec_from_file_location(f"collective._neg{i}",
+                                                  f"{t}/collective/negotiation.py")
+    m = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = m
+    spec.loader.exec_module(m)
+    mods.append(m)
 reqs = [Request(rank=1, type=RequestType.ALLREDUCE, name=f"grad.layer{i}.weight",
                 dtype=DataType.FLOAT32, shape=(128, 64)) for i in range(n)]
 resps = [Response(type=ResponseType.ALLREDUCE, names=[r.name for r in reqs], sizes=[8192] * n,
                   shapes=[r.shape for r in reqs])]
-def one(f, reps=200):
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
-print(one(lambda: decode_requests(encode_requests(reqs, False))),
-      one(lambda: decode_responses(encode_responses(resps, False, False))))
+res = [([], []) for _ in mods]
+for _ in range(reps):  # interleaved: load changes hit every tree alike
+    for m, (rq, rs) in zip(mods, res):
+        t = time.perf_counter()
+        for _ in range(20):
+            m.decode_requests(m.encode_requests(reqs, False))
+        rq.append((time.perf_counter() - t) / 20 * 1e6)
+        t = time.perf_counter()
+        for _ in range(20):
+            m.decode_responses(m.encode_responses(resps, False, False))
+        rs.append((time.perf_counter() - t) / 20 * 1e6)
+for rq, rs in res:
+    print(statistics.median(rq), statistics.median(rs))
 """
 
 _ROUNDS = r"""
@@ -66,10 +78,11 @@ def _env(tree: str) -> dict[str, str]:
     return env
 
 
-def codec(tree: str, n: int) -> tuple[float, float]:
-    out = subprocess.run([sys.executable, "-c", _CODEC, str(n)], env=_env(tree), check=True,
-                         capture_output=True, text=True).stdout.split()
-    return float(out[0]), float(out[1])
+def codec(trees: list[str], n: int, reps: int = 40) -> list[tuple[float, float]]:
+    out = subprocess.run([sys.executable, "-c", _CODEC, str(n), str(reps)] +
+                         [os.path.abspath(t) for t in trees], env=_env(trees[0]), check=True,
+                         capture_output=True, text=True).stdout.splitlines()
+    return [(float(line.split()[0]), float(line.split()[1])) for line in out]
 
 
 def rounds(tree: str, n: int, steps: int) -> float:
@@ -97,13 +110,14 @@ def main() -> None:
     res: dict[str, dict[str, list[float]]] = {t: {"req": [], "resp": [], "step": []}
                                               for t in a.tree}
     for rep in range(a.repeats):
-        for t in a.tree:
-            q, p = codec(t, a.tensors)
+        for t, (q, p) in zip(a.tree, codec(a.tree, a.tensors)):
             res[t]["req"].append(q)
             res[t]["resp"].append(p)
+        for t in a.tree:
             res[t]["step"].append(rounds(t, a.tensors, a.steps))
-            print(f"round {rep + 1}/{a.repeats} {t}: requests {q:.0f} us, responses {p:.0f} us, "
-                  f"step {res[t]['step'][-1]:.2f} ms", file=sys.stderr, flush=True)
+            print(f"round {rep + 1}/{a.repeats} {t}: requests {res[t]['req'][-1]:.0f} us, "
+                  f"responses {res[t]['resp'][-1]:.0f} us, step {res[t]['step'][-1]:.2f} ms",
+                  file=sys.stderr, flush=True)
     base = a.tree[-1]
     print(f"{a.tensors} tensors per step, medians of {a.repeats} runs; ratio vs {base}")
     print(f"{'tree':40} {'req codec us':>13} {'resp codec us':>14} {'slow-path step ms':>18}")

@@ -32,13 +32,18 @@ STALE_AGE = 60.0  # seconds: an unused segment this old is not one being set up 
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by its parent, counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _in_use(prefixes: tuple[str, ...]) -> set[str]:
@@ -196,9 +201,12 @@ def watch(pid: int, before: dict[str, list[str]]) -> None:
             signal.signal(sig, signal.SIG_IGN)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
+        # The watcher shares hvdrun's stdout/stderr, so whoever reads them sees EOF only when
+        # it exits too: notice the end of mpirun promptly (as a zombie, before its parent
+        # reaps it, which may wait for that EOF) and leave at once.
         while _alive(pid):
-            time.sleep(0.5)
-        time.sleep(0.5)  # the ranks' own exit handlers go first
+            time.sleep(0.1)
+        time.sleep(0.2)  # the ranks' own exit handlers go first
         clean_after(before, pid)
     except BaseException:  # noqa: BLE001 - a watcher never raises into anything
         pass
