@@ -126,7 +126,7 @@ class ResponseCache:
 
 
 # -- wire format (control plane payloads) -----------------------------------------------------
-# Fixed-layout fields (collective/wire.py); never pickle: a peer's message is data, not code.
+# Fixed-layout fields, never pickle: a peer's message is data, not code (collective/wire.py).
 _REQ_MAGIC, _RESP_MAGIC = b"RQ1", b"RS1"
 _REQ_HEAD = struct.Struct("<IB")  # count, shutdown
 _REQ_ROW = struct.Struct("<iBBiiBddB")  # rank type dtype device root op pre post ndim
