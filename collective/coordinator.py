@@ -26,7 +26,7 @@ from .errors import HorovodInternalError, MismatchError, ShutdownError
 from .fusion import plan_fusion
 from .handle import Handle
 from .negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, MessageTable, PendingHits,
-                          ResponseCache, decode_requests, decode_responses, encode_requests,
+                          ResponseCache, decode_gathered, decode_responses, encode_requests,
                           encode_responses)
 from .stall import StallInspector
 from .types import CPU_DEVICE, Request, RequestType, Response, ResponseType
@@ -510,7 +510,7 @@ class Coordinator:
         payload = None
         if ps.is_root:
             assert gathered is not None and ps.messages is not None
-            lists = [decode_requests(g)[0] for g in gathered]
+            lists = decode_gathered(gathered, ps.ranks)
             tl = self.timeline if ps.is_global_root else None
             constructed = ps.messages.process(
                 lists,

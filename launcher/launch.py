@@ -22,7 +22,7 @@ from typing import Callable, Mapping, TextIO
 
 from collective.config import environ_snapshot
 
-from . import network, ssh
+from . import mpi_cleanup, network, ssh
 from .env import SECRET_ENV, cpu_count, worker_env
 from .hosts import get_host_assignments
 from .mpirun import build_mpirun_command, detect_mpi
@@ -201,8 +201,11 @@ def exec_mpi(settings: LaunchSettings) -> None:
     if settings.verbose:
         sys.stderr.write(describe_plan(settings, network.local_addresses()) + "\n")
         sys.stderr.write("hvdrun: " + shlex.join(argv) + "\n")  # names only, never values
+    before = mpi_cleanup.candidates()
+    mpi_cleanup.clean_stale()
     sys.stdout.flush()
     sys.stderr.flush()
+    mpi_cleanup.watch(os.getpid(), before)  # mpirun keeps this pid
     os.execvpe(argv[0], argv, env)
 
 
@@ -216,6 +219,8 @@ def run_mpi(settings: LaunchSettings, extra_env: Mapping[str, str] | None = None
     argv, env = mpi_command(settings, extra_env, command)
     if settings.verbose:
         sys.stderr.write("hvdrun: " + shlex.join(argv) + "\n")
+    before = mpi_cleanup.candidates()
+    mpi_cleanup.clean_stale()
     proc = subprocess.Popen(argv, env=env)
     try:
         return proc.wait()
@@ -227,3 +232,4 @@ def run_mpi(settings: LaunchSettings, extra_env: Mapping[str, str] | None = None
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        mpi_cleanup.clean_after(before, proc.pid)

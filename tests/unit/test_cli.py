@@ -329,7 +329,7 @@ def test_openmpi4_command():
     assert argv == [
         "mpirun", "--allow-run-as-root", "--tag-output", "-np", "4", "-H", "a:2,b:2",
         "--bind-to", "none", "--map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib",
-        "-mca", "plm_rsh_args", "-p 22 -i /k", "-mca", "btl_tcp_if_include", "eth0",
+        "-mca", "op", "^avx", "-mca", "plm_rsh_args", "-p 22 -i /k", "-mca", "btl_tcp_if_include", "eth0",
         "--output-filename", "/out", "-x", "HOROVOD_CYCLE_TIME", "-x", "PATH",
         "--report-bindings", "-v", "python", "t.py"]
 
