@@ -30,7 +30,7 @@ from .process import JobResult, JobRunner, WorkerSpec
 from .remote_exec import payload
 from .settings import LaunchSettings
 
-__all__ = ["run_tcp", "mpi_command", "exec_mpi", "run_mpi", "describe_plan",
+__all__ = ["run_tcp", "mpi_command", "run_mpi", "describe_plan",
            "detected_mpi_text"]
 
 _DETECTED: list = []  # the MPIImpl found by the last mpi_command (mpirun --version is slow)
@@ -189,24 +189,6 @@ def mpi_command(settings: LaunchSettings, extra_env: Mapping[str, str] | None = 
         mpi_args=settings.mpi_args, tcp_only=settings.tcp_only,
         extra_exports=sorted(extra_env or ()))
     return argv, env
-
-
-def exec_mpi(settings: LaunchSettings) -> None:
-    """Replaces this process by mpirun (signals then go to mpirun directly). Does not return.
-
-    Raises:
-        mpirun.MPIUnavailableError, ValueError: see `mpi_command`.
-    """
-    argv, env = mpi_command(settings)
-    if settings.verbose:
-        sys.stderr.write(describe_plan(settings, network.local_addresses()) + "\n")
-        sys.stderr.write("hvdrun: " + shlex.join(argv) + "\n")  # names only, never values
-    before = mpi_cleanup.candidates()
-    mpi_cleanup.clean_stale()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    mpi_cleanup.watch(os.getpid(), before)  # mpirun keeps this pid
-    os.execvpe(argv[0], argv, env)
 
 
 def run_mpi(settings: LaunchSettings, extra_env: Mapping[str, str] | None = None,

@@ -12,8 +12,9 @@ Only this user's files are touched, and only when nothing alive uses them:
 * a job directory `jf.<n>/<jobid>` only together with that job's segments (the jobid is the
   segment's hexadecimal field), so the session of a live job is never removed.
 
-`hvdrun` calls `clean_stale()` before it starts mpirun, and `watch(pid)` to clean up after
-its own mpirun when that exits (however it ends); each says what it removed on stderr.
+`hvdrun` runs mpirun as its child: it calls `clean_stale()` before it starts mpirun, and
+`clean_after()` once mpirun has ended (however it ended); each says what it removed on stderr.
+A SIGKILLed hvdrun cannot clean up: its job's leftovers go at the next start.
 """
 from __future__ import annotations
 
@@ -21,12 +22,11 @@ import glob
 import os
 import re
 import shutil
-import signal
 import socket
 import sys
 import time
 
-__all__ = ["clean_stale", "clean_after", "candidates", "watch", "report"]
+__all__ = ["clean_stale", "clean_after", "candidates", "report"]
 
 STALE_AGE = 60.0  # seconds: an unused segment this old is not one being set up right now
 
@@ -181,34 +181,3 @@ def clean_after(before: dict[str, list[str]], mpirun_pid: int, shm: str = "/dev/
     if not quiet:
         report(removed, f"this job (mpirun pid {mpirun_pid})")
     return removed
-
-
-def watch(pid: int, before: dict[str, list[str]]) -> None:
-    """Leaves a detached watcher that waits for `pid` (this process after it execs mpirun)
-    to end, then runs `clean_after`. Returns at once in the caller."""
-    try:
-        first = os.fork()
-    except OSError:
-        return
-    if first:
-        os.waitpid(first, 0)  # the middle process exits at once: mpirun never sees a child
-        return
-    try:
-        os.setsid()
-        if os.fork():
-            os._exit(0)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        # The watcher shares hvdrun's stdout/stderr, so whoever reads them sees EOF only when
-        # it exits too: notice the end of mpirun promptly (as a zombie, before its parent
-        # reaps it, which may wait for that EOF) and leave at once.
-        while _alive(pid):
-            time.sleep(0.1)
-        time.sleep(0.2)  # the ranks' own exit handlers go first
-        clean_after(before, pid)
-    except BaseException:  # noqa: BLE001 - a watcher never raises into anything
-        pass
-    finally:
-        os._exit(0)

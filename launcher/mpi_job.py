@@ -20,6 +20,7 @@ import threading
 import time
 from typing import IO, Any
 
+from . import mpi_cleanup
 from ._proc import killpg_quiet, pdeathsig_preexec
 from .settings import LaunchSettings
 
@@ -93,6 +94,8 @@ def run_mpi_job(settings: LaunchSettings, argv: list[str], env: dict[str, str],
     if main:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             old[sig] = signal.signal(sig, lambda s, _f: (events.append(s), wake.set()))
+    before = mpi_cleanup.candidates()
+    mpi_cleanup.clean_stale()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, preexec_fn=pdeathsig_preexec)
     pumps = [threading.Thread(target=_pump, args=(console, name, pipe),
@@ -123,6 +126,7 @@ def run_mpi_job(settings: LaunchSettings, argv: list[str], env: dict[str, str],
             proc.wait()
         for t in pumps:
             t.join(2.0)
+        mpi_cleanup.clean_after(before, proc.pid)
         for sig, handler in old.items():
             signal.signal(sig, handler)
     if interrupted is not None:

@@ -115,8 +115,8 @@ time.sleep(60)
 @pytest.mark.mpi
 @pytest.mark.timeout(90)
 def test_hvdrun_cleans_up_after_its_killed_mpirun(tmp_path) -> None:
-    """SIGKILL of mpirun and the ranks leaves /dev/shm segments and /tmp/ompi.<pid>; the
-    watcher hvdrun leaves behind removes them and says so."""
+    """SIGKILL of mpirun and the ranks leaves /dev/shm segments and /tmp/ompi.<pid>; hvdrun,
+    mpirun's parent, removes them once mpirun has ended and says so."""
     import shutil
     import signal
     if shutil.which("mpirun") is None:
@@ -139,9 +139,13 @@ def test_hvdrun_cleans_up_after_its_killed_mpirun(tmp_path) -> None:
         import re
         ranks = [int(m) for m in re.findall(r"UP (\d+)", text)]
         assert len(ranks) == 2, text
-        session = f"/tmp/ompi.{proc.pid}"  # mpirun kept hvdrun's pid (exec)
+        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+        mpirun = next(int(c) for c in children
+                      if "mpirun" in open(f"/proc/{c}/cmdline").read()
+                      or "prterun" in open(f"/proc/{c}/cmdline").read())
+        session = f"/tmp/ompi.{mpirun}"
         assert os.path.isdir(session), text
-        for pid in [proc.pid] + ranks:
+        for pid in [mpirun] + ranks:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -155,7 +159,7 @@ def test_hvdrun_cleans_up_after_its_killed_mpirun(tmp_path) -> None:
         while time.monotonic() < deadline and "of this job" not in text:
             time.sleep(0.2)
             text = (tmp_path / "hvdrun.log").read_text()
-        assert f"of this job (mpirun pid {proc.pid})" in text and session in text, text
+        assert f"of this job (mpirun pid {mpirun})" in text and session in text, text
     finally:
         if proc.poll() is None:
             proc.kill()
