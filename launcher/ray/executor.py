@@ -138,13 +138,17 @@ class RayExecutor:
         gpus_per_worker: GPUs per worker (needs `use_gpu`).
         use_current_placement_group: inside a placement group (e.g. a Ray Tune trial), place
             the workers in it instead of reserving a new one.
-        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout,
-            override_discovery: elastic jobs (not available yet: giving `min_workers` raises
-            NotImplementedError).
+        min_workers, max_workers: an elastic job (instead of `num_workers`): it starts once
+            `min_workers` slots exist, grows up to `max_workers` (None: every slot), and
+            re-forms when Ray nodes leave or join. Slots are the alive Ray nodes' CPUs (GPUs
+            with `use_gpu`) divided by what one worker needs. Only `run()` is available.
+        reset_limit: the most resets of an elastic job (None: no limit).
+        cooldown_range: (lo, hi) seconds a failed node stays blacklisted (None: for good).
+        elastic_timeout: seconds an elastic job waits for `min_workers` slots.
+        override_discovery: accepted; the Ray nodes are always the host discovery.
 
     Raises:
         ValueError: inconsistent arguments.
-        NotImplementedError: an elastic job was asked for.
     """
 
     def __init__(self, settings: MiniSettings | None = None, num_workers: int | None = None,
@@ -163,13 +167,23 @@ class RayExecutor:
             raise ValueError("min_workers and num_workers are mutually exclusive: give "
                              "num_workers for a static job, min_workers/max_workers for an "
                              "elastic one")
+        self._elastic: dict[str, Any] | None = None
         if min_workers is not None:
-            raise NotImplementedError(
-                "elastic jobs on Ray (min_workers/max_workers) are not available in ringvod "
-                "yet; give num_workers (or num_hosts) for a static job")
-        if num_workers is None and num_hosts is None:
+            if max_workers is not None and max_workers < min_workers:
+                raise ValueError(f"max_workers={max_workers} is below min_workers="
+                                 f"{min_workers}")
+            if not override_discovery:
+                warnings.warn("override_discovery=False has no effect: the alive Ray nodes "
+                              "are always the host discovery", UserWarning, stacklevel=2)
+            self._elastic = {
+                "min_workers": min_workers, "max_workers": max_workers,
+                "reset_limit": reset_limit, "elastic_timeout": float(elastic_timeout),
+                "cooldown_range": (float(cooldown_range[0]), float(cooldown_range[1]))
+                if cooldown_range else None}
+            num_workers = min_workers
+        elif num_workers is None and num_hosts is None:
             raise ValueError("Either num_workers or num_hosts must be set.")
-        if num_workers is not None and num_hosts is not None:
+        if num_hosts is not None and (num_workers is not None or min_workers is not None):
             raise ValueError(f"num_workers={num_workers} and num_hosts={num_hosts} are "
                              f"mutually exclusive; give num_hosts with num_workers_per_host "
                              f"to place a fixed number of workers on each node")
@@ -184,7 +198,6 @@ class RayExecutor:
                              "True if gpus_per_worker is set.")
         if use_gpu and gpus_per_worker is not None and gpus_per_worker <= 0:
             raise ValueError(f"gpus_per_worker={gpus_per_worker} must be > 0 with use_gpu")
-        del reset_limit, cooldown_range, elastic_timeout, override_discovery  # elastic only
         self.settings = settings if settings is not None else self.create_settings()
         self.num_workers = num_workers if num_workers is not None else (
             num_hosts * num_workers_per_host)  # type: ignore[operator]
@@ -199,6 +212,7 @@ class RayExecutor:
         self._pg: PlacementGroup | None = None
         self._own_pg = False
         self._server: KVServer | None = None
+        self._elastic_start: dict[str, Any] | None = None
 
     # --- Horovod's API ----------------------------------------------------------------------
 
@@ -238,10 +252,17 @@ class RayExecutor:
             TimeoutError: the placement group or the workers were not ready in time.
             ValueError: a named network interface has no address here.
         """
-        if self.workers:
+        if self.workers or self._elastic_start is not None:
             raise RuntimeError("this RayExecutor is already started; call shutdown() first")
         if not ray.is_initialized():
             ray.init()
+        if self._elastic is not None:  # workers start with each run(), round by round
+            if executable_cls is not None:
+                warnings.warn("executable_cls has no effect on an elastic job (its workers "
+                              "come and go; use run())", UserWarning, stacklevel=2)
+            self._elastic_start = {"env": {str(k): str(v) for k, v in
+                                           (extra_env_vars or {}).items()}}
+            return
         try:
             self._start(executable_cls, executable_args, executable_kwargs, extra_env_vars)
         except BaseException:
@@ -258,6 +279,8 @@ class RayExecutor:
             Exception: `fn` raised on some rank (with a note naming it); the job was stopped.
         """
         self._warn_callbacks(callbacks)
+        if self._elastic is not None:
+            return self._run_elastic(fn, args, kwargs)
         return self._gather(self.run_remote(fn, args, kwargs))
 
     def run_remote(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
@@ -284,6 +307,7 @@ class RayExecutor:
     def shutdown(self) -> None:
         """Kills every worker actor, removes the placement group this executor reserved and
         stops the rendezvous store. Safe to call twice; `start()` may follow."""
+        self._elastic_start = None
         workers, self.workers, self._info = self.workers, [], []
         for w in workers:
             try:
@@ -337,15 +361,7 @@ class RayExecutor:
         slots = slots_for_nodes([p[0] for p in placements])
         self._info = [_WorkerInfo(r, p[0], p[1], p[2], p[3]) for r, p in enumerate(placements)]
 
-        iface = sorted(s.nics)[0] if s.nics else None
-        if iface is not None:
-            host = network.interface_address(iface)
-            if host is None:
-                raise ValueError(f"network interface {iface!r} (nics) has no IPv4 address on "
-                                 f"the driver's host; interfaces here: "
-                                 f"{', '.join(network.interface_names())}")
-        else:
-            host = ray.util.get_node_ip_address()
+        host, iface = self._server_host()
         self._server = KVServer(host, 0, s.key)
         rendezvous = self._server.start()
 
@@ -395,7 +411,41 @@ class RayExecutor:
                 f"cluster; raise placement_group_timeout_s to wait longer.") from None
         return bundle_of
 
+    def _server_host(self) -> tuple[str, str | None]:
+        """(address for the rendezvous store, the interface named in `nics` or None)."""
+        nics = self.settings.nics
+        iface = sorted(nics)[0] if nics else None
+        if iface is None:
+            return ray.util.get_node_ip_address(), None
+        host = network.interface_address(iface)
+        if host is None:
+            raise ValueError(f"network interface {iface!r} (nics) has no IPv4 address on "
+                             f"the driver's host; interfaces here: "
+                             f"{', '.join(network.interface_names())}")
+        return host, iface
+
+    def _run_elastic(self, fn: Callable[..., Any], args: Sequence[Any] | None,
+                     kwargs: dict[str, Any] | None) -> list[Any]:
+        from .elastic import run_elastic  # noqa: PLC0415
+        if self._elastic_start is None:
+            raise RuntimeError("the RayExecutor is not started; call start() first")
+        e = self._elastic
+        assert e is not None
+        host, iface = self._server_host()
+        env = dict(self._elastic_start["env"])
+        if iface is not None:
+            env["HOROVOD_GLOO_IFACE"] = iface
+        return run_elastic(fn, tuple(args or ()), dict(kwargs or {}), secret=self.settings.key,
+                           server_host=host, min_workers=e["min_workers"],
+                           max_workers=e["max_workers"], cpus_per_worker=self.cpus_per_worker,
+                           gpus_per_worker=self.gpus_per_worker, use_gpu=self.use_gpu,
+                           reset_limit=e["reset_limit"], cooldown_range=e["cooldown_range"],
+                           elastic_timeout=e["elastic_timeout"], env=env)
+
     def _check_started(self) -> None:
+        if self._elastic is not None:
+            raise NotImplementedError("an elastic RayExecutor (min_workers=...) runs functions "
+                                      "with run() only: its workers change from round to round")
         if not self.workers:
             raise RuntimeError("the RayExecutor is not started (or was shut down after a "
                                "failure); call start() first")
@@ -403,8 +453,9 @@ class RayExecutor:
     @staticmethod
     def _warn_callbacks(callbacks: list[Callable[..., Any]] | None) -> None:
         if callbacks:
-            warnings.warn("callbacks have no effect on a static RayExecutor job (Horovod uses "
-                          "them for elastic jobs only)", UserWarning, stacklevel=3)
+            warnings.warn("callbacks have no effect: ringvod returns the workers' results "
+                          "instead of passing values logged by rank 0 to callbacks",
+                          UserWarning, stacklevel=3)
 
     def _gather(self, refs: list[Any]) -> list[Any]:
         """Results by position; on the first failure, stops the job and raises its root cause."""

@@ -53,7 +53,7 @@ def cluster():
         p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     c = Cluster(initialize_head=True, connect=False,
                 head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False})
-    c.add_node(num_cpus=CPUS_PER_NODE)
+    c.worker_node = c.add_node(num_cpus=CPUS_PER_NODE)
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)
     yield c
@@ -203,10 +203,13 @@ def test_executor_argument_errors(cluster):
         RayExecutor(s, max_workers=2)
     with pytest.raises(ValueError, match="mutually exclusive"):
         RayExecutor(s, num_workers=2, min_workers=1)
-    with pytest.raises(NotImplementedError, match="elastic"):
-        RayExecutor(s, min_workers=1, max_workers=2)
-    with pytest.raises(NotImplementedError, match="elastic"):
-        ElasticRayExecutor(s)
+    with pytest.raises(ValueError, match="below min_workers"):
+        RayExecutor(s, min_workers=3, max_workers=2)
+    elastic = RayExecutor(s, min_workers=1, max_workers=2)
+    with pytest.raises(NotImplementedError, match="run\\(\\) only"):
+        elastic.execute(lambda w: 1)
+    with pytest.warns(DeprecationWarning, match="RayExecutor"):
+        ElasticRayExecutor(ElasticRayExecutor.create_settings(min_num_proc=1))
     ex = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_workers=64)
     with pytest.raises(TimeoutError, match="Placement group"):
         ex.start()
@@ -293,3 +296,106 @@ def test_torch_trainer_with_hvd_init_inside(cluster):
     assert result.metrics["epoch"] == 1 and result.metrics["size"] == 2
     assert result.metrics["same_weights"] is True
     assert result.checkpoint is not None
+
+
+# -- elastic (last: it removes a node of the module's cluster and adds another) ---------------
+
+def _elastic_train(progress_dir, epochs_min):
+    import torch
+
+    import horovod.torch as hvd
+    hvd.init()
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, sizes=[])
+
+    @hvd.elastic.run
+    def loop(state):
+        while True:
+            if hvd.size() not in state.sizes[-1:]:
+                state.sizes.append(hvd.size())
+            x = torch.randn(8, 4)
+            loss = (model(x) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.epoch += 1
+            if hvd.rank() == 0:
+                with open(os.path.join(progress_dir, "progress"), "w") as f:
+                    json.dump({"epoch": state.epoch, "size": hvd.size(), "sizes": state.sizes}, f)
+            time.sleep(0.2)
+            state.commit()
+            done = os.path.exists(os.path.join(progress_dir, "finish"))
+            if state.epoch >= epochs_min and done:
+                return {"epoch": state.epoch, "sizes": list(state.sizes), "rank": hvd.rank(),
+                        "size": hvd.size(),
+                        "weights": [p.detach().flatten().tolist() for p in model.parameters()]}
+
+    return loop(state)
+
+
+def _progress(d):
+    try:
+        with open(os.path.join(d, "progress")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_for(pred, what, timeout=90):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@needs_ray
+@pytest.mark.timeout(300)
+def test_elastic_node_leaves_then_joins(cluster):
+    pytest.importorskip("launcher.elastic", reason="this ringvod has no elastic driver")
+    import threading
+
+    from horovod.ray import RayExecutor
+    d = tempfile.mkdtemp()
+    # One worker per node (2 CPUs each): the head node's worker survives, the other node leaves.
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=1, max_workers=2,
+                     cpus_per_worker=CPUS_PER_NODE, elastic_timeout=60)
+    ex.start()
+    out, err = [], []
+
+    def run():
+        try:
+            out.append(ex.run(_elastic_train, args=(d, 10)))
+        except BaseException as exc:  # noqa: BLE001
+            err.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        _wait_for(lambda: _progress(d).get("size") == 2 and _progress(d)["epoch"] >= 3 or err,
+                  "2 workers training")
+        assert not err, err
+        before = _progress(d)["epoch"]
+        cluster.remove_node(cluster.worker_node)
+        _wait_for(lambda: _progress(d).get("size") == 1 or err, "the job to shrink to 1")
+        assert not err, err
+        assert _progress(d)["epoch"] >= before - 1  # restored from the last commit
+        cluster.worker_node = cluster.add_node(num_cpus=CPUS_PER_NODE)
+        _wait_for(lambda: _progress(d).get("size") == 2 and _progress(d)["sizes"][-2:] == [1, 2]
+                  or err, "the new node's worker to join")
+        open(os.path.join(d, "finish"), "w").close()
+        t.join(120)
+        assert not t.is_alive(), "the elastic job did not finish"
+        assert not err, err
+    finally:
+        open(os.path.join(d, "finish"), "w").close()
+        t.join(60)
+        ex.shutdown()
+    res = out[0]
+    assert [r["rank"] for r in res] == [0, 1] and {r["size"] for r in res} == {2}
+    assert res[0]["sizes"] == [2, 1, 2] and res[0]["epoch"] >= 10
+    assert res[0]["weights"] == res[1]["weights"] and res[0]["epoch"] == res[1]["epoch"]
+    assert _all_cpus_free()
