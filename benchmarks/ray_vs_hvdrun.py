@@ -109,7 +109,7 @@ def _hvdrun(np_: int, kind: str, params: dict) -> tuple[float, list]:
 
 # --- Ray side --------------------------------------------------------------------------------
 
-def _ray_startup(np_: int) -> float:
+def _ray_startup(np_: int) -> tuple[float, dict]:
     from horovod.ray import RayExecutor
     ex = RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=np_)
     t0 = time.time()
@@ -118,7 +118,7 @@ def _ray_startup(np_: int) -> float:
         ends = ex.run(_first_allreduce)
     finally:
         ex.shutdown()
-    return max(ends) - t0
+    return max(ends) - t0, dict(ex.timings)
 
 
 def main() -> None:
@@ -135,11 +135,12 @@ def main() -> None:
               "steps": args.steps}
 
     import ray
+    # The local Ray instance inherits this environment: its workers find ringvod and this file.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO, HERE, os.environ.get("PYTHONPATH")) if p)
     t = time.time()
     ray.init(num_cpus=max(args.np, os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                 p for p in (REPO, HERE, os.environ.get("PYTHONPATH")) if p)}})
+             log_to_driver=False)
     ray_init_s = time.time() - t
     print(f"ray.init(): {ray_init_s:.1f} s (not counted below)", flush=True)
     from horovod.ray import RayExecutor
@@ -151,10 +152,13 @@ def main() -> None:
             if side == "hvdrun":
                 t0, ends = _hvdrun(args.np, "startup", {})
                 s = max(ends) - t0
+                parts = {}
             else:
-                s = _ray_startup(args.np)
-            rows.append({"round": r, "side": side, "metric": "startup_s", "value": s})
-            print(f"round {r} {side:6s} start-up to first allreduce: {s:6.2f} s", flush=True)
+                s, parts = _ray_startup(args.np)
+            rows.append({"round": r, "side": side, "metric": "startup_s", "value": s, **parts})
+            detail = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+            print(f"round {r} {side:6s} start-up to first allreduce: {s:6.2f} s"
+                  + (f" (start(): {detail})" if detail else ""), flush=True)
 
     ex = RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=args.np)
     ex.start()

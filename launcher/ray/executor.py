@@ -213,6 +213,8 @@ class RayExecutor:
         self._own_pg = False
         self._server: KVServer | None = None
         self._elastic_start: dict[str, Any] | None = None
+        # Seconds the last start() spent reserving, starting the actors and setting up the job.
+        self.timings: dict[str, float] = {}
 
     # --- Horovod's API ----------------------------------------------------------------------
 
@@ -337,7 +339,9 @@ class RayExecutor:
                executable_kwargs: dict[str, Any] | None,
                extra_env_vars: dict[str, Any] | None) -> None:
         s = self.settings
+        t0 = time.perf_counter()
         bundle_of = self._reserve()
+        t1 = time.perf_counter()
         gpus = self.gpus_per_worker
         actor_cls = ray.remote(BaseHorovodWorker)
         actors = []
@@ -355,6 +359,7 @@ class RayExecutor:
                 f"Timed out waiting for {self.num_workers} Ray workers to start "
                 f"({s.timeout_s} s). Raise timeout_s in create_settings() if the cluster is "
                 f"slow to start processes.") from None
+        t2 = time.perf_counter()
         order = group_by_node([p[0] for p in placements])
         self.workers = [actors[i] for i in order]
         placements = [placements[i] for i in order]
@@ -380,6 +385,8 @@ class RayExecutor:
                 timeout=s.timeout_s)
         self._gather([w.start_executable.remote(executable_cls, executable_args,
                                                 executable_kwargs) for w in self.workers])
+        self.timings = {"placement_group_s": t1 - t0, "actors_s": t2 - t1,
+                        "setup_s": time.perf_counter() - t2}
 
     def _reserve(self) -> Callable[[int], int]:
         """Reserves (or adopts) the placement group; returns worker index -> bundle index."""
