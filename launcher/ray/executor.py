@@ -32,6 +32,7 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 import ray
+import ray.util.client
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import (PlacementGroup, get_current_placement_group,
                                       placement_group, remove_placement_group)
@@ -183,6 +184,10 @@ class RayExecutor:
             num_workers = min_workers
         elif num_workers is None and num_hosts is None:
             raise ValueError("Either num_workers or num_hosts must be set.")
+        elif reset_limit is not None or cooldown_range is not None or elastic_timeout != 600:
+            warnings.warn("reset_limit, cooldown_range and elastic_timeout have no effect on a "
+                          "static job; give min_workers for an elastic one", UserWarning,
+                          stacklevel=2)
         if num_hosts is not None and (num_workers is not None or min_workers is not None):
             raise ValueError(f"num_workers={num_workers} and num_hosts={num_hosts} are "
                              f"mutually exclusive; give num_hosts with num_workers_per_host "
@@ -258,6 +263,11 @@ class RayExecutor:
             raise RuntimeError("this RayExecutor is already started; call shutdown() first")
         if not ray.is_initialized():
             ray.init()
+        if ray.util.client.ray.is_connected():
+            raise NotImplementedError(
+                "RayExecutor does not run through Ray Client (ray://): the job's rendezvous "
+                "store lives in the driver, which the workers must reach. Run the driver on "
+                "the cluster instead (e.g. `ray job submit`)")
         if self._elastic is not None:  # workers start with each run(), round by round
             if executable_cls is not None:
                 warnings.warn("executable_cls has no effect on an elastic job (its workers "
