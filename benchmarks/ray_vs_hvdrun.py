@@ -16,7 +16,11 @@ same number of worker processes on this machine, with one torch thread per worke
 * **throughput**: a small MLP (`--width`, 3 layers), batch `--batch` per worker, SGD through
   `hvd.DistributedOptimizer`; `--warmup` steps, then `--steps` timed steps; samples/s over all
   workers, timed inside the workers (so Ray's scheduling is not counted, as hvdrun's process
-  start is not). Ray reuses one started executor for all its rounds.
+  start is not). Both sides time warm processes: each hvdrun worker first runs the function
+  with 2 steps, as the Ray side's executor does once before its rounds; hvdrun workers get
+  `OMP_NUM_THREADS=1`, as Ray gives 1-CPU actors. Ray reuses one started executor for all its rounds. Also the CPU time of
+  all workers' processes (all their threads, Ray's own included) per 1000 samples, which load
+  from other processes moves much less than wall-clock throughput.
 
 Rounds alternate the two sides (and which goes first), since other processes on a shared box
 slow single rounds down; the report gives per-round values, medians and Ray / hvdrun.
@@ -73,13 +77,14 @@ def _train(width: int, batch: int, warmup: int, steps: int) -> dict:
     for _ in range(warmup):
         step()
     hvd.allreduce(torch.zeros(1), name="sync.start")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
     hvd.allreduce(torch.zeros(1), name="sync.end")
-    dt = time.perf_counter() - t0
-    return {"rank": hvd.rank(), "seconds": dt,
-            "samples_per_s": steps * batch * hvd.size() / dt}
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"rank": hvd.rank(), "seconds": dt, "cpu_s": cpu,
+            "samples_per_s": steps * batch * hvd.size() / dt,
+            "cpu_ms_per_1k": 1e6 * cpu / (steps * batch * hvd.size())}
 
 
 # --- hvdrun side -----------------------------------------------------------------------------
@@ -87,6 +92,8 @@ def _train(width: int, batch: int, warmup: int, steps: int) -> dict:
 def _worker_main(argv: list[str]) -> None:
     """Inside an hvdrun worker: run one function, rank 0 prints the JSON result."""
     kind, params = argv[0], json.loads(argv[1])
+    if kind == "train":  # the same warm-up run the Ray side's executor had
+        _train(**dict(params, steps=2))
     out = _first_allreduce() if kind == "startup" else _train(**params)
     import horovod.torch as hvd
     times = hvd.allgather_object(out)
@@ -97,7 +104,8 @@ def _worker_main(argv: list[str]) -> None:
 def _hvdrun(np_: int, kind: str, params: dict) -> tuple[float, list]:
     cmd = [sys.executable, "-m", "launcher", "--gloo", "-np", str(np_), sys.executable,
            os.path.abspath(__file__), "--worker", kind, json.dumps(params)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    # Ray gives a 1-CPU actor OMP_NUM_THREADS=1; so do we, to compare like with like.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
@@ -172,20 +180,24 @@ def main() -> None:
                 else:
                     res = ex.run(_train, kwargs=params)
                 v = min(x["samples_per_s"] for x in res)
+                c = sum(x["cpu_ms_per_1k"] for x in res)  # all workers' CPU time
                 rows.append({"round": r, "side": side, "metric": "samples_per_s", "value": v})
-                print(f"round {r} {side:6s} training: {v:8.1f} samples/s", flush=True)
+                rows.append({"round": r, "side": side, "metric": "cpu_s_per_1k_samples",
+                             "value": c / 1000})
+                print(f"round {r} {side:6s} training: {v:8.1f} samples/s, "
+                      f"{c / 1000:.3f} CPU-s per 1000 samples", flush=True)
     finally:
         ex.shutdown()
 
     summary = {}
-    for metric in ("startup_s", "samples_per_s"):
+    for metric in ("startup_s", "samples_per_s", "cpu_s_per_1k_samples"):
         med = {side: statistics.median(x["value"] for x in rows
                                        if x["metric"] == metric and x["side"] == side)
                for side in ("hvdrun", "ray")}
         summary[metric] = dict(med, ray_over_hvdrun=med["ray"] / med["hvdrun"])
     print("\n| metric | hvdrun (median) | Ray (median) | Ray / hvdrun |\n|---|---|---|---|")
     for metric, m in summary.items():
-        print(f"| {metric} | {m['hvdrun']:.2f} | {m['ray']:.2f} | {m['ray_over_hvdrun']:.3f} |")
+        print(f"| {metric} | {m['hvdrun']:.3f} | {m['ray']:.3f} | {m['ray_over_hvdrun']:.3f} |")
     from _report import write_results
     write_results(args.out, "ray_vs_hvdrun", rows,
                   params=dict(vars(args), ray_init_s=ray_init_s, ray=ray.__version__),
