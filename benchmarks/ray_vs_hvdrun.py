@@ -18,9 +18,10 @@ same number of worker processes on this machine, with one torch thread per worke
   workers, timed inside the workers (so Ray's scheduling is not counted, as hvdrun's process
   start is not). Both sides time warm processes: each hvdrun worker first runs the function
   with 2 steps, as the Ray side's executor does once before its rounds; hvdrun workers get
-  `OMP_NUM_THREADS=1`, as Ray gives 1-CPU actors. Ray reuses one started executor for all its rounds. Also the CPU time of
-  all workers' processes (all their threads, Ray's own included) per 1000 samples, which load
-  from other processes moves much less than wall-clock throughput.
+  `OMP_NUM_THREADS=1`, as Ray gives 1-CPU actors. Ray reuses one started executor for all its
+  rounds. Also the CPU time of all workers' processes (all their threads, Ray's own
+  included) per 1000 samples, which load from other processes moves much less than wall-clock
+  throughput.
 
 Rounds alternate the two sides (and which goes first), since other processes on a shared box
 slow single rounds down; the report gives per-round values, medians and Ray / hvdrun.

@@ -506,9 +506,10 @@ class RayExecutor:
         where = info.where() if info else f"worker {rank}"
         if isinstance(cause, RayActorError):
             text = str(cause).strip().splitlines()
+            why = (text[0] if text else type(cause).__name__).rstrip(".")
             raise WorkerLostError(
                 f"ringvod on Ray: the worker of {where} was lost: "
-                f"{(text[0] if text else type(cause).__name__).rstrip('.')}. The job was stopped and its "
+                f"{why}. The job was stopped and its "
                 f"actors removed; call start() to run again.",
                 rank, info.node_id if info else "", info.node_ip if info else "") from cause
         if isinstance(cause, RayTaskError):

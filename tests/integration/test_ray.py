@@ -30,7 +30,8 @@ CPUS_PER_NODE = 2
 
 def test_missing_ray_gives_an_import_error_naming_the_extra():
     code = ("import sys, json\nsys.modules['ray'] = None\n"
-            "try:\n    import horovod.ray\nexcept ImportError as e:\n    print(json.dumps(str(e)))\n"
+            "try:\n    import horovod.ray\n"
+            "except ImportError as e:\n    print(json.dumps(str(e)))\n"
             "else:\n    print(json.dumps('no error'))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
