@@ -26,6 +26,7 @@ __all__ = ["__version__", "run"]
 # alias prefix -> real package. Other adapters add their line here.
 _ALIASES = {
     "horovod.torch": "frameworks.torch",
+    "horovod.ray": "launcher.ray",
 }
 
 
