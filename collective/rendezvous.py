@@ -2,7 +2,7 @@
 
 `hvdrun --tcp` runs a `KVServer`; workers reach it with a `KVClient` to publish and look up the
 addresses of their peers. Under torchrun / Ray Train, rank 0 of the tcp mode runs the server
-itself (see `collective/engines/tcp.py`).
+itself (see `collective/engines/tcp/plane.py`).
 
 Wire protocol (nothing is ever unpickled; every field has a fixed layout):
 

@@ -47,7 +47,7 @@ import builtins, os, pickle, sys
 import numpy as np
 import collective as hvd
 import collective.coordinator as co
-from collective.engines import tcp
+from collective.engines.tcp import plane as tcp
 
 class Evil:
     def __reduce__(self):
@@ -127,7 +127,7 @@ def _slowloris(port: int, magic_len: int, interval: float, limit: float) -> floa
 
 @pytest.mark.timeout(30)
 def test_slowloris_is_cut_at_the_handshake_deadline() -> None:
-    from collective.engines.tcp_net import Fabric
+    from collective.engines.tcp.net import Fabric
     from collective.rendezvous import KVServer
     srv = KVServer("127.0.0.1", 0, b"s" * 32)
     srv.handshake_timeout = 1.0
@@ -216,7 +216,7 @@ def test_store_flood_does_not_lock_out_real_clients(log) -> None:
 
 @pytest.mark.timeout(60)
 def test_worker_listener_flood_does_not_stop_connections(log) -> None:
-    from collective.engines.tcp_net import Fabric
+    from collective.engines.tcp.net import Fabric
     from collective.rendezvous import MAX_PENDING
     secret = os.urandom(32)
     fabs = [Fabric(r, secret, 10.0, "127.0.0.1", use_unix=False) for r in range(2)]
@@ -250,7 +250,7 @@ def test_worker_listener_flood_does_not_stop_connections(log) -> None:
 # -- 5. a handshake that times out while dialling names the ranks and the address ---------------
 @pytest.mark.timeout(30)
 def test_dial_handshake_timeout_names_rank_peer_and_address() -> None:
-    from collective.engines.tcp_net import Fabric, PeerInfo
+    from collective.engines.tcp.net import Fabric, PeerInfo
     from collective.errors import CollectiveTimeoutError
     mute = socket.socket()
     mute.bind(("127.0.0.1", 0))

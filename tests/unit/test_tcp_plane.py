@@ -77,7 +77,7 @@ def run_ranks(scenario: str, n: int, timeout: float = 60.0, gloo_timeout: float 
 
 
 def _plane(rank: int, size: int, port: int, secret: str = SECRET):
-    from collective.engines import tcp, tcp_net, tcp_shm
+    from collective.engines.tcp import net as tcp_net, plane as tcp, ring as tcp_ring, shm as tcp_shm
     transport = os.environ.get("TCP_TEST_TRANSPORT", "shm")
     tcp_net.UNIX_SOCKETS = transport != "tcp"
     tcp_shm.ENABLED = tcp_shm.ENABLED and transport in ("shm", "ring")
@@ -86,7 +86,7 @@ def _plane(rank: int, size: int, port: int, secret: str = SECRET):
                    rendezvous_port=port, secret_key=secret,
                    gloo_timeout=float(os.environ["GLOO_TEST_TIMEOUT"]))
     plane = tcp.create_backend(cfg)
-    return plane, tcp.create_engine(plane, cfg)
+    return plane, tcp_ring.create_engine(plane, cfg)
 
 
 # -- scenarios (run inside the ranks) ----------------------------------------------------------
@@ -94,8 +94,8 @@ def scenario_ops(rank: int, size: int, port: int) -> None:
     plane, eng = _plane(rank, size, port)
     assert (plane.rank, plane.size) == (rank, size)
     if size > 1:
-        from collective.engines import tcp_cma
-        from collective.engines.tcp_shm import ShmLink
+        from collective.engines.tcp import cma as tcp_cma
+        from collective.engines.tcp.shm import ShmLink
         link = plane.link((rank + 1) % size)
         transport = os.environ["TCP_TEST_TRANSPORT"]
         want = socket.AF_INET if transport == "tcp" else socket.AF_UNIX
@@ -156,7 +156,7 @@ def scenario_ops(rank: int, size: int, port: int) -> None:
 
 
 def scenario_split(rank: int, size: int, port: int) -> None:
-    from collective.engines import tcp
+    from collective.engines.tcp.ring import create_engine
     plane, _ = _plane(rank, size, port)
     evens = [r for r in range(size) if r % 2 == 0]
     odds_rev = [r for r in reversed(range(size)) if r % 2 == 1]
@@ -169,7 +169,7 @@ def scenario_split(rank: int, size: int, port: int) -> None:
         assert sub.rank == ranks.index(rank)
         got = sub.allgather(str(rank).encode())
         assert got == [str(r).encode() for r in ranks], got
-        eng = tcp.create_engine(sub, _cfg_stub())
+        eng = create_engine(sub, _cfg_stub())
         a = np.full(300_000, rank, np.int64)
         eng._allreduce(a, ReduceOp.SUM)
         assert (a == sum(ranks)).all()
@@ -269,13 +269,14 @@ def scenario_reinit(rank: int, size: int, port: int) -> None:
 
 def scenario_torchrun(rank: int, size: int, port: int) -> None:
     """torchrun-style variables; rank 0 serves the store on MASTER_PORT + 1."""
-    from collective.engines import tcp
+    from collective.engines.tcp.plane import create_backend
+    from collective.engines.tcp.ring import create_engine
     cfg = read_env({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": os.environ["TORCHRUN_PORT"], "LOCAL_RANK": str(rank),
                     "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"})
     for _ in range(2):  # init -> shutdown -> init
-        plane = tcp.create_backend(cfg)
-        eng = tcp.create_engine(plane, cfg)
+        plane = create_backend(cfg)
+        eng = create_engine(plane, cfg)
         a = np.full(100_000, rank, np.int32)
         eng._allreduce(a, ReduceOp.SUM)
         assert (a == sum(range(size))).all()
@@ -340,7 +341,7 @@ def test_torchrun_style_env() -> None:
 
 def test_unauthenticated_peer_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     """A connection to a rank's listener without the secret is logged and dropped."""
-    from collective.engines.tcp_net import Fabric
+    from collective.engines.tcp.net import Fabric
     from collective.rendezvous import handshake_client
     import logging
     fab = Fabric(0, b"right", 5.0, "127.0.0.1", use_unix=False)
