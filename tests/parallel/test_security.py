@@ -185,7 +185,8 @@ def _warnings(log) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_store_flood_does_not_lock_out_real_clients(log) -> None:
-    from collective.rendezvous import MAX_PENDING, KVClient, KVServer
+    from collective.auth import MAX_PENDING
+    from collective.rendezvous import KVClient, KVServer
     secret = os.urandom(32)
     srv = KVServer("127.0.0.1", 0, secret)
     srv.handshake_timeout = 2.0
@@ -217,7 +218,7 @@ def test_store_flood_does_not_lock_out_real_clients(log) -> None:
 @pytest.mark.timeout(60)
 def test_worker_listener_flood_does_not_stop_connections(log) -> None:
     from collective.engines.tcp.net import Fabric
-    from collective.rendezvous import MAX_PENDING
+    from collective.auth import MAX_PENDING
     secret = os.urandom(32)
     fabs = [Fabric(r, secret, 10.0, "127.0.0.1", use_unix=False) for r in range(2)]
     infos = [f.start("localhost") for f in fabs]

@@ -342,7 +342,7 @@ def test_torchrun_style_env() -> None:
 def test_unauthenticated_peer_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     """A connection to a rank's listener without the secret is logged and dropped."""
     from collective.engines.tcp.net import Fabric
-    from collective.rendezvous import handshake_client
+    from collective.auth import handshake_client
     import logging
     fab = Fabric(0, b"right", 5.0, "127.0.0.1", use_unix=False)
     me = fab.start("localhost")

@@ -30,8 +30,8 @@ import time
 from typing import Any
 
 from ..._log import get_logger
+from ...auth import HANDSHAKE_TIMEOUT, MAX_PENDING, PreAuthGate, handshake_client
 from ...errors import CollectiveTimeoutError, HorovodInternalError
-from ...rendezvous import HANDSHAKE_TIMEOUT, MAX_PENDING, PreAuthGate, handshake_client
 
 __all__ = ["Fabric", "PeerInfo", "host_id", "PEER_MAGIC"]
 
@@ -88,7 +88,7 @@ class Fabric:
 
     Attributes:
         max_pending: unauthenticated connections the listeners work on at once (one thread,
-            a selector: `collective.rendezvous.PreAuthGate`).
+            a selector: `collective.auth.PreAuthGate`).
     """
 
     max_pending = MAX_PENDING

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from ...auth import recv_exact
 from ...errors import HorovodInternalError
-from ...rendezvous import recv_exact
 from . import cma
 from .link import Link
 from .net import Fabric
