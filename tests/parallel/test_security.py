@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.parallel.test_tcp_runtime import _base_env, _report, _spawn
+from tests._spmd import run_procs
 
 pytestmark = [pytest.mark.tcp]
 
@@ -78,19 +78,19 @@ def test_pickle_from_an_unauthenticated_rank_does_not_run(where: str, tmp_path) 
     port = _free_port()
 
     def env_of(r: int) -> dict[str, str]:
-        return dict(_base_env(), RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        return dict(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port - 1), HOROVOD_GLOO_TIMEOUT_SECONDS="10",
                     PWNED=str(pwned), ATTACK_AT=where)
 
     script = (f"import os\nV = {_VICTIM!r}\nA = {_ATTACKER!r}\n"
               "exec(V if os.environ['RANK'] == '0' else A)\n")
-    res = _spawn(script, 2, env_of, timeout=45)
-    assert not pwned.exists(), "the attacker's pickle ran inside rank 0\n" + _report(res)
-    rc, out = res[0]
-    assert rc == 0 and "VICTIM: refused" in out, _report(res)
-    assert "malformed" in out and "rank 1" in out, _report(res)
+    res = run_procs(2, code=script, env=env_of, timeout=45, check=False)
+    assert not pwned.exists(), "the attacker's pickle ran inside rank 0\n" + res.report()
+    rc, out = res.returncodes[0], res.outputs[0]
+    assert rc == 0 and "VICTIM: refused" in out, res.report()
+    assert "malformed" in out and "rank 1" in out, res.report()
     # rank 0 said, once, that the job is not authenticated
-    assert out.count("without a job secret") == 1, _report(res)
+    assert out.count("without a job secret") == 1, res.report()
 
 
 # -- 4. pre-authentication limits ---------------------------------------------------------------
@@ -302,7 +302,7 @@ def test_job_keeps_running_and_reinits_under_a_connection_flood(tmp_path) -> Non
     secret = os.urandom(32).hex()
 
     def env_of(r: int) -> dict[str, str]:
-        return dict(_base_env(), RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        return dict(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port - 1), HOROVOD_GLOO_TIMEOUT_SECONDS="30",
                     HOROVOD_SECRET_KEY=secret, PORT_FILE=str(port_file))
 
@@ -318,11 +318,11 @@ def test_job_keeps_running_and_reinits_under_a_connection_flood(tmp_path) -> Non
     t = threading.Thread(target=listener_flood, daemon=True)
     t.start()
     try:
-        res = _spawn(_FLOODED_JOB, 2, env_of, timeout=90)
+        res = run_procs(2, code=_FLOODED_JOB, env=env_of, timeout=90)
     finally:
         stop.set()
         t.join(5)
         for f in floods:
             f.close()
-    assert all(rc == 0 and "FLOODED JOB OK" in out for rc, out in res), _report(res)
+    assert all("FLOODED JOB OK" in out for out in res.outputs), res.report()
     assert len(floods) == 2 and floods[1].opened > 20, [f.opened for f in floods]
