@@ -151,7 +151,7 @@ def main() -> int:
             lt.append([human_bytes(nb), f"{by['ringvod']:.1f}", f"{by['CuPy NCCL']:.1f}",
                        f"{by['torch.distributed']:.1f}",
                        f"{by['ringvod'] / by['torch.distributed']:.2f}x"])
-        from collective import runtime
+        from collective import _current as runtime
         coord = runtime.current().coordinator
         print("lone synchronous allreduce (median, host waits for the GPU; express rounds "
               f"{coord.express_rounds}, of which waited {coord.express_waits}):")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from collective import Handle
-from collective import runtime as _runtime
+from collective import _current as _runtime
 from collective.engines.device import DeviceBuffer, DeviceResult, allocation_stream, record_ready
 
 __all__ = ["to_collective", "from_collective", "wrap_handle", "settle"]

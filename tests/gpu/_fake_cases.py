@@ -267,7 +267,7 @@ def synchronous_device_ops_take_the_express_lane(n: int) -> None:
     # After the first op (which binds the GPU on the coordinator thread), a lone cached
     # synchronous device op runs inside its own enqueue; the engine keeps few ops in flight
     # (finished ones are reaped every few launches) and reuses their completion events.
-    from collective import runtime
+    from collective import _current as runtime
     from collective.engines import nccl as engine_mod
     from collective.ops import wait_now
 
@@ -297,7 +297,7 @@ def express_ops_switch_streams_only_when_needed(n: int) -> None:
     # leaves the thread's CuPy stream alone; scaled and out-of-place ops make the engine's
     # stream current for their kernels and allocations (the fake kernels assert it) and give
     # the caller's stream back. Ready events from the engine's pool are recycled once waited on.
-    from collective import runtime
+    from collective import _current as runtime
     from collective.engines import device
     from collective.engines import nccl  # noqa: F401 - installs the ready-event pool
     from collective.ops import wait_now
@@ -397,7 +397,7 @@ def tensors_on_a_device_that_is_not_current(n: int) -> None:
             assert _fakecuda._current_device() == 0
             want = sum(r + i for r in range(n)) * (0.5 if i % 2 else 1.0)
             assert np.array_equal(value(res), np.full(5, want, np.float32)), value(res)
-        eng = collective.runtime.current().member_sets()[0].device_engine
+        eng = collective._current.current().member_sets()[0].device_engine
         assert eng.device == rank
     run_loopback(n, body)
 
