@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from . import _current, _log
 from .config import Config, read_env
-from .coordinator import _HELD, Coordinator, ProcessSetState, shutdown_error
+from .coordinator import HELD, Coordinator, ProcessSetState, shutdown_error
 from .engines import create_backend, create_engine
 from .entry import Entry
 from .errors import DuplicateNameError, ShutdownError
@@ -275,7 +275,7 @@ class Runtime:
         if self.shut_down:  # raced with the loop's exit: fail what we just queued
             state.fail_all(shutdown_error(self.cause))
         if wake:
-            self.coordinator.wake(held=all(e.request.device >= 0 and e.request.type in _HELD
+            self.coordinator.wake(held=all(e.request.device >= 0 and e.request.type in HELD
                                            for e in entries))
 
     # -- shutdown -----------------------------------------------------------------------------

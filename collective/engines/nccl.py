@@ -730,6 +730,12 @@ class NCCLEngine(Engine):
     def supports(self, dtype: DataType, op: ReduceOp | None = None) -> bool:
         return op is None or dtype in _NCCL_TYPE
 
+    def guest_enter(self) -> None:
+        guest_enter()
+
+    def guest_exit(self) -> None:
+        guest_exit()
+
     def abort(self) -> None:
         """ncclCommAbort: kernels waiting on a dead peer return; the engine is unusable after."""
         comm, self.comm = self.comm, None
