@@ -79,7 +79,7 @@ def main() -> int:
     import cupy
     from cupy.cuda import nccl
 
-    from collective.engines.nccl import _new_communicator, _uid_bytes, versions
+    from collective.engines.nccl.comm import _new_communicator, _uid_bytes, versions
     uid = hvd.broadcast_object(_uid_bytes(nccl.get_unique_id()) if rank == 0 else None, 0)
     cupy.cuda.Device(torch.cuda.current_device()).use()
     comm = _new_communicator(n, uid, rank)

@@ -268,7 +268,7 @@ def synchronous_device_ops_take_the_express_lane(n: int) -> None:
     # synchronous device op runs inside its own enqueue; the engine keeps few ops in flight
     # (finished ones are reaped every few launches) and reuses their completion events.
     from collective import _current as runtime
-    from collective.engines import nccl as engine_mod
+    from collective.engines.nccl import engine as engine_mod
     from collective.ops import wait_now
 
     def body(rank: int) -> None:
