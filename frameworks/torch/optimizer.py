@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 
 import collective
-from collective import ProcessSet, ReduceOp, RequestType, global_process_set
+from collective import ProcessSet, ReduceOp, RequestType, adapter, global_process_set
 
 from .._common import check_named_parameters, default_parameter_name, split_list
 from ._buckets import Bucket, plan_buckets
@@ -141,7 +141,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         included = ps is global_process_set or ps.process_set_id == 0 or bool(ps.included())
         # Elastic jobs may grow from one rank: hooks are registered at any size there.
         self._hvd_active = included and (collective.size() > 1
-                                         or collective._current.current().config.elastic)
+                                         or adapter.config().elastic)
         if self._hvd_active:
             self._hvd_register(groups)
 
@@ -195,7 +195,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvd_groups.append(group)
 
     def _hvd_form_buckets(self) -> None:
-        cap = collective._current.current().config.bucket_cap_mb
+        cap = adapter.config().bucket_cap_mb
         if cap <= 0 or not self._hvd_slots:
             return
         slots = self._hvd_slots
