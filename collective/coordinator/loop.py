@@ -237,7 +237,6 @@ class Coordinator(FastPaths):
         self._idle_cycles = 0 if progress else self._idle_cycles + 1
         return True
 
-
     def _negotiate(self, ps: ProcessSetState) -> tuple[list[Response], bool]:
         if ps.is_root and check_stall(ps):
             self.shutdown_requested = True  # travels with the next global negotiation
