@@ -72,11 +72,19 @@ tf.register_tensor_conversion_function(
     tf.cast(v.var.read_value(), dtype or tf.float64))
 
 
+class _StepVariables:
+    """The variables of the update being applied (a plain holder: a list attribute of the
+    optimizer itself would be tracked as the optimizer's own variables)."""
+
+    def __init__(self) -> None:
+        self.variables: list = []
+
+
 class _DistributedOptimizerMixin:
     """Overrides of the wrapped optimizer's class (see the module docstring)."""
 
     _hvd_reducer: GradientReducer
-    _hvd_vars: list | None = None
+    _hvd_step: "_StepVariables"
     _hvd_sum_steps: int = 1
     _hvd_user_accumulation: Any = None
 
@@ -96,17 +104,17 @@ class _DistributedOptimizerMixin:
         return super().apply(grads, trainable_variables)
 
     def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
-        self._hvd_vars = list(trainable_variables)
+        self._hvd_step.variables = list(trainable_variables)
         try:
             return super()._backend_apply_gradients(grads, trainable_variables)
         finally:
-            self._hvd_vars = None
+            self._hvd_step.variables = []
 
     def _clip_gradients(self, grads: Any) -> Any:
         grads = list(grads)
         if self._hvd_sum_steps > 1:  # Keras averaged the accumulated gradients; Horovod sums
             grads = [g * tf.cast(self._hvd_sum_steps, g.dtype) for g in grads]
-        grads = self._hvd_reducer.reduce(grads, self._hvd_vars or [])
+        grads = self._hvd_reducer.reduce(grads, self._hvd_step.variables)
         return super()._clip_gradients(grads)
 
     def get_config(self) -> dict:
@@ -172,6 +180,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     cls = _wrapped_class(type(optimizer))
     new = cls.from_config(config)
     new._hvd_reducer = reducer
+    new._hvd_step = _StepVariables()
     new._hvd_user_accumulation = user_accumulation
     new._hvd_sum_steps = (backward_passes_per_step if backward_passes_per_step > 1
                           and not average_aggregated_gradients else 1)
