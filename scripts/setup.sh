@@ -8,6 +8,7 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 $PY -m pip install -q "torch==2.13.0"
 $PY -m pip install -q -e ".[mpi,torch,test,yaml,plot]"
+$PY -m pip install -q "tensorflow-cpu>=2.16"  # the TensorFlow/Keras adapter's tests
 if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
