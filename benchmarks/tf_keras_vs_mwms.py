@@ -5,14 +5,21 @@ TensorFlow against the same op from torch and from NumPy.
     python benchmarks/tf_keras_vs_mwms.py --np 2 --rounds 3
     python benchmarks/tf_keras_vs_mwms.py --host-cost
 
-Training: both sides run `model.fit` on the same CNN (conv 32 - conv 64 - pool - dense 128 -
-dense 10, 32x32x3 images) with the same per-rank batch. ringvod ranks run under `mpirun` (`--mode
-tcp`: `hvdrun --gloo`) with `hvd.DistributedOptimizer` and `BroadcastGlobalVariablesCallback`;
-MWMS ranks get a `TF_CONFIG` cluster on localhost and build the model in `strategy.scope()`
-(global batch = per-rank batch x ranks, split by the strategy). Each rank uses `--threads`
+Training, on the same CNN (conv 32 - conv 64 - pool - dense 128 - dense 10, 32x32x3 images,
+SGD) with the same per-rank batch, three sides:
+
+* `ringvod-fit`: `model.fit` with `hvd.DistributedOptimizer` and
+  `BroadcastGlobalVariablesCallback`, ranks under `mpirun` (`--mode tcp`: `hvdrun --gloo`);
+* `ringvod-loop`: a `tf.function` step with `hvd.DistributedGradientTape`;
+* `mwms-loop`: the same step under `MultiWorkerMirroredStrategy` (`strategy.run`, the Keras
+  optimizer sums gradients across workers, loss scaled by the global batch), ranks given a
+  `TF_CONFIG` cluster on localhost; global batch = per-rank batch x ranks, split by the
+  strategy. (`model.fit` under MWMS fails in Keras 3.15 while building the model from a
+  distributed batch, so TensorFlow's own baseline is its custom-loop pattern.)
+ Each rank uses `--threads`
 TensorFlow threads per pool. Rounds alternate the sides (and who goes first) so that load from
 other processes hits them alike; reported: img/s over the timed steps (median and best round)
-and the ratio ringvod / MWMS of the medians.
+and the ratios of the medians to MWMS's.
 
 Host cost (`--host-cost`, one process, world size 1, where an allreduce moves no data between
 ranks): the time of one synchronous allreduce of a float32 tensor from each framework, and for
@@ -32,6 +39,7 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIDES = ["ringvod-fit", "ringvod-loop", "mwms-loop"]
 
 
 # -- worker side ----------------------------------------------------------------------------------
@@ -76,32 +84,75 @@ def worker(a: argparse.Namespace) -> None:
     import tensorflow as tf
     import keras
     steps = a.warmup + a.steps
-    timer = _Timer(keras, a.warmup)
-    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    if a.worker == "ringvod":
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="sum_over_batch_size")
+    if a.worker.startswith("ringvod"):
         import horovod.tensorflow as hvd
         hvd.init()
         n, rank = hvd.size(), hvd.rank()
         model = _model(tf, a.num_classes, a.image_size)
-        opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01))
-        model.compile(optimizer=opt, loss=loss)
         data = _dataset(tf, a.batch_size, a.image_size, a.num_classes)
-        cbs = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer.cb]
-    else:
+        if a.worker == "ringvod-fit":
+            timer = _Timer(keras, a.warmup)
+            model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01)),
+                          loss=loss_fn)
+            model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0,
+                      callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer.cb])
+            elapsed = timer.t1 - timer.t0
+        else:
+            opt = tf.keras.optimizers.SGD(0.01)
+
+            @tf.function
+            def step(x: Any, y: Any) -> Any:
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, model(x, training=True))
+                tape = hvd.DistributedGradientTape(tape)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            it = iter(data)
+            for i in range(steps):
+                if i == a.warmup:
+                    t0 = time.perf_counter()
+                loss = step(*next(it))
+                if i == 0:
+                    hvd.broadcast_variables(model.variables + opt.variables, 0)
+            float(loss)
+            elapsed = time.perf_counter() - t0
+    else:  # TensorFlow's MultiWorkerMirroredStrategy, custom loop (see the module docstring)
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         n = strategy.num_replicas_in_sync
         rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
         with strategy.scope():
             model = _model(tf, a.num_classes, a.image_size)
-            model.compile(optimizer=tf.keras.optimizers.SGD(0.01), loss=loss)
+            opt = tf.keras.optimizers.SGD(0.01)
         data = _dataset(tf, a.batch_size * n, a.image_size, a.num_classes)
         opts = tf.data.Options()
         opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-        data = data.with_options(opts)
-        cbs = [timer.cb]
-    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=cbs)
+        dist = strategy.experimental_distribute_dataset(data.with_options(opts))
+        per_example = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                    reduction="none")
+
+        def replica_step(x: Any, y: Any) -> Any:
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(per_example(y, model(x, training=True)),
+                                                  global_batch_size=a.batch_size * n)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))  # sums across workers
+            return loss
+
+        @tf.function
+        def step(batch: Any) -> Any:
+            return strategy.run(replica_step, args=batch)
+        it = iter(dist)
+        for i in range(steps):
+            if i == a.warmup:
+                t0 = time.perf_counter()
+            loss = step(next(it))
+        float(strategy.reduce("SUM", loss, axis=None))
+        elapsed = time.perf_counter() - t0
     if rank == 0:
-        rate = a.batch_size * n * a.steps / (timer.t1 - timer.t0)
+        rate = a.batch_size * n * a.steps / elapsed
         print(json.dumps({"side": a.worker, "img_per_s": rate}), flush=True)
 
 
@@ -136,26 +187,26 @@ def _result(out: str, side: str) -> float:
     raise RuntimeError(f"{side} printed no result:\n{out[-3000:]}")
 
 
-def run_ringvod(a: argparse.Namespace) -> float:
+def run_ringvod(a: argparse.Namespace, side: str) -> float:
     if a.mode == "tcp":
         cmd = [sys.executable, "-m", "launcher", "--gloo", "-np", str(a.np)]
     else:
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(a.np),
                "-x", "PYTHONPATH", "-x", "TF_NUM_INTRAOP_THREADS", "-x",
                "TF_NUM_INTEROP_THREADS", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "OMP_NUM_THREADS"]
-    p = subprocess.run(cmd + _worker_args(a, "ringvod"), env=_env(a), capture_output=True,
+    p = subprocess.run(cmd + _worker_args(a, side), env=_env(a), capture_output=True,
                        text=True, timeout=a.timeout)
-    return _result(p.stdout + p.stderr, "ringvod")
+    return _result(p.stdout + p.stderr, side)
 
 
-def run_mwms(a: argparse.Namespace) -> float:
+def run_mwms(a: argparse.Namespace, side: str = "mwms-loop") -> float:
     ports = _free_ports(a.np)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
     procs = []
     for i in range(a.np):
         env = _env(a)
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
-        procs.append(subprocess.Popen(_worker_args(a, "mwms"), env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(_worker_args(a, side), env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
@@ -165,7 +216,7 @@ def run_mwms(a: argparse.Namespace) -> float:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return _result(outs[0], "mwms")
+    return _result(outs[0], side)
 
 
 def host_cost(a: argparse.Namespace) -> None:
@@ -225,19 +276,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="TF threads per pool, per rank")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--host-cost", action="store_true")
-    p.add_argument("--worker", choices=["ringvod", "mwms"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         return worker(a)
     if a.host_cost:
         return host_cost(a)
-    res: dict[str, list[float]] = {"ringvod": [], "mwms": []}
+    res: dict[str, list[float]] = {s: [] for s in SIDES}
     for r in range(a.rounds):
-        order = [("ringvod", run_ringvod), ("mwms", run_mwms)]
-        if r % 2:
-            order.reverse()
-        for side, fn in order:
-            rate = fn(a)
+        order = list(SIDES) if r % 2 == 0 else list(reversed(SIDES))
+        for side in order:
+            rate = run_mwms(a, side) if side.startswith("mwms") else run_ringvod(a, side)
             res[side].append(rate)
             print(f"round {r + 1}/{a.rounds} {side}: {rate:.1f} img/s", flush=True)
     med = {s: statistics.median(v) for s, v in res.items()}
@@ -246,7 +295,8 @@ def main() -> None:
                "rounds": {s: [round(x, 1) for x in v] for s, v in res.items()},
                "median": {s: round(v, 1) for s, v in med.items()},
                "best": {s: round(max(v), 1) for s, v in res.items()},
-               "ratio_ringvod_over_mwms": round(med["ringvod"] / med["mwms"], 3)}
+               "ratio_ringvod_loop_over_mwms": round(med["ringvod-loop"] / med["mwms-loop"], 3),
+               "ratio_ringvod_fit_over_mwms": round(med["ringvod-fit"] / med["mwms-loop"], 3)}
     print(json.dumps(summary))
 
 
