@@ -22,9 +22,10 @@ other processes hits them alike; reported: img/s over the timed steps (median an
 and the ratios of the medians to MWMS's.
 
 Host cost (`--host-cost`, one process, world size 1, where an allreduce moves no data between
-ranks): the time of one synchronous allreduce of a float32 tensor from each framework, and for
-TensorFlow the adapter's own conversion alone (NumPy view of the input, DLPack wrap of the
-output). Medians over many calls.
+ranks): the time of one synchronous allreduce of a float32 tensor from each framework, and each
+adapter's own conversions alone (input to the engine's NumPy view; engine output to a framework
+tensor), with a copying conversion (`tf.constant`) for comparison. Medians of interleaved
+blocks of calls.
 """
 from __future__ import annotations
 
@@ -227,40 +228,39 @@ def host_cost(a: argparse.Namespace) -> None:
     import collective
     import horovod.tensorflow as hvd_tf
     import horovod.torch as hvd_torch
-    from frameworks.tensorflow import _buffers
+    from frameworks.tensorflow import _buffers as tf_buffers
+    from frameworks.torch import _buffers as torch_buffers
     collective.init()
 
-    def med_us(fn: Any, n: int) -> float:
-        for _ in range(20):
+    def per_call_us(fn: Any, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
             fn()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            times.append((time.perf_counter() - t0) / n * 1e6)
-        return statistics.median(times)
+        return (time.perf_counter() - t0) / n * 1e6
 
-    rows = []
     for elems in (1024, 1 << 20):
-        n = 2000 if elems <= 1024 else 50
-        t_tf = tf.ones([elems])
-        t_torch = torch.ones(elems)
+        n = 1000 if elems <= 1024 else 20
+        t_tf, t_torch = tf.ones([elems]), torch.ones(elems)
         arr = np.ones(elems, np.float32)
-        res = np.ones(elems, np.float32)
-        aligned = _buffers.aligned_empty((elems,), res)
-        rows.append({
-            "elements": elems,
-            "tf_allreduce_us": med_us(lambda: hvd_tf.allreduce(t_tf, op=hvd_tf.Sum), n),
-            "torch_allreduce_us": med_us(lambda: hvd_torch.allreduce(t_torch, op=hvd_torch.Sum),
-                                         n),
-            "numpy_allreduce_us": med_us(lambda: collective.allreduce(arr, op=collective.Sum), n),
-            "tf_view_in_us": med_us(lambda: _buffers.host_view(t_tf), n),
-            "tf_wrap_out_us": med_us(lambda: _buffers.to_tf(aligned, tf.float32), n),
-            "tf_copy_out_us (tf.constant, for comparison)": med_us(lambda: tf.constant(res), n),
-        })
-    for r in rows:
-        print(json.dumps(r))
+        out = tf_buffers.aligned_empty((elems,), arr)
+        cases = {
+            "tf_allreduce": lambda: hvd_tf.allreduce(t_tf, op=hvd_tf.Sum),
+            "torch_allreduce": lambda: hvd_torch.allreduce(t_torch, op=hvd_torch.Sum),
+            "numpy_allreduce": lambda: collective.allreduce(arr, op=collective.Sum),
+            "tf_in (NumPy view)": lambda: tf_buffers.host_view(t_tf),
+            "tf_out (DLPack wrap)": lambda: tf_buffers.to_tf(out, tf.float32),
+            "tf_out by copy (tf.constant)": lambda: tf.constant(out),
+            "torch_in (to_collective)": lambda: torch_buffers.to_collective(t_torch),
+            "torch_out (from_collective)": lambda: torch_buffers.from_collective(out, t_torch),
+        }
+        samples: dict[str, list[float]] = {k: [] for k in cases}
+        for fn in cases.values():
+            fn()
+        for _ in range(a.rounds * 3):  # interleaved blocks: load hits every case alike
+            for k, fn in cases.items():
+                samples[k].append(per_call_us(fn, n))
+        print(json.dumps({"elements": elems, "float32_bytes": elems * 4, "median_us": {
+            k: round(statistics.median(v), 2) for k, v in samples.items()}}))
 
 
 def main() -> None:
