@@ -17,8 +17,8 @@ pytest.importorskip("tensorflow")
 
 FILE = "tests/parallel/spmd_tensorflow.py"
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
-# The subset run at 4 ranks and in tcp mode: the collectives on every dtype, their gradients,
-# and both training-equality checks.
+# The subset run at 4 ranks: the collectives on every dtype, their gradients, and both
+# training-equality checks.
 SUBSET = ["-k", "every_dtype or gradients or equals_full_batch or process_set"]
 TIMEOUT = 420.0
 
@@ -41,7 +41,7 @@ def test_tensorflow_spmd(np_: int, request: pytest.FixtureRequest) -> None:
 @pytest.mark.timeout(TIMEOUT + 30)
 def test_tensorflow_spmd_tcp_mode() -> None:
     """The same checks with ranks started by `hvdrun --gloo` (tcp engine)."""
-    run_spmd(FILE, 2, TIMEOUT, mode="tcp", env=ENV, args=SUBSET)
+    run_spmd(FILE, 2, TIMEOUT, mode="tcp", env=ENV)
 
 
 @pytest.mark.spmd_driver
