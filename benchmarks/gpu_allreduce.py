@@ -11,7 +11,7 @@ Measures, per size (float32, Sum, in place):
 * pipelined: `iters` back-to-back ops, then one device synchronize (nccl-tests' method; for
   ringvod each op is `allreduce_async_` + `synchronize`, which only orders the stream);
   busbw = bytes / time × 2(n−1)/n. Each timed block lasts ≥ ~20 ms of GPU time (at least 20
-  ops), so the first op's host latency (~0.1 ms for ringvod) is not counted as bandwidth;
+  ops), so the first op's host latency is not counted as bandwidth;
   the three series alternate for `--rounds` rounds and each reports its median block;
 * lone: one synchronous op (`hvd.allreduce_`, `dist.all_reduce`) followed by a host wait for
   the GPU, repeated; the median (what a program that needs the value at once sees).

@@ -27,9 +27,6 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _affinity  # noqa: E402  (RINGVOD_BENCH_BIND, before torch's threads)
-
-_affinity.bind()
 import torch  # noqa: E402
 import torchvision  # noqa: E402
 
@@ -88,47 +85,6 @@ def phases(step_parts, a, show, label):
               flush=True)
 
 
-def breakdown(opt, step_parts, a) -> None:
-    """Host time inside step(): waiting for bucket handles, unpacking, the wrapped step; and
-    the skew between ranks at the end of backward (perf_counter is one clock per host)."""
-    from frameworks.torch import _buckets, _cuda
-    acc = {"wait": 0.0, "unpack": 0.0, "inner": 0.0}
-
-    def timed(obj, attr, key):
-        fn = getattr(obj, attr)
-
-        def w(*args, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                acc[key] += time.perf_counter() - t
-        setattr(obj, attr, w)
-        return fn
-    o_wait = timed(_cuda._OrderedHandle, "wait", "wait")
-    o_unpack = timed(_buckets.Bucket, "unpack", "unpack")
-    base = type(opt).__mro__[1]
-    o_step = timed(base, "step", "inner")
-    rows, ends = [], []
-    for _ in range(30):
-        for k in acc:
-            acc[k] = 0.0
-        t0 = time.perf_counter()
-        f, b, s, tail = step_parts()
-        rows.append((f, b, s, acc["wait"], acc["unpack"], acc["inner"], tail))
-        ends.append(t0 + f + b)  # end of backward
-    _cuda._OrderedHandle.wait, _buckets.Bucket.unpack, base.step = o_wait, o_unpack, o_step
-    allends = hvd.allgather(torch.tensor(ends, dtype=torch.float64).unsqueeze(0)).numpy()
-    skew = statistics.median(float(abs(allends[:, i].max() - allends[:, i].min()))
-                             for i in range(allends.shape[1])) * 1e3
-    med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(7)]
-    # Every rank prints: the slower one sets the pace.
-    print(f"BREAKDOWN rank {hvd.rank()} amp={a.amp}: forward {med[0]:.2f} backward {med[1]:.2f}"
-          f" step {med[2]:.2f} (wait {med[3]:.2f}, unpack {med[4]:.2f}, inner step {med[5]:.2f})"
-          f" gpu tail {med[6]:.2f} ms; rank skew at backward end {skew:.2f} ms (medians of 30)",
-          flush=True)
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=64)
@@ -137,17 +93,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--amp", action="store_true")
     p.add_argument("--phases", action="store_true", help="print host time per step phase")
-    p.add_argument("--breakdown", action="store_true",
-                   help="print where step() spends host time and the ranks' skew")
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     p.add_argument("--profile", default="", help="directory for a one-step timeline")
     p.add_argument("--tag", default="", help="label printed with the result")
-    p.add_argument("--low-priority", action="store_true", help="engine stream priority 0")
     p.add_argument("--groups", type=int, default=0, help="DistributedOptimizer(groups=N)")
     a = p.parse_args()
-    if a.low_priority:
-        import collective.engines.nccl as _eng
-        _eng.STREAM_PRIORITY = 0
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
@@ -205,8 +155,6 @@ def main() -> int:
               f"windows={','.join(f'{w:.0f}' for w in ips.tolist())}", flush=True)
     if a.phases:
         phases(step_parts, a, rank == 0, "ringvod" + a.tag)
-    if a.breakdown and world > 1:
-        breakdown(opt, step_parts, a)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         for _ in range(2):

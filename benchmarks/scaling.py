@@ -1,4 +1,4 @@
-"""Scaling run (issue 7): ringvod vs DDP and raw NCCL at 1, 2, 4 and 8 GPUs of one host.
+"""Scaling run: ringvod vs DDP and raw NCCL at 1, 2, 4 and 8 GPUs of one host.
 
 For every GPU count N (default: 1, 2, 4, 8 up to the GPUs present):
 
@@ -15,8 +15,8 @@ has a timeout and the whole run a budget, so a device call ends in time:
 
     OUT=out python3 benchmarks/scaling.py --gpus 1,2,4,8 --budget 540
 
-Run it through `benchmarks/run_gpu_suite.sh`'s environment (NCCL_NVLS_ENABLE=0 and the other
-multicast switches must stay set for every worker).
+Run it as `benchmarks/run_gpu_suite.sh scaling [1,2,4,8]`, which sets NCCL_NVLS_ENABLE=0 and
+the other multicast switches for every worker.
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from _report import format_table, write_results  # noqa: E402
-from final_runs import resnet  # noqa: E402
-from gpu_suite import Suite  # noqa: E402
+from gpu_suite import Suite, resnet_run  # noqa: E402
 
 
 def _counts(spec: str) -> list[int]:
@@ -55,11 +54,11 @@ def allreduce_at(s: Suite, n: int, quick: bool) -> dict | None:
 
 
 def resnet_at(s: Suite, n: int, amp: bool, iters: int) -> list[dict]:
-    """DDP then ringvod at `n` GPUs (`final_runs.resnet`), as rows for the tables and plots."""
+    """DDP then ringvod at `n` GPUs (`gpu_suite.resnet_run`), as rows for the tables and plots."""
     cfg = "bf16" if amp else "fp32"
     rows = []
     for impl in ("DDP", "ringvod"):
-        v = resnet(s, n, impl, cfg, iters)
+        v = resnet_run(s, n, impl, cfg, iters)
         if v is not None:
             rows.append({"series": impl, "gpus": n, "amp": amp, "compression": "none",
                          "throughput": v})

@@ -14,7 +14,7 @@ them alike), and pools the per-op samples of all rounds:
 
 Each op is timed alone after a barrier, in place (``allreduce_``, Sum, float32). Latency is
 the median; bus bandwidth = bytes / median time x 2(n-1)/n. MPI runs set
-``OMPI_MCA_mpi_yield_when_idle=1`` (DESIGN.md section 7: without it latencies are bimodal
+``OMPI_MCA_mpi_yield_when_idle=1`` (without it latencies are bimodal
 when ranks outnumber cores).
 """
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from . import runtime as _rt
+from .config import warn_no_effect
 from .errors import NotInitializedError
 from .handle import Handle
 from .process_sets import ProcessSet, global_process_set
@@ -31,6 +32,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     if _rt.current_or_none() is not None:
         return
     rt = _rt.Runtime.create(comm=comm, process_sets=process_sets)
+    if rt.rank == 0:
+        warn_no_effect(rt.config)
     _rt.set_current(rt)
     rt.start()
 

@@ -13,7 +13,8 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
-__all__ = ["Option", "OPTIONS", "Config", "read_env", "options_by_field", "environ_snapshot"]
+__all__ = ["Option", "OPTIONS", "Config", "read_env", "options_by_field", "environ_snapshot",
+           "no_effect_set", "warn_no_effect", "update_environ"]
 
 
 def _bool(text: str) -> bool:
@@ -39,6 +40,16 @@ class Option:
     doc: str = ""
     cli: str = ""  # hvdrun flag that sets it ("" = none)
     cli_scale: float = 1.0  # env value = flag value * scale (e.g. MB -> bytes)
+    # Accepted for Horovod compatibility but read by nothing: the README table and
+    # `hvdrun --help` say "(no effect in ringvod)" and `init()` warns when it is set.
+    no_effect: bool = False
+
+    def __post_init__(self) -> None:
+        if self.no_effect and not self.doc.endswith(NO_EFFECT):
+            object.__setattr__(self, "doc", f"{self.doc} {NO_EFFECT}")
+
+
+NO_EFFECT = "(no effect in ringvod)"
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -51,40 +62,40 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache_capacity", "HOROVOD_CACHE_CAPACITY", int, 1024, "entries",
            "response cache size; 0 disables the cache", "--cache-capacity"),
     Option("hierarchical_allreduce", "HOROVOD_HIERARCHICAL_ALLREDUCE", _bool, False, "",
-           "hierarchical allreduce (accepted; ringvod uses NCCL's own topology)",
-           "--hierarchical-allreduce"),
+           "hierarchical allreduce; accepted, ringvod leaves the topology to NCCL",
+           "--hierarchical-allreduce", no_effect=True),
     Option("hierarchical_allgather", "HOROVOD_HIERARCHICAL_ALLGATHER", _bool, False, "",
-           "hierarchical allgather (accepted; no effect)", "--hierarchical-allgather"),
+           "hierarchical allgather; accepted", "--hierarchical-allgather", no_effect=True),
     Option("torus_allreduce", "HOROVOD_TORUS_ALLREDUCE", _bool, False, "",
-           "torus allreduce (accepted; no effect)", "--torus-allreduce"),
+           "torus allreduce; accepted", "--torus-allreduce", no_effect=True),
     Option("disable_group_fusion", "HOROVOD_DISABLE_GROUP_FUSION", _bool, False, "",
            "fuse grouped ops only with members of the same group"),
     Option("batch_d2d_memcopies", "HOROVOD_BATCH_D2D_MEMCOPIES", _bool, True, "",
-           "pack GPU fusion buffers with one batched copy"),
+           "pack GPU fusion buffers with one batched copy", no_effect=True),
     Option("bucket_cap_mb", "HOROVOD_BUCKET_CAP_MB", float, 25.0, "MB",
            "ringvod: DistributedOptimizer packs gradients into buckets of this size, one "
            "allreduce each (0 = one allreduce per gradient, as Horovod)", "--bucket-cap-mb"),
-    Option("bucket_schedule", "HOROVOD_BUCKET_SCHEDULE", _bool, True, "",
-           "ringvod: after a first negotiated step, DistributedOptimizer launches its GPU "
-           "buckets on a communicator of their own with no negotiation round, as DDP does "
-           "(0 = negotiate every bucket)", "--bucket-schedule"),
     Option("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", int, 1, "",
-           "NCCL streams per device", "--num-nccl-streams"),
+           "NCCL streams per device; ringvod uses one", "--num-nccl-streams",
+           no_effect=True),
     Option("thread_affinity", "HOROVOD_THREAD_AFFINITY", str, "", "",
            "comma list of core ids for the coordinator thread, one per local rank",
            "--thread-affinity"),
     # --- autotune ---------------------------------------------------------------------------
-    Option("autotune", "HOROVOD_AUTOTUNE", _bool, False, "", "enable autotuning", "--autotune"),
+    Option("autotune", "HOROVOD_AUTOTUNE", _bool, False, "", "enable autotuning", "--autotune",
+           no_effect=True),
     Option("autotune_log", "HOROVOD_AUTOTUNE_LOG", str, "", "path", "autotune CSV log",
-           "--autotune-log-file"),
+           "--autotune-log-file", no_effect=True),
     Option("autotune_warmup_samples", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", int, 3, "",
-           "discarded autotune samples", "--autotune-warmup-samples"),
+           "discarded autotune samples", "--autotune-warmup-samples", no_effect=True),
     Option("autotune_steps_per_sample", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", int, 10, "",
-           "steps per autotune sample", "--autotune-steps-per-sample"),
+           "steps per autotune sample", "--autotune-steps-per-sample", no_effect=True),
     Option("autotune_bayes_opt_max_samples", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", int, 20,
-           "", "Bayesian optimisation samples", "--autotune-bayes-opt-max-samples"),
+           "", "Bayesian optimisation samples", "--autotune-bayes-opt-max-samples",
+           no_effect=True),
     Option("autotune_gaussian_process_noise", "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", float,
-           0.8, "", "Gaussian process noise", "--autotune-gaussian-process-noise"),
+           0.8, "", "Gaussian process noise", "--autotune-gaussian-process-noise",
+           no_effect=True),
     # --- timeline ---------------------------------------------------------------------------
     Option("timeline", "HOROVOD_TIMELINE", str, "", "path",
            "Chrome trace file written by rank 0, or DYNAMIC", "--timeline-filename"),
@@ -109,7 +120,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("cpu_operations", "HOROVOD_CPU_OPERATIONS", str, "", "",
            "mpi or gloo/tcp (default: same as the controller)"),
     Option("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", _bool, False, "",
-           "ask MPI for a single-threaded level", "--mpi-threads-disable"),
+           "ask MPI for MPI_THREAD_SERIALIZED instead of MPI_THREAD_MULTIPLE (ringvod's "
+           "coordinator thread needs SERIALIZED); mpi_threads_supported() then returns False",
+           "--mpi-threads-disable"),
     Option("gloo_timeout", "HOROVOD_GLOO_TIMEOUT_SECONDS", float, 30.0, "s",
            "tcp mode: connect and operation timeout; a silent peer is declared dead after it",
            "--gloo-timeout-seconds"),
@@ -129,6 +142,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("cross_size", "HOROVOD_CROSS_SIZE", int, -1, "", "number of hosts"),
     Option("hostname", "HOROVOD_HOSTNAME", str, "", "", "host id of this process"),
     Option("elastic", "HOROVOD_ELASTIC", _bool, False, "", "elastic mode"),
+    Option("elastic_worker_id", "HOROVOD_ELASTIC_WORKER_ID", str, "", "",
+           "elastic: this worker's id (set by the elastic driver)"),
     Option("dynamic_process_sets", "HOROVOD_DYNAMIC_PROCESS_SETS", _bool, False, "",
            "allow add_process_set/remove_process_set after init"),
     Option("start_timeout", "HOROVOD_START_TIMEOUT", float, 30.0, "s",
@@ -194,6 +209,12 @@ def environ_snapshot() -> dict[str, str]:
     return dict(os.environ)
 
 
+def update_environ(values: Mapping[str, str]) -> None:
+    """Sets variables of this process (an elastic reset rewrites HOROVOD_RANK and the sizes, so
+    that code reading them, and the next `read_env()`, see the new world)."""
+    os.environ.update(values)
+
+
 @dataclass(frozen=True)
 class Config:
     fusion_threshold: int
@@ -205,7 +226,6 @@ class Config:
     disable_group_fusion: bool
     batch_d2d_memcopies: bool
     bucket_cap_mb: float
-    bucket_schedule: bool
     num_nccl_streams: int
     thread_affinity: str
     autotune: bool
@@ -237,6 +257,7 @@ class Config:
     cross_size: int
     hostname: str
     elastic: bool
+    elastic_worker_id: str
     dynamic_process_sets: bool
     start_timeout: float
     elastic_timeout: float
@@ -271,6 +292,21 @@ class Config:
         items = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
                           if f.name != "secret_key")
         return f"Config({items})"
+
+
+def no_effect_set(config: Config) -> list[str]:
+    """The environment variables of options without effect that differ from their default."""
+    return [o.env for o in OPTIONS if o.no_effect and getattr(config, o.field) != o.default]
+
+
+def warn_no_effect(config: Config) -> None:
+    """One RuntimeWarning naming every option without effect that is set (called by `init()`)."""
+    names = no_effect_set(config)
+    if names:
+        verb = "is set but has" if len(names) == 1 else "are set but have"
+        warnings.warn(f"{', '.join(names)} {verb} no effect in ringvod (accepted for Horovod "
+                      "compatibility; see the README's configuration table)", RuntimeWarning,
+                      stacklevel=3)
 
 
 def markdown_table() -> str:

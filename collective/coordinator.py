@@ -26,7 +26,7 @@ from .errors import HorovodInternalError, MismatchError, ShutdownError
 from .fusion import plan_fusion
 from .handle import Handle
 from .negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, MessageTable, PendingHits,
-                          ResponseCache, decode_requests, decode_responses, encode_requests,
+                          ResponseCache, decode_gathered, decode_responses, encode_requests,
                           encode_responses)
 from .stall import StallInspector
 from .types import CPU_DEVICE, Request, RequestType, Response, ResponseType
@@ -55,7 +55,7 @@ _NO_HOLD_BYTES = 512 * 1024
 _HELD = (RequestType.ALLREDUCE, RequestType.REDUCESCATTER)
 # A host op with a new output this large runs on the coordinator thread, not a driving caller.
 _DRIVE_ALLOC_LIMIT = 64 * 1024
-# Enum members read once per op (a class attribute read of an enum costs ~75 ns).
+# Enum members read once (a class attribute read of an enum is slow, and this is per op).
 _HIT = CacheState.HIT
 _R_ERROR, _R_JOIN, _R_BARRIER = ResponseType.ERROR, ResponseType.JOIN, ResponseType.BARRIER
 _R_ALLREDUCE, _R_ADASUM, _R_ALLGATHER = (ResponseType.ALLREDUCE, ResponseType.ADASUM,
@@ -86,9 +86,6 @@ class ProcessSetState:
         self.hits = PendingHits()  # cached requests waiting for the other ranks
         self.carry: list[Request] = []  # requests that lost their cache entry; sent next cycle
         self.join_active = False  # some rank of the set has joined (cache suspended)
-        # Op name -> callable run (coordinator thread) when this rank performs that op with
-        # zeros because it joined: bucket schedules' heartbeats (collective/schedule.py).
-        self.joined_hooks: dict[str, Any] = {}
         self.messages = MessageTable(self.size, ranks) if self.is_root else None
         self.stall = StallInspector(config.stall_check_time, config.stall_shutdown_time,
                                     not config.stall_check_disable,
@@ -211,7 +208,7 @@ class Coordinator:
         caller then submits the entry (a name already pending is refused there).
         """
         # Checked in order of cost: this runs for every synchronous op, whose whole host path
-        # is ~14 µs of Python at size 1 on the CPU box.
+        # is a few dozen Python calls.
         if (self.shutdown_requested or ps.join_active or not self._express_ok
                 or (self.timeline is not None and ps.is_global_root)
                 or self._thread_id == threading.get_ident() or self.stopped.is_set()):
@@ -457,8 +454,10 @@ class Coordinator:
                 uncached.append(req)
         limit = self.config.stall_check_time
         if hits and not self.config.stall_check_disable and limit > 0:
-            # Hits waiting longer than the warning time go to the slow path to be reported.
-            for bit in hits.older_than(now - limit):
+            # Hits waiting for other ranks go to the slow path, where rank 0's stall inspector
+            # sees them, after a tenth of the warning time (at most 1 s): the warning then comes
+            # at most that much after the setting.
+            for bit in hits.older_than(now - min(limit / 10, 1.0)):
                 uncached.append(hits.pop(bit))
                 invalid.add(bit)
         if ps.is_root and self._check_stall(ps):
@@ -511,7 +510,7 @@ class Coordinator:
         payload = None
         if ps.is_root:
             assert gathered is not None and ps.messages is not None
-            lists = [decode_requests(g)[0] for g in gathered]
+            lists = decode_gathered(gathered, ps.ranks)
             tl = self.timeline if ps.is_global_root else None
             constructed = ps.messages.process(
                 lists,
@@ -586,13 +585,9 @@ class Coordinator:
         engine = self._engine(ps, device)
         with ps.lock:
             popped = [ps.table.pop(name, None) for name in resp.names]
-        joined_hooks = None
         for i, name in enumerate(resp.names):
             e = popped[i]
             if e is None:  # this rank joined: contribute zeros of the agreed size
-                hook = ps.joined_hooks.get(name)
-                if hook is not None:
-                    joined_hooks = (joined_hooks or []) + [hook]
                 shape = resp.shapes[i] if resp.shapes else (resp.sizes[i],)
                 z = engine.zeros(shape, resp.dtype, device)
                 e = Entry(Request(rank=ps.rank, type=RequestType(int(resp.type)), name=name,
@@ -619,9 +614,6 @@ class Coordinator:
                     out = e.output
                     tl.end(e.name, resp.dtype.label, tuple(getattr(out, "shape", ())))
                 e.handle._set_result(engine.finish(e))
-            if joined_hooks is not None:
-                for hook in joined_hooks:
-                    hook()
         except BaseException as exc:
             # These entries already left the table, so the loop's exit path (fail_all) cannot
             # reach them: fail them here or their waiters hang forever.
@@ -657,9 +649,8 @@ def _coordinator_only(req: Request, new_output: bool, gpu_bound: bool) -> bool:
     * the first device op (`gpu_bound` False): it binds the GPU to the coordinator thread;
     * a host op that needs a new output of `_DRIVE_ALLOC_LIMIT` bytes or more: on the main
       thread glibc's main arena gives freed memory at the top of the heap back to the OS, so
-      every new output page-faults in again (`allreduce_cpu.py` on the CPU box, new-array
-      1 MiB: 741 µs with such ops driven, 334 µs after this rule, two runs on one quiet day;
-      benchmarks/results/allreduce_cpu_session2*).
+      every new output page-faults in again (`benchmarks/allreduce_cpu.py`: a new-array 1 MiB
+      allreduce took twice as long with such ops driven).
     """
     if req.device != CPU_DEVICE:
         return not gpu_bound

@@ -3,7 +3,7 @@
 A pure function of the ordered response list, so every rank computes the same plan from the same
 input (the fast path fuses locally from the response cache). Packing is the engine's job.
 
-Rules (API.md §1.5): ALLREDUCE/ADASUM/REDUCESCATTER fuse with later responses of the same type,
+Rules (Horovod's): ALLREDUCE/ADASUM/REDUCESCATTER fuse with later responses of the same type,
 device, dtype, scale factors and reduce op while the bytes fit under the threshold; ALLGATHER
 fuses by per-rank byte sums. A non-matching response is skipped (kept for later, in order) only
 while the accumulated plus skipped bytes still fit. BROADCAST, ALLTOALL, JOIN, BARRIER and ERROR
@@ -97,7 +97,7 @@ def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
             out.append(head)
             continue
         gather = head.type == ResponseType.ALLGATHER
-        # Allgather fits when every rank's summed share fits (API.md §1.5).
+        # Allgather fits when every rank's summed share fits (as in Horovod).
         ranks_used = _per_rank(head, group_size, align) if gather else []
         used = response_bytes(head, group_size, align)
         skipped: list[Response] = []

@@ -136,8 +136,8 @@ def run_one(kind: RequestType, tensor: Any, output: Any, name: str | None,
             allocate: Callable[[tuple, Any], Any] | None = None) -> Any:
     """One single-tensor op of a synchronous function, run and waited for: what
     `wait_now(synchronize, <its _async function>, ...)` does, minus the layers in between
-    (on the CPU box they made a lone `hvd.allreduce_` at size 1 take 21.8 µs instead of
-    14.1). Arguments as `enqueue`'s for one tensor (`output` None = allocate); returns the
+    (they made a lone `hvd.allreduce_` about 1.5× slower; `tools/lone_loop.py`). Arguments
+    as `enqueue`'s for one tensor (`output` None = allocate); returns the
     handle's result.
 
     Raises:
@@ -454,7 +454,7 @@ def poll(handle: Handle) -> bool:
 # What the first `enqueue` inside `wait_now` did: "ran" (the express lane ran it), "queued"
 # (submitted without waking the coordinator thread: wait_now drives the cycle) or None.
 class _Caller(threading.local):
-    coord: Any = None  # class defaults: getattr on an unset thread-local costs ~0.3 µs
+    coord: Any = None  # class defaults: getattr on an unset thread-local raises inside
     did: str | None = None
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import json
 import os
-import pickle
 import socket
 import threading
 from typing import Any, Iterator, Sequence
@@ -23,6 +23,7 @@ from .entry import Entry
 from .errors import DuplicateNameError, NotInitializedError, ShutdownError
 from .handle import Handle
 from .process_sets import ProcessSet, global_process_set
+from .wire import MAX_STR_BYTES, WireError
 
 __all__ = ["Runtime", "current", "current_or_none", "set_current", "use_runtime", "detect_mode"]
 
@@ -111,7 +112,6 @@ class Runtime:
         self._ps_changes: list[tuple[str, Any, Handle]] = []
         self.shut_down = False
         self.cause: BaseException | None = None
-        self._schedules: list[Any] = []  # open bucket schedules (collective/schedule.py)
         self._topology()
         _log.configure(config.log_level, config.log_hide_time, self.rank,
                        self.hostname if self.cross_size > 1 else None)
@@ -129,13 +129,18 @@ class Runtime:
         config = config or read_env()
         if control is None:
             mode = mode or detect_mode(config, comm)
-            control = create_backend(mode, config, comm=comm)
+            extra: dict[str, Any] = {}
+            if config.elastic and mode == "tcp":  # the elastic driver assigns rank and size
+                from .elastic import rendezvous  # noqa: PLC0415
+                config, extra["scope"] = rendezvous(config)
+            control = create_backend(mode, config, comm=comm, **extra)
         return cls(config, control, mode or "loopback", process_sets, **kw)
 
     def _topology(self) -> None:
         c = self.config
         self.hostname = c.hostname or socket.gethostname()
-        hosts = [pickle.loads(b) for b in self.control.allgather(pickle.dumps(self.hostname))]
+        hosts = [_host_of(b, r) for r, b in
+                 enumerate(self.control.allgather(self.hostname.encode("utf-8")))]
         order: list[str] = []
         for h in hosts:
             if h not in order:
@@ -180,7 +185,8 @@ class Runtime:
             world = getattr(self.control, "comm", MPI.COMM_WORLD).Get_group()
             mine = list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.size)),
                                                   world))
-        lists = [pickle.loads(b) for b in self.control.allgather(pickle.dumps(mine))]
+        lists = [_ranks_of(b, r, self.size)
+                 for r, b in enumerate(self.control.allgather(json.dumps(mine).encode()))]
         return next(sorted(lst) for lst in lists if lst is not None)
 
     def _next_ps_id(self) -> int:
@@ -249,16 +255,6 @@ class Runtime:
         self.coordinator.wake()
         return h
 
-    def add_schedule(self, sched: Any) -> None:
-        """Registers a bucket schedule: closed at shutdown, aborted when the loop fails."""
-        with self._lock:
-            self._schedules.append(sched)
-
-    def schedules(self) -> list[Any]:
-        """The bucket schedules opened in this runtime."""
-        with self._lock:
-            return list(self._schedules)
-
     def has_changes(self) -> bool:
         return bool(self._ps_changes)
 
@@ -266,8 +262,13 @@ class Runtime:
         """Coordinator thread, every cycle in dynamic mode: apply changes all ranks agree on."""
         with self._lock:
             head = self._ps_changes[0] if self._ps_changes else None
-        mine = None if head is None else (head[0], head[1].ranks if head[0] == "add" else head[1])
-        views = [pickle.loads(b) for b in self.control.allgather(pickle.dumps(mine))]
+        mine = None
+        if head is not None:
+            ranks = head[1].ranks if head[0] == "add" else None
+            mine = (["add", None if ranks is None else [int(r) for r in ranks]]
+                    if head[0] == "add" else ["remove", int(head[1])])
+        views = [_change_of(b, r, self.size)
+                 for r, b in enumerate(self.control.allgather(json.dumps(mine).encode()))]
         if any(v is None for v in views):
             return
         with self._lock:
@@ -344,12 +345,6 @@ class Runtime:
                 for ps in self._members:
                     ps.control.abort("shutdown timed out")
                 self.coordinator.join(5.0)
-        for sched in self._schedules:
-            try:
-                sched.close()
-            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
-                _log_.warning("closing bucket schedule %s failed: %s", sched.name, exc)
-        self._schedules = []
         for ps in self._members:
             for eng in (ps.host_engine, ps.device_engine):
                 if eng is not None:
@@ -367,16 +362,53 @@ class Runtime:
             self.cause = cause
             changes, self._ps_changes = self._ps_changes, []
         exc = shutdown_error(cause)
-        if cause is not None:  # kernels of bucket schedules may wait on a dead peer
-            for sched in list(self._schedules):
-                try:
-                    sched.abort()
-                except Exception:  # noqa: BLE001 - best effort
-                    pass
         for ps in self._members:
             ps.fail_all(exc)
         for _, _, h in changes:
             h._set_exception(exc)
+
+
+# -- plain-data messages of the topology exchange and process-set changes (never pickle) -------
+def _host_of(data: bytes, rank: int) -> str:
+    if not 0 < len(data) <= MAX_STR_BYTES:
+        raise WireError(f"rank {rank} sent a malformed host name ({len(data)} bytes)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise WireError(f"rank {rank} sent a malformed host name (not UTF-8: {exc})") from None
+
+
+def _json(data: bytes, rank: int, what: str) -> Any:
+    if len(data) > MAX_STR_BYTES:
+        raise WireError(f"rank {rank} sent {what} of {len(data)} bytes")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"rank {rank} sent malformed {what}: {exc}") from None
+
+
+def _rank_list(v: Any, rank: int, size: int, what: str) -> list[int]:
+    if not isinstance(v, list) or len(v) > size or not all(type(r) is int for r in v):
+        raise WireError(f"rank {rank} sent {what} that is not a list of at most {size} ranks: "
+                        f"{str(v)[:80]}")
+    return v
+
+
+def _ranks_of(data: bytes, rank: int, size: int) -> list[int] | None:
+    v = _json(data, rank, "a process set's ranks")
+    return None if v is None else _rank_list(v, rank, size, "a process set's ranks")
+
+
+def _change_of(data: bytes, rank: int, size: int) -> tuple | None:
+    v = _json(data, rank, "a process set change")
+    if v is None:
+        return None
+    if isinstance(v, list) and len(v) == 2 and v[0] == "add":
+        return ("add", None if v[1] is None else _rank_list(v[1], rank, size,
+                                                           "a process set change"))
+    if isinstance(v, list) and len(v) == 2 and v[0] == "remove" and type(v[1]) is int:
+        return ("remove", v[1])
+    raise WireError(f"rank {rank} sent a malformed process set change: {str(v)[:80]}")
 
 
 def _atexit_shutdown() -> None:

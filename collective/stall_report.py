@@ -1,4 +1,4 @@
-"""The stall inspector's report text, word for word Horovod's (API.md §1.7).
+"""The stall inspector's report text, word for word Horovod's.
 
 Pure formatting: the coordinator's stall inspector decides which ranks are missing which
 tensors and whether to shut down; this module only turns that into the message Horovod users

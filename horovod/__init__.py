@@ -29,6 +29,7 @@ _ALIASES = {
     "horovod.torch": "frameworks.torch",
     "horovod.tensorflow": "frameworks.tensorflow",
     "horovod.keras": "frameworks.tensorflow.keras",
+    "horovod.ray": "launcher.ray",
 }
 
 

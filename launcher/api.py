@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 import secrets
 import sys
+import warnings
 from typing import Any, Callable, Sequence
 
 from .hosts import HostInfo, parse_hostfile, parse_hosts
@@ -59,6 +60,12 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
     Each process may call `hvd.init()` and collectives; the function and its arguments must
     be picklable (cloudpickle is used when installed, so lambdas and closures work).
 
+    Elastic form: with `min_num_proc`, `max_num_proc` or `host_discovery_script` the job runs
+    under the elastic driver (as `hvdrun --min-np ...`); `num_proc` is the size to start with,
+    `slots`, `reset_limit` and `cooldown_range` are the `--slots-per-host`, `--reset-limit`
+    and `--blacklist-cooldown-range` values, and the results are those of the last round's
+    ranks. `func` then typically wraps its training in `hvd.elastic.run`.
+
     Example:
         >>> import horovod
         >>> def f():
@@ -73,16 +80,19 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
 
     Raises:
         ValueError: invalid arguments (too few slots, both hosts and hostfile, ...).
-        NotImplementedError: elastic arguments (min/max_num_proc, host_discovery_script).
         RuntimeError: a rank failed (the message names the first one), or ssh/MPI trouble.
         TimeoutError: remote hosts did not answer within `start_timeout`.
     """
-    del slots, reset_limit, cooldown_range, disable_cache  # elastic / cache knobs: no effect
-    num_proc = num_proc if num_proc is not None else (np if np is not None else 1)
-    if any(v is not None for v in (min_num_proc, max_num_proc, min_np, max_np,
-                                   host_discovery_script)):
-        raise NotImplementedError("elastic horovod.run (min/max_num_proc, "
-                                  "host_discovery_script) is not available yet; give num_proc")
+    del disable_cache  # ringvod caches no ssh/NIC checks
+    min_num_proc = min_num_proc if min_num_proc is not None else min_np
+    max_num_proc = max_num_proc if max_num_proc is not None else max_np
+    elastic = any(v is not None for v in (min_num_proc, max_num_proc, host_discovery_script))
+    num_proc = num_proc if num_proc is not None else (np if np is not None else (
+        min_num_proc if elastic and min_num_proc is not None else 1))
+    if not elastic and any(v is not None for v in (slots, reset_limit, cooldown_range)):
+        warnings.warn("horovod.run(slots=/reset_limit=/cooldown_range=) has no effect in "
+                      "ringvod unless the run is elastic (min_num_proc, max_num_proc or "
+                      "host_discovery_script)", RuntimeWarning, stacklevel=2)
     nics: list[str] = []
     if isinstance(network_interface, str):
         nics.append(network_interface)
@@ -90,14 +100,21 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         nics.extend(network_interface)
     nics.extend(network_interfaces or ())
     py = executable or sys.executable
+    if elastic and use_mpi:
+        raise ValueError("elastic horovod.run (min_num_proc/max_num_proc/"
+                         "host_discovery_script) needs the tcp mode; drop use_mpi")
     settings = LaunchSettings(
         num_proc=num_proc, hosts=tuple(_hosts(num_proc, hosts, hostfile)),
-        mode=_mode(use_gloo, use_mpi), command=(py, "-m", "launcher.run_task"),
+        mode=MODE_TCP if elastic else _mode(use_gloo, use_mpi),
+        command=(py, "-m", "launcher.run_task"),
         start_timeout=30.0 if start_timeout is None else float(start_timeout),
         ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
         network_interfaces=tuple(nics), output_filename=output_filename,
         verbose=bool(verbose), mpi_args=mpi_args)
     blob = dumps((func, tuple(args), dict(kwargs or {})))
+    if elastic:
+        return _run_elastic(settings, blob, min_num_proc, max_num_proc, slots, reset_limit,
+                            cooldown_range, host_discovery_script, bool(hosts or hostfile))
     if settings.mode == MODE_TCP:
         return _run_tcp(settings, blob)
     return _run_mpi(settings, blob)
@@ -161,3 +178,34 @@ def _run_mpi(settings: LaunchSettings, blob: bytes) -> list[Any]:
         return _collect(server, settings.num_proc)
     finally:
         server.stop()
+
+
+def _run_elastic(settings: LaunchSettings, blob: bytes, min_np: int | None, max_np: int | None,
+                 slots: int | None, reset_limit: int | None,
+                 cooldown_range: tuple[int, int] | None, script: str | None,
+                 fixed_hosts: bool) -> list[Any]:
+    from collective.config import read_env  # noqa: PLC0415
+
+    from .elastic.launch import ElasticSettings, run_elastic  # noqa: PLC0415
+
+    if not script and not fixed_hosts:
+        raise ValueError("elastic horovod.run needs hosts/hostfile (two hosts or more) or "
+                         "host_discovery_script")
+    elastic = ElasticSettings(
+        min_np=min_np if min_np is not None else settings.num_proc, max_np=max_np,
+        discovery_script=script, slots_per_host=slots,
+        elastic_timeout=read_env().elastic_timeout, reset_limit=reset_limit,
+        cooldown_range=(float(cooldown_range[0]), float(cooldown_range[1]))
+        if cooldown_range else None)
+    state: dict[str, Any] = {}
+
+    def started(server: Any, address: tuple[str, int], _secret: bytes) -> None:
+        server.put(FUNC_SCOPE, FUNC_KEY, blob)
+        state["server"], state["address"] = server, address
+
+    # Workers find the server through HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT (run_task, no args).
+    result = run_elastic(settings, elastic, on_server_started=started)
+    if result.exit_code != 0:
+        raise RuntimeError(f"horovod.run: elastic job failed: {result.error}\n"
+                           f"{result.summary}")
+    return _collect(state["server"], result.final_size)

@@ -92,7 +92,7 @@ def worker_env(parent: Mapping[str, str], slot: SlotInfo, *, remote: bool,
     else:
         env.pop(SECRET_ENV, None)
     if oversubscribed:
-        # DESIGN.md §7: with more ranks than cores, Open MPI's busy polling makes latency bimodal.
+        # With more ranks than cores, Open MPI's busy polling makes latency bimodal.
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     return env
 

@@ -2,7 +2,7 @@
 
 `-H h1:2,h2:4` and hostfiles (`h1 slots=2`) become `HostInfo`s; `get_host_assignments` walks the
 hosts in the given order and fills each host's slots with consecutive ranks, exactly as Horovod's
-`get_host_assignments` does (API.md §4.2 step 3):
+`get_host_assignments` does:
 
 * local_rank is the slot index on its host, local_size the number of ranks placed on that host;
 * cross_rank is the position of the host among the hosts that have a rank with that local_rank,

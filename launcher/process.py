@@ -11,7 +11,7 @@ Threads (all named, owned by `JobRunner.run`, which joins them before it returns
 | `hvdrun-rank<r>-wait` | waits for the process to exit (without reaping it) | the process exits |
 | `hvdrun-rank<r>-stdin` | sends an ssh worker its env and secret | payload written |
 
-Error categories (lesson 14: the first failure is the root cause, the rest is fallout):
+Error categories (the first failure is the root cause, the rest is fallout):
 
 | event | reported as |
 |---|---|

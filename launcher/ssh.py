@@ -1,6 +1,6 @@
 """ssh command lines for remote workers, and the pre-launch ssh reachability check.
 
-Remote command (Horovod's form, API.md §4.2):
+Remote command (Horovod's form):
 `ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=no [-p port] [-i key] <host>
 'cd <cwd> > /dev/null 2>&1 ; <cmd>'`, where <cmd> runs `launcher.remote_exec`, which reads the
 worker's environment and the job secret from stdin (never from the command line).

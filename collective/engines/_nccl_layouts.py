@@ -23,8 +23,10 @@ try:
     from cupy.cuda import runtime as _rt
 except ImportError as exc:  # pragma: no cover - the registry reports it
     raise EngineUnavailableError(
-        "GPU tensors need CuPy with NCCL: `pip install ringvod[gpu]` (CUDA 12) or "
-        "`pip install ringvod[gpu-cu13]` (CUDA 13)") from exc
+        "GPU tensors need CuPy with NCCL. For CUDA 12 (torch.version.cuda 12.x): "
+        "`pip install cupy-cuda12x nvidia-nccl-cu12`; for CUDA 13: "
+        "`pip install cupy-cuda13x nvidia-nccl-cu13` "
+        "(from a ringvod clone: `pip install \".[gpu]\"` / `\".[gpu-cu13]\"`)") from exc
 
 __all__ = ["allgather", "alltoall", "reducescatter", "gatherv"]
 

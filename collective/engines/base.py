@@ -153,9 +153,14 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _scale(buf: np.ndarray, factor: float) -> None:
+    """Horovod's CPU scaling arithmetic, in place: float32/float64 multiply in their own type
+    (the factor rounded to it), float16 multiplies in float32 and rounds to float16 once, and
+    integers go through float64 and truncate toward zero."""
     if factor == 1.0:
         return
-    if buf.dtype.kind == "f":
+    if buf.dtype == np.float16:
+        np.multiply(buf, np.float32(factor), out=buf, dtype=np.float32, casting="unsafe")
+    elif buf.dtype.kind == "f":
         buf *= buf.dtype.type(factor)
     elif buf.dtype.kind in "iu":
         # Integer scaling goes through float64 and truncates toward zero, as Horovod's CPU ops.
@@ -257,22 +262,38 @@ class HostEngine(Engine):
             self._run_reduce(work, op, scatter[0].view(np.uint8) if scatter else None,
                              scatter[1] if scatter else None)
             return
-        upcast = dtype == DataType.BFLOAT16 or (
-            dtype == DataType.FLOAT16 and not self.reduces_float16)
+        pre = response.prescale
+        # float16 is scaled as float16 (see _scale) before and after the reduction, as Horovod
+        # does, even where the transport reduces it in float32; bfloat16 is scaled in float32.
+        half = dtype == DataType.FLOAT16
+        if half:
+            _scale(buf, pre)
+            pre = 1.0
+        upcast = dtype == DataType.BFLOAT16 or (half and not self.reduces_float16)
         if upcast:
             work = bf16_to_f32(buf) if dtype == DataType.BFLOAT16 else buf.astype(np.float32)
         else:
             work = buf
-        _scale(work, response.prescale)
+        _scale(work, pre)
         if scatter is None:
             self._run_reduce(work, op, None, None)
-            _scale(work, post)
             if upcast:
+                if half:
+                    self._downcast(work, buf, dtype)
+                    _scale(buf, post)
+                    return
+                _scale(work, post)
                 self._downcast(work, buf, dtype)
+            else:
+                _scale(work, post)
             return
         out, counts = scatter
         wout = np.empty(out.shape, dtype=work.dtype) if upcast else out
         self._run_reduce(work, op, wout, counts)
+        if upcast and half:
+            self._downcast(wout, out, dtype)
+            _scale(out, post)
+            return
         _scale(wout, post)
         if upcast:
             self._downcast(wout, out, dtype)

@@ -24,9 +24,18 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["DeviceBuffer", "DeviceResult", "allocation_stream", "set_allocation_stream",
-           "pointer_of", "record_ready", "release_ready", "set_ready_events"]
+from ..errors import CollectiveError
 
+__all__ = ["DeviceBuffer", "DeviceResult", "DeviceOpError", "allocation_stream",
+           "set_allocation_stream", "pointer_of", "record_ready", "release_ready",
+           "set_ready_events"]
+
+
+
+class DeviceOpError(CollectiveError, ValueError, RuntimeError):
+    """An op the device path cannot run as asked: tensors of one grouped op on the CPU and on a
+    GPU, or a dtype/op NCCL has no kernel for. Horovod reports these as a `RuntimeError`, which
+    scripts catch; it is a `ValueError` too, as ringvod raised before."""
 
 
 class _AllocTLS(threading.local):
@@ -105,9 +114,11 @@ class DeviceResult:
         self.kind = kind
         self._done = done
 
-    def wait(self, stream: int) -> None:
-        """Makes the CUDA stream `stream` (a `cudaStream_t` as int) wait for the op. Async."""
-        self._done.wait_on(stream)
+    def wait(self, stream: int, device: int = -1) -> None:
+        """Makes the CUDA stream `stream` (a `cudaStream_t` as int) of `device` wait for the op.
+        Async. Pass `device` whenever `stream` may be 0 (a device's default stream): handle 0
+        means the current device's, which need not be the tensor's."""
+        self._done.wait_on(stream, device)
 
     def synchronize(self) -> None:
         """Blocks the host until the op finished on the device."""

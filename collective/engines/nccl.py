@@ -1,8 +1,11 @@
 """NCCL engine: collectives on GPU tensors through CuPy's NCCL binding (`cupy.cuda.nccl`).
 
 One engine per process set (the coordinator creates it on the set's first device response), one
-communicator per engine, bound to the GPU of the op's tensors. DESIGN.md §4 "GPU ordering" and
-docs/gpu.md ("How it works") describe it; in short:
+communicator per engine, bound to the GPU of that first op's tensors, whichever device is
+current: every CUDA call that names a device's default stream or records an event runs with
+that device current (`_on_device`), and the engine makes its own device current before its
+work. A later op of the set whose tensor is on another device fails, naming both devices.
+docs/gpu.md ("How it works") describes it; in short:
 
 * Binding: every rank reports over the control plane whether it can use its GPU before group
   rank 0's unique id is broadcast; the init runs on a helper thread with a deadline
@@ -23,7 +26,7 @@ docs/gpu.md ("How it works") describe it; in short:
 from __future__ import annotations
 
 import collections
-import pickle
+import json
 import socket
 import sys
 import threading
@@ -38,19 +41,21 @@ from . import _nccl_layouts as _layouts
 from ._cuda_kernels import CopyStager, Kernels
 from ._nccl_layouts import _pad16
 from .base import ControlPlane, Engine
-from .device import DeviceResult, pointer_of, set_allocation_stream, set_ready_events
+from .device import (DeviceOpError, DeviceResult, pointer_of, set_allocation_stream,
+                     set_ready_events)
 
 try:
     import cupy
     from cupy.cuda import nccl
 except ImportError as exc:  # pragma: no cover - the registry reports it
     raise EngineUnavailableError(
-        "GPU tensors need CuPy with NCCL: `pip install ringvod[gpu]` (CUDA 12) or "
-        "`pip install ringvod[gpu-cu13]` (CUDA 13)") from exc
+        "GPU tensors need CuPy with NCCL. For CUDA 12 (torch.version.cuda 12.x): "
+        "`pip install cupy-cuda12x nvidia-nccl-cu12`; for CUDA 13: "
+        "`pip install cupy-cuda13x nvidia-nccl-cu13` "
+        "(from a ringvod clone: `pip install \".[gpu]\"` / `\".[gpu-cu13]\"`)") from exc
 
-__all__ = ["NCCLEngine", "ScheduleComm", "create_engine", "versions", "guest_enter",
-           "guest_exit", "init_communicator", "new_unique_id", "COMM_INIT_TIMEOUT",
-           "CLOSE_TIMEOUT"]
+__all__ = ["NCCLEngine", "UnsupportedOnGPUError", "create_engine", "versions", "guest_enter",
+           "guest_exit", "init_communicator", "COMM_INIT_TIMEOUT", "CLOSE_TIMEOUT"]
 
 _log_ = _log.get_logger()
 
@@ -75,21 +80,26 @@ _NCCL_OP = {ReduceOp.SUM: _SUM, ReduceOp.PRODUCT: _PROD, ReduceOp.MAX: _MAX,
 _D2D = 3  # cudaMemcpyKind
 _FREE_EVENTS = 64  # completion events kept for reuse
 # Finished ops are reaped (entries released, events recycled) once this many are in flight or
-# no event is free: querying an event took ~1.4 µs on the H200 hosts (`enqueue_micro.py`),
-# against ~25 µs for a lone op's whole engine path (`latency_probe.py`).
+# no event is free: an event query is a noticeable share of a lone op's engine path
+# (`tools/latency_probe.py`), so it is not done per op.
 _REAP_AT = 4
 
 _rt = cupy.cuda.runtime
 
 
 class _EngineTLS(threading.local):
-    # Class defaults: reading an unset thread-local attribute raises inside (~0.3 µs).
+    # Class defaults: reading an unset thread-local attribute raises (slow) inside.
     engine: Any = None  # which engine's stream is CuPy's current stream on this thread
     guest = False  # a user thread running a cycle (`guest_enter`)
     saved: Any = None  # that thread's (device, CuPy stream) before an engine took them
 
 
 _tls = _EngineTLS()
+
+
+class UnsupportedOnGPUError(DeviceOpError, HorovodInternalError):
+    """A dtype, op or scaling NCCL cannot run, reported at `synchronize` on every rank. Horovod
+    raises `HorovodInternalError` for a failed GPU op; ringvod raised ValueError: it is both."""
 
 
 class _OpError(Exception):
@@ -109,17 +119,39 @@ class _Completion:
         self.event = event
         self._waited: int | None = None  # the last stream made to wait (waiting twice is moot)
 
-    def wait_on(self, stream: int) -> None:
-        if stream == self._waited:
+    def wait_on(self, stream: int, device: int = -1) -> None:
+        # Handle 0 is the legacy default stream of the *current* device, so it is one stream
+        # per device: remembered as ~device.
+        key = stream if stream else ~device
+        if key == self._waited:
             return
-        _rt.streamWaitEvent(stream, self.event.ptr, 0)
-        self._waited = stream
+        if stream == 0 and device >= 0:
+            # Make the waiting stream's device current (a stream may wait on another
+            # device's event).
+            _on_device(device, _rt.streamWaitEvent, stream, self.event.ptr, 0)
+        else:
+            _rt.streamWaitEvent(stream, self.event.ptr, 0)
+        self._waited = key
 
     def synchronize(self) -> None:
         self.event.synchronize()
 
     def query(self) -> bool:
         return bool(self.event.done)
+
+
+def _on_device(device: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` with `device` current on this thread (restored after): event records and
+    stream handle 0 refer to the current device, and the caller's tensor may live elsewhere
+    (a rank that places tensors with `t.cuda(local_rank)` without `set_device`)."""
+    prev = int(_rt.getDevice())
+    if prev == device:
+        return fn(*args)
+    _rt.setDevice(device)
+    try:
+        return fn(*args)
+    finally:
+        _rt.setDevice(prev)
 
 
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
@@ -130,8 +162,8 @@ class _ReadyEvents:
     """Ready events for adapters (`collective.engines.device.record_ready`): raw CUDA events
     recorded on the producer's stream at enqueue, from a free list per device. The engine
     hands one back (`release`) as soon as its stream waits on it: a later record cannot change
-    a wait already enqueued. Creating and recording a torch.cuda.Event took 2.1–4.5 µs on the
-    H200 hosts, a recycled raw event 0.5–1.1 µs (`enqueue_micro.py`, same calls). Events of
+    a wait already enqueued. Recording a recycled raw event costs a fraction of creating and
+    recording a torch.cuda.Event (one CUDA call instead of object set-up). Events of
     ops that fail before the engine runs them (a mismatch, shutdown) come back through
     `device.release_ready`, except a grouped op's shared one."""
 
@@ -144,18 +176,13 @@ class _ReadyEvents:
             ev = self._free[device].pop()  # list.pop is atomic: enqueueing threads share this
         except (KeyError, IndexError):
             ev = self._create(device)
-        _rt.eventRecord(ev, stream)
+        # The event and the stream must be on one device, and `stream` may be 0 (the current
+        # device's default stream): record with `device` current.
+        _on_device(device, _rt.eventRecord, ev, stream)
         return ev
 
     def _create(self, device: int) -> int:
-        prev = int(_rt.getDevice())
-        if prev != device:
-            _rt.setDevice(device)
-        try:
-            ev = int(_rt.eventCreateWithFlags(_DISABLE_TIMING))
-        finally:
-            if prev != device:
-                _rt.setDevice(prev)
+        ev = int(_on_device(device, _rt.eventCreateWithFlags, _DISABLE_TIMING))
         self._free.setdefault(device, [])
         self._device_of[ev] = device
         return ev
@@ -371,9 +398,8 @@ class NCCLEngine(Engine):
     def _use(self) -> None:
         """Before a kernel launch or a CuPy allocation: they use the current device and stream.
         NCCL calls, event records and waits name their stream and need neither, so a lone
-        op on a guest thread skips the switch and its undoing (six CuPy calls, ~1 µs on the
-        H200 hosts: `stream.use()` 0.16–0.35 µs, `get_current_stream()` 0.07–0.13,
-        `getDevice()` 0.05–0.08 in `enqueue_micro.py`)."""
+        op on a guest thread skips the switch and its undoing (six CuPy calls:
+        `stream.use()`, `get_current_stream()`, `getDevice()` and their undoing)."""
         if _tls.engine is not self:
             self._activate()
 
@@ -386,8 +412,9 @@ class NCCLEngine(Engine):
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             ok, why = False, f"{type(exc).__name__}: {exc}"
         host = socket.gethostname()
-        infos = [pickle.loads(b) for b in self.control.allgather(
-            pickle.dumps((ok, why, host, self.device, bus)))]
+        # Plain data (JSON), never pickle: nothing a peer sends runs as code.
+        infos = [_setup_info(b, r) for r, b in enumerate(self.control.allgather(
+            json.dumps([ok, why, host, self.device, bus]).encode()))]
         bad = [f"rank {r} ({i[2]}, cuda:{i[3]}): {i[1]}" for r, i in enumerate(infos) if not i[0]]
         if bad:
             raise HorovodInternalError("NCCL engine setup failed on " + "; ".join(bad))
@@ -431,14 +458,19 @@ class NCCLEngine(Engine):
             if self.comm is None:
                 self._bind(entries)
                 self._check = getattr(self.comm, "check_async_error", None)
-            elif _tls.engine is not self and int(_rt.getDevice()) != self.device:
-                self._activate()  # a guest thread on another device
+            elif int(_rt.getDevice()) != self.device:
+                # A guest thread, or user code on this thread, made another device current:
+                # events and CuPy work below belong to the engine's device.
+                self._activate()
             if len(self._inflight) >= _REAP_AT or not self._free_events:
                 self._reap()
             if self._check is not None:
                 self._check()  # an NCCL error of an earlier op (e.g. a peer died) fails this one
             sp, last = self._sp, None
             for e in entries:
+                if e.device != self.device and e.device >= 0 and id(e.tensor) not in \
+                        self._zero_ids:
+                    raise self._other_device(e)
                 ev = e.ready_event
                 if ev is not None:
                     ev = _event_ptr(ev)
@@ -480,11 +512,23 @@ class NCCLEngine(Engine):
             if self._zero_ids:
                 self._zero_ids.clear()
 
+    def _other_device(self, e: Entry) -> HorovodInternalError:
+        """The error for an op whose tensor is not on the device this process set's
+        communicator was bound to. It ends the job: a peer may have launched its half of the
+        op already, so the communicator cannot go on in step."""
+        return HorovodInternalError(
+            f"tensor {e.name} on rank {self.rank} is on cuda:{e.device}, but this rank's NCCL "
+            f"communicator for ranks {self.control.global_ranks} is bound to "
+            f"cuda:{self.device} (the device of its first GPU op); ringvod runs every GPU op "
+            f"of a process set on one device per rank. Keep this rank's tensors on "
+            f"cuda:{self.device}, e.g. call torch.cuda.set_device(hvd.local_rank()) once at "
+            "start and place tensors with .cuda().")
+
     def _reap(self) -> None:
         q = self._inflight
         free = self._free_events
         # One stream runs the ops in order: when the newest is done, all are (one query
-        # instead of one per op; a query costs ~1.4 µs).
+        # instead of one per op).
         if q and q[-1][0].done:
             while q:
                 ev = q.popleft()[0]
@@ -572,7 +616,7 @@ class NCCLEngine(Engine):
     def _new_reduction(self, dtype: DataType, resp: Response) -> tuple[int, int, float, float]:
         ntype = _NCCL_TYPE.get(dtype)
         if ntype is None:
-            raise _OpError(ValueError(
+            raise _OpError(UnsupportedOnGPUError(
                 f"{dtype.label} tensors cannot be reduced on GPU (NCCL has no {dtype.label} "
                 f"type); tensors {resp.names[:4]}: cast to int32 or a float type first"))
         op, pre, post = resp.reduce_op, resp.prescale, resp.postscale
@@ -584,9 +628,9 @@ class NCCLEngine(Engine):
             op, post = ReduceOp.SUM, post / self.size
         nop = _NCCL_OP.get(op)
         if nop is None:
-            raise _OpError(ValueError(f"reduce op {op.name} is not supported on GPU"))
+            raise _OpError(UnsupportedOnGPUError(f"reduce op {op.name} is not supported on GPU"))
         if (pre != 1.0 or post != 1.0) and not Kernels.can_scale(dtype):
-            raise _OpError(ValueError(
+            raise _OpError(UnsupportedOnGPUError(
                 f"{dtype.label} tensors cannot be scaled (prescale/postscale/Average); "
                 f"tensors {resp.names[:4]}"))
         return ntype, nop, pre, post
@@ -718,146 +762,6 @@ class NCCLEngine(Engine):
                 _log_.warning("ncclCommDestroy failed: %s", exc)
 
 
-class ScheduleComm:
-    """The NCCL communicator and stream of one pre-agreed bucket schedule (`collective.schedule`).
-
-    Every rank launches the same in-place allreduces in the same order from its own host, with
-    no control-plane round: NCCL's kernels meet on the GPU, as with DDP's reducer. A slot is one
-    agreed bucket (`specs`: element count and dtype per slot, all reduced with `op`); `mark`
-    records its ready event on the producer's stream when its data is queued, `launch` (any
-    later time) makes this stream wait on it and runs the allreduce, `wait` orders a consumer
-    stream after it. The caller orders launches (`BucketSchedule` holds the lock). Nothing
-    blocks the host except `close()`.
-    """
-
-    def __init__(self, raw: bytes, device: int, size: int, rank: int, group: list[int],
-                 specs: list[tuple[int, DataType]], op: ReduceOp) -> None:
-        self.device, self.rank, self.group = device, rank, group
-        self.broken: BaseException | None = None
-        self._slots = [(n, _NCCL_TYPE[dt], dt.itemsize) for n, dt in specs]
-        self._op = _AVG if op == ReduceOp.AVERAGE else _NCCL_OP[op]
-        self.comm = init_communicator(raw, device, size, rank, group)
-        with cupy.cuda.Device(device):
-            try:
-                self.stream = cupy.cuda.Stream(non_blocking=True, priority=STREAM_PRIORITY)
-            except TypeError:  # CuPy without stream priorities
-                self.stream = cupy.cuda.Stream(non_blocking=True)
-            # Per slot: its ready event and its completion event (raw cudaEvent_t).
-            self._ready = [int(_rt.eventCreateWithFlags(_DISABLE_TIMING)) for _ in specs]
-            self._done = [int(_rt.eventCreateWithFlags(_DISABLE_TIMING)) for _ in specs]
-        self._sp = int(self.stream.ptr)
-        self._check = getattr(self.comm, "check_async_error", None)
-        self._zeros: Any = None  # a joined rank's zero input and scratch output (CuPy arrays)
-
-    def _fail(self, what: str, exc: BaseException) -> HorovodInternalError:
-        if isinstance(exc, HorovodInternalError):
-            err = exc
-        else:
-            err = HorovodInternalError(
-                f"NCCL {what} of the bucket schedule failed on rank {self.rank} "
-                f"(cuda:{self.device}) of group {self.group}: {type(exc).__name__}: {exc}")
-            err.__cause__ = exc
-        if self.broken is None:
-            self.broken = err
-            self.abort()
-        return err
-
-    def check(self) -> None:
-        """Raises the error that ended the schedule, or an NCCL error of a finished launch.
-
-        Raises:
-            HorovodInternalError: the communicator failed or was aborted.
-        """
-        if self.broken is not None:
-            raise self.broken
-        if self._check is not None:
-            try:
-                self._check()
-            except Exception as exc:  # noqa: BLE001 - NcclError of an earlier launch
-                raise self._fail("allreduce", exc) from None
-
-    def mark(self, slot: int, producer: int) -> None:
-        """Records slot `slot`'s ready event on the producer stream (a cudaStream_t as int)."""
-        _rt.eventRecord(self._ready[slot], producer)
-
-    def launch(self, slot: int, ptr: int) -> None:
-        """In-place allreduce of slot `slot` at `ptr` after the slot's ready event.
-
-        Raises:
-            HorovodInternalError: the schedule is broken or the launch failed.
-        """
-        if self.broken is not None:
-            raise self.broken
-        count, ntype, _ = self._slots[slot]
-        try:
-            _rt.streamWaitEvent(self._sp, self._ready[slot], 0)
-            self.comm.allReduce(ptr, ptr, count, ntype, self._op, self._sp)
-            _rt.eventRecord(self._done[slot], self._sp)
-        except Exception as exc:  # noqa: BLE001
-            raise self._fail("allreduce", exc) from None
-
-    def wait(self, slot: int, stream: int) -> None:
-        """Makes `stream` wait for slot `slot`'s last launch (no host block)."""
-        _rt.streamWaitEvent(stream, self._done[slot], 0)
-
-    def launch_zeros(self) -> None:
-        """A joined rank's share of one step: every slot reduced from zeros, in slot order
-        (coordinator thread)."""
-        if self.broken is not None:
-            return
-        need = max((n * item for n, _, item in self._slots), default=0)
-        with cupy.cuda.Device(self.device):
-            if self._zeros is None or pointer_of(self._zeros[0])[1] < need:
-                prev = cupy.cuda.get_current_stream()
-                self.stream.use()  # the memset is ordered before the launches below
-                try:
-                    self._zeros = (cupy.zeros(need, dtype="uint8"),
-                                   cupy.empty(need, dtype="uint8"))
-                finally:
-                    prev.use()
-            src, dst = (pointer_of(a)[0] for a in self._zeros)
-            try:
-                for slot, (count, ntype, _) in enumerate(self._slots):
-                    self.comm.allReduce(src, dst, count, ntype, self._op, self._sp)
-                    _rt.eventRecord(self._done[slot], self._sp)
-            except Exception as exc:  # noqa: BLE001
-                raise self._fail("allreduce (joined rank)", exc) from None
-
-    def abort(self) -> None:
-        """ncclCommAbort: kernels waiting on a dead peer return; unusable afterwards."""
-        comm, self.comm = self.comm, None
-        if self.broken is None:
-            self.broken = HorovodInternalError(
-                f"the bucket schedule's NCCL communicator of ranks {self.group} was aborted")
-        if comm is not None:
-            _abort_comm(comm, self.device)
-
-    def close(self) -> None:
-        """Destroys the communicator once the stream drained; aborts it after CLOSE_TIMEOUT."""
-        comm = self.comm
-        if comm is None:
-            return
-        if not _drain(self.stream, self.device, f"the bucket schedule of ranks {self.group}"):
-            self.abort()
-            return
-        with cupy.cuda.Device(self.device):
-            self.comm = None
-            self.broken = HorovodInternalError("the bucket schedule was closed at shutdown")
-            self._zeros = None
-            for ev_ in self._ready + self._done:
-                _rt.eventDestroy(ev_)
-            self._ready, self._done = [], []
-            try:
-                comm.destroy()
-            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
-                _log_.warning("ncclCommDestroy failed: %s", exc)
-
-
-def new_unique_id() -> bytes:
-    """A fresh NCCL unique id (128 bytes), for `ScheduleComm` on every rank."""
-    return _uid_bytes(nccl.get_unique_id())
-
-
 def create_engine(control: ControlPlane, config: Any) -> NCCLEngine:
     """The "nccl" engine factory (collective/engines/__init__.py).
 
@@ -869,3 +773,17 @@ def create_engine(control: ControlPlane, config: Any) -> NCCLEngine:
             "CuPy cannot load the NCCL library; install it with `pip install nvidia-nccl-cu12` "
             "(CUDA 12) or `pip install nvidia-nccl-cu13` (CUDA 13)")
     return NCCLEngine(control, config)
+
+
+def _setup_info(data: bytes, rank: int) -> tuple:
+    """(ok, why, host, device, bus) of one rank's engine setup, checked field by field."""
+    try:
+        v = json.loads(data)
+        ok, why, host, dev, bus = v
+        if not (type(ok) is bool and isinstance(why, str) and isinstance(host, str)
+                and type(dev) is int and isinstance(bus, str)):
+            raise ValueError("wrong field types")
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise HorovodInternalError(
+            f"rank {rank} sent a malformed NCCL setup message ({exc})") from None
+    return ok, why, host, dev, bus

@@ -35,9 +35,9 @@ DIRECT_MAX = 64 << 10
 # a link whose last wait outlasted it blocks at once next time: a slow peer costs no CPU (idle
 # tcp-mode ranks use ~7% of a core, idle MPI-mode ranks ~30%). On the CI box, polls of 0.1 to
 # 5 ms made no measurable difference to small ops (their latency is set by where the
-# scheduler puts the coordinator threads: HOROVOD_THREAD_AFFINITY=0,1 gave ~95 us instead
-# of ~300), and polling for bulk chunks made 1-16 MiB allreduces slower when the ranks shared
-# the cores with other work, so bulk receives block at once.
+# scheduler puts the coordinator threads: HOROVOD_THREAD_AFFINITY=0,1 cut it to a third in
+# benchmarks/tcp_allreduce.py), and polling for bulk chunks made 1-16 MiB allreduces slower
+# when the ranks shared the cores with other work, so bulk receives block at once.
 SMALL_SPIN = 100e-6
 BULK_SPIN = 0.0
 _HDR = struct.Struct("<IIQ")  # opcode, sequence number, payload bytes

@@ -1,11 +1,12 @@
 """Gradient buckets for `DistributedOptimizer`: one allreduce per ~25 MB of gradients.
 
-Why: a Python hook per parameter that enqueues its own allreduce costs ~100 µs of the autograd
-thread's time on a GPU (event record, request, handle, coordinator wake-up), which delays
-backward's kernel launches: on 2× H200, ResNet-50's 161 hooks made backward's host time 3×
-DDP's and training ran at ~0.55× DDP. With buckets a hook only counts; when the last gradient
-of a bucket is final, one batched copy (`torch.cat(out=)`) packs the bucket into a persistent flat
-buffer and one allreduce is enqueued, as DDP's reducer does.
+Why: a Python hook per parameter that enqueues its own allreduce costs the autograd thread
+an event record, a request, a handle and a coordinator wake-up per gradient, which delays
+backward's kernel launches: ResNet-50's 161 hooks made backward's host time several times
+DDP's (`benchmarks/gpu_resnet.py --phases` against `ddp_resnet.py --phases`). With buckets a
+hook only counts; when the last gradient of a bucket is final, one batched copy
+(`torch.cat(out=)`) packs the bucket into a persistent flat buffer and one allreduce is
+enqueued, as DDP's reducer does.
 
 Parameters are assigned in reverse registration order (backward visits them roughly so); the
 first bucket is small so communication starts early. Every rank builds the same buckets from
@@ -52,7 +53,7 @@ class Bucket:
     def __init__(self, params: list[torch.Tensor], name: str, index: int = 0) -> None:
         self.params = params
         self.name = name
-        self.index = index  # position in the optimizer's plan (its slot in a bucket schedule)
+        self.index = index  # position in the optimizer's plan
         self.offsets: list[int] = []
         n = 0
         for p in params:

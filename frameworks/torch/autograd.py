@@ -222,7 +222,11 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     """
     arr = _splits_array(splits)
     out, received = HorovodAlltoall.apply(tensor, arr, name, process_set)
-    return out if splits is None else (out, received)
+    if splits is None:
+        return out
+    if isinstance(splits, torch.Tensor) and received.device != splits.device:
+        received = received.to(splits.device)  # as Horovod: on the device of `splits`
+    return out, received
 
 
 class HorovodReducescatter(torch.autograd.Function):

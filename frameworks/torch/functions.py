@@ -113,6 +113,22 @@ def allgather_object(obj: Any, name: str | None = None,
 
 
 # -- optimizer state -------------------------------------------------------------------------------
+def _initialize_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """A new optimizer has no state yet: create it as Horovod does, with one step of the plain
+    optimizer on zero gradients. Every parameter that requires grad gets a zero gradient (sparse
+    for SparseAdam); the others keep `grad` None and so get no state."""
+    for p in params:
+        if p.requires_grad:
+            zero = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            p.grad = zero.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else zero
+    from .optimizer import _DistributedOptimizer
+    if isinstance(optimizer, _DistributedOptimizer):
+        # Its step() would allreduce every gradient, and other ranks may not step here.
+        super(_DistributedOptimizer, optimizer).step()
+    else:
+        optimizer.step()
+
+
 def _state_layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict:
     """Root side: group options, and per parameter index its state (tensor specs or values)."""
     state = {}
@@ -183,6 +199,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not optimizer.state:
+        _initialize_state(optimizer, params)
     is_root = collective.rank() == root_rank
     layout = broadcast_object(_state_layout(optimizer, params) if is_root else None, root_rank,
                               name="broadcast_optimizer_state")

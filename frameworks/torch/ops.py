@@ -236,11 +236,24 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     h = enqueue(RequestType.ALLTOALL, [tensor], name=name, process_set=process_set,
                 splits=_splits_array(splits))
 
+    like = splits if isinstance(splits, torch.Tensor) else None
+
     def finish(result: Any) -> tuple[torch.Tensor, torch.Tensor]:
         out, received = result
-        return from_collective(out, tensor), torch.from_numpy(np.asarray(received,
-                                                                         dtype=np.int32))
+        return from_collective(out, tensor), _received_splits(received, like)
     return _add(h, finish, tensor)
+
+
+def _received_splits(received: Any, like: torch.Tensor | None) -> torch.Tensor:
+    """alltoall's received splits (int32) on the device of the `splits` tensor passed in, as
+    Horovod returns them (on the CPU when splits was None or a list)."""
+    if isinstance(received, torch.Tensor):
+        out = received.to(torch.int32)
+    else:
+        out = torch.from_numpy(np.asarray(received, dtype=np.int32))
+    if like is not None and out.device != like.device:
+        out = out.to(like.device)
+    return out
 
 
 def _check_reducescatter_op(op: Any) -> ReduceOp:

@@ -22,15 +22,13 @@ from typing import Any, Iterator
 import torch
 
 import collective
-from collective import _log as _hvd_log
 from collective import ProcessSet, ReduceOp, RequestType, global_process_set
 
 from .._common import check_named_parameters, default_parameter_name, split_list
 from ._buckets import Bucket, plan_buckets
-from ._buffers import dtype_of, enqueue
-from ._cuda import _current_stream
+from ._buffers import enqueue
 from .compression import Compression, check_compressor
-from .functions import allgather_object, broadcast_object
+from .functions import broadcast_object
 from .ops import sparse_allreduce_async
 
 __all__ = ["DistributedOptimizer", "_DistributedOptimizer"]
@@ -45,9 +43,6 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "optimizer.synchronize(). This can cause training slowdown. You may want to "
                     "consider using optimizer.skip_synchronize() context if you use "
                     "optimizer.synchronize() in your code.")
-
-
-_SCHEDULED = "scheduled"  # a bucket's handle while its allreduce runs on the bucket schedule
 
 
 class _Slot:
@@ -141,14 +136,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_slots: list[_Slot] = []
         self._hvd_groups: list[_Group] = []
         self._hvd_buckets: list[Bucket] = []
-        # The bucket schedule (collective/schedule.py): None until the first negotiated step
-        # decides, then a BucketSchedule, or False when some rank cannot use one.
-        self._hvd_sched: Any = None
-        self._hvd_sched_rt: Any = None  # weakref to the runtime in which that was decided
         self._hvd_hooks: list[Any] = []
         ps = process_set
         included = ps is global_process_set or ps.process_set_id == 0 or bool(ps.included())
-        self._hvd_active = included and collective.size() > 1
+        # Elastic jobs may grow from one rank: hooks are registered at any size there.
+        self._hvd_active = included and (collective.size() > 1
+                                         or collective.runtime.current().config.elastic)
         if self._hvd_active:
             self._hvd_register(groups)
 
@@ -218,11 +211,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         flat = bucket.pack()
         send, bucket.cctx = self._compression.compress(flat)
         bucket.send = send
-        sched = self._hvd_sched
-        if sched and sched.begin():
-            sched.ready(bucket.index, send.data_ptr(), _current_stream(send.get_device()))
-            bucket.handle = _SCHEDULED
-            return
         pre, post = self._hvd_scale
         bucket.handle = enqueue(RequestType.ALLREDUCE, [send], outputs=[send], name=bucket.name,
                                 process_set=self.process_set, op=self.op, prescale=pre,
@@ -331,22 +319,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for group in self._hvd_groups:
                 if group.handle is None:
                     self._hvd_launch_group(group)
-            sched = self._hvd_sched
             for bucket in self._hvd_buckets:
                 assert bucket.send is not None
-                if bucket.handle is _SCHEDULED:
-                    sched.wait(bucket.index, _current_stream(bucket.send.get_device()))
-                else:
-                    bucket.handle.wait()
+                bucket.handle.wait()
                 bucket.unpack(self._compression.decompress(bucket.send, bucket.cctx))
-            # The first step, or the first in a new runtime (an elastic reset: old workers'
-            # schedules end at the step's first bucket, new workers' optimizers have none):
-            # decide on a schedule after this negotiated step, every rank together.
-            specs = None
-            decided = self._hvd_sched_rt
-            if self._hvd_buckets and (decided is None
-                                      or decided() is not collective.runtime.current()):
-                specs = [(b.send.numel(), b.send) for b in self._hvd_buckets]
             for slot in self._hvd_slots:
                 if slot.group is not None or (slot.bucket is not None and slot.handle is None):
                     continue
@@ -359,80 +335,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 group.handle.wait()
                 for slot in group.slots:
                     self._hvd_write_back(slot)
-            if sched and sched.step_open:
-                sched.finish()
         finally:
             self._hvd_reset()
-        if specs is not None:
-            self._hvd_schedule_setup(specs)
         self._hvd_synchronized = True
 
-    def _hvd_schedule_refusal(self, specs: list[tuple[int, torch.Tensor]]) -> str | None:
-        """Why this rank cannot put the buckets on a schedule (None: it can)."""
-        rt = collective.runtime.current()
-        if not rt.config.bucket_schedule:
-            return "HOROVOD_BUCKET_SCHEDULE=0"
-        devices = {t.get_device() if t.is_cuda else -1 for _, t in specs}
-        if len(devices) != 1 or -1 in devices:
-            return "buckets not all on one CUDA device"
-        if self._hvd_scale != (1.0, 1.0):
-            return "gradient_predivide_factor"  # the schedule runs no scaling kernels
-        if rt.coordinator.timeline is not None:
-            return "the timeline is on (it shows negotiated ops only)"
-        from collective import schedule
-        return schedule.refusal(self.op, self._hvd_schedule_name())
-
-    def _hvd_schedule_name(self) -> str:
-        return f"schedule.{self._hvd_buckets[0].name}"
-
-    def _hvd_schedule_setup(self, specs: list[tuple[int, torch.Tensor]]) -> None:
-        """After the first negotiated step (which checked every bucket's name, size and dtype
-        on every rank): every rank says whether it can schedule its buckets, rank 0 adds an
-        NCCL unique id, and the schedule opens only if all can (collective/schedule.py)."""
-        from collective import schedule
-        self._hvd_sched = False
-        self._hvd_sched_rt = weakref.ref(collective.runtime.current())
-        if not all(t.is_cuda for _, t in specs):  # CPU training: nothing to schedule
-            return
-        why = self._hvd_schedule_refusal(specs)
-        ps = self.process_set
-        root = 0 if ps is global_process_set else ps.ranks[0]
-        uid = None
-        if why is None and collective.rank() == root:
-            try:
-                uid = schedule.unique_id()
-            except Exception as exc:  # noqa: BLE001 - reported below, on every rank
-                why = f"no NCCL unique id ({exc})"
-        sig = [(n, str(t.dtype)) for n, t in specs]
-        name = self._hvd_schedule_name()
-        infos = allgather_object((why, uid, sig), name=name, process_set=ps)
-        refusals = [f"rank {i}: {w}" for i, (w, _, _) in enumerate(infos) if w]
-        if not refusals and any(s != infos[0][2] for _, _, s in infos):
-            refusals.append("bucket plans differ between ranks")
-        if refusals:
-            _hvd_log.get_logger().info(
-                "DistributedOptimizer: gradient buckets are negotiated every step (no bucket "
-                "schedule: %s)", "; ".join(refusals))
-            return
-        self._hvd_sched = schedule.open_schedule(
-            infos[0][1], ps, specs[0][1].get_device(), name,
-            [(n, dtype_of(t)) for n, t in specs], self.op)
-
     def _hvd_reset(self) -> None:
-        sched = self._hvd_sched
-        if sched and sched.step_open:
-            # A step cut short (an error in synchronize, a reset between backward and step):
-            # launch the rest so that every rank's schedule stays in the same order.
-            try:
-                for bucket in self._hvd_buckets:
-                    if bucket.handle is None:
-                        self._hvd_launch_bucket(bucket)
-                sched.finish()
-                for bucket in self._hvd_buckets:  # the next pack reuses the buffers
-                    if bucket.send is not None:
-                        sched.wait(bucket.index, _current_stream(bucket.send.get_device()))
-            except Exception:  # noqa: BLE001 - the error that cut the step is what matters
-                sched.step_open = False
         for slot in self._hvd_slots:
             slot.delay = self.backward_passes_per_step
             slot.handle = slot.send = slot.cctx = None

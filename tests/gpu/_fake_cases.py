@@ -234,8 +234,9 @@ def unsupported_dtype_fails_op_only(n: int) -> None:
         h = enq(RequestType.ALLREDUCE, [x], DataType.INT16, op=ReduceOp.SUM, name="i16")
         try:
             h.wait(10)
-        except ValueError as exc:
+        except ValueError as exc:  # and a HorovodInternalError, as Horovod raises
             assert "int16" in str(exc), exc
+            assert isinstance(exc, collective.HorovodInternalError), type(exc).__mro__
         else:
             raise AssertionError("int16 allreduce on GPU did not fail")
         y = np.ones(4, np.float32)
@@ -366,47 +367,63 @@ def ready_events_of_failed_ops_return_to_the_pool(n: int) -> None:
 
 
 @case
-def bucket_schedule_launches_in_slot_order(n: int) -> None:
-    # A schedule's slots become ready in any order on each rank (here reversed on odd ranks);
-    # each launch waits for the slots before it, so every rank's NCCL calls come in slot
-    # order (the fake collectives pair calls by order: a wrong order gives wrong sums), and
-    # each step ends with a heartbeat that the next step's begin() waits for.
-    from collective import schedule
-    uid = schedule.unique_id()  # the threads share it; real ranks allgather it
-    specs = [(5, DataType.FLOAT32), (3, DataType.FLOAT64), (4, DataType.FLOAT32)]
+def tensors_on_a_device_that_is_not_current(n: int) -> None:
+    # Rank r places its tensors on device r but never makes it current (its threads stay on
+    # device 0), as a script that uses `t.cuda(hvd.local_rank())` without `set_device`. Ready
+    # events are recorded on device r's default stream (handle 0), the engine binds to device
+    # r, the caller's default stream of device r waits for the result, and the user thread's
+    # current device stays 0. The fake fails a record or launch on the wrong device as CUDA
+    # does (cudaErrorInvalidResourceHandle).
+    from collective.engines import device
+    from collective.ops import wait_now
 
     def body(rank: int) -> None:
-        assert schedule.refusal(ReduceOp.AVERAGE, "sched.test") is None
-        s = schedule.open_schedule(uid, collective.global_process_set, 0, "sched.test", specs,
-                                   ReduceOp.AVERAGE)
-        # A second optimizer over the same parameters would reuse the name (and heartbeat).
-        assert "named sched.test" in (schedule.refusal(ReduceOp.AVERAGE, "sched.test") or "")
-        assert "Sum or Average" in (schedule.refusal(ReduceOp.MAX) or "")
-        stream = _fakecuda.Stream(non_blocking=True)
-        for step in range(3):
-            bufs = [FakeArray.of(np.full(c, rank + step + k, NP[dt])) for k, (c, dt) in
-                    enumerate(specs)]
-            assert s.begin()
-            order = range(len(specs)) if rank % 2 == 0 else reversed(range(len(specs)))
-            for k in order:
-                s.ready(k, bufs[k].__cuda_array_interface__["data"][0], stream.ptr)
-            for k in range(len(specs)):
-                s.wait(k, stream.ptr)
-                want = np.mean([r + step + k for r in range(n)])
-                assert np.allclose(bufs[k].get(), want), (step, k, bufs[k].get(), want)
-            s.finish()
-        assert s.begin() and s.steps == 3  # the last heartbeat saw every rank
-        for k in range(len(specs)):  # close the step as synchronize would
-            s.ready(k, FakeArray.of(np.zeros(specs[k][0], NP[specs[k][1]])
-                                    ).__cuda_array_interface__["data"][0], stream.ptr)
-        s.finish()
-        # A joined rank's share of a step, here from every rank at once: zeros, slot by slot.
-        s.comm.launch_zeros()
-        assert not s.comm._zeros[1].get().any()
-        s.rt = object()  # as after an elastic reset: the schedule ends at the next step
-        assert not s.begin() and not s.active
-        assert schedule.refusal(ReduceOp.AVERAGE, "sched.test") is None  # ended: name free
-        assert s.beat_name not in s.state.joined_hooks
+        assert _fakecuda._current_device() == 0
+        for i in range(6):
+            x = FakeArray.of(np.full(5, float(rank + i), np.float32))
+            ev = device.record_ready(rank, 0)  # the default stream of the tensor's device
+            assert _fakecuda._current_device() == 0
+            kw = dict(device=rank, dtypes=[DataType.FLOAT32], shapes=[(5,)], ready_events=[ev],
+                      op=ReduceOp.SUM, name="offdev", prescale=0.5 if i % 2 else 1.0)
+            if i < 3:
+                res = collective.enqueue(RequestType.ALLREDUCE, [x], **kw).wait(10)
+            else:  # synchronous: the express lane runs the engine on this thread
+                res = wait_now(collective.synchronize,
+                               lambda: collective.enqueue(RequestType.ALLREDUCE, [x], **kw))
+            assert _fakecuda._current_device() == 0, "an op left another device current"
+            del _fakecuda.waits()[:]
+            res.wait(0, rank)  # the caller's default stream of device `rank`
+            assert _fakecuda.waits()[-1] == (0, rank), _fakecuda.waits()
+            assert _fakecuda._current_device() == 0
+            want = sum(r + i for r in range(n)) * (0.5 if i % 2 else 1.0)
+            assert np.array_equal(value(res), np.full(5, want, np.float32)), value(res)
+        eng = collective.runtime.current().member_sets()[0].device_engine
+        assert eng.device == rank
+    run_loopback(n, body)
+
+
+@case
+def an_op_on_a_second_device_names_both_devices(n: int) -> None:
+    # After the communicator was bound to device r, an op whose tensor is on device r + n
+    # fails with an error naming both devices (never a CUDA error), on every rank here since
+    # every rank does it; the runtime then shuts down (a peer may have launched its half).
+    def body(rank: int) -> None:
+        kw = dict(dtypes=[DataType.FLOAT32], shapes=[(3,)], op=ReduceOp.SUM)
+        x = FakeArray.of(np.ones(3, np.float32))
+        res = collective.enqueue(RequestType.ALLREDUCE, [x], device=rank, name="first",
+                                 **kw).wait(10)
+        assert np.array_equal(value(res), np.full(3, n, np.float32))
+        other = rank + n
+        try:
+            collective.enqueue(RequestType.ALLREDUCE, [FakeArray.of(np.ones(3, np.float32))],
+                               device=other, name="second", **kw).wait(10)
+        except collective.HorovodInternalError as exc:
+            # This rank's own error, or the first failing peer's (which aborted the group).
+            text = str(exc)
+            assert "is on cuda:" in text and "is bound to cuda:" in text, text
+            assert "InvalidResourceHandle" not in text, text
+        else:
+            raise AssertionError("an op on a second device did not fail")
     run_loopback(n, body)
 
 

@@ -49,31 +49,76 @@ def _write(ptr: int, data: np.ndarray) -> None:
 
 
 # -- cupy.cuda.runtime / streams / events -----------------------------------------------------
+# Devices: every stream and event belongs to the device current when it was made; handle 0 is
+# the legacy default stream of the *current* device. Recording an event on another device's
+# stream, or launching a kernel or copy on a stream of a device that is not current, fails as
+# CUDA does (cudaErrorInvalidResourceHandle).
+_device_of: dict[int, int] = {}
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def _current_device() -> int:
+    return getattr(_tls, "device", 0)
+
+
+def _stream_device(stream: int) -> int:
+    return _current_device() if stream == 0 else _device_of.get(stream, _current_device())
+
+
+def _check_record(event: int, stream: int) -> None:
+    ev_dev, st_dev = _device_of.get(event), _stream_device(stream)
+    if ev_dev is not None and ev_dev != st_dev:
+        raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: event of device {ev_dev} "
+                               f"recorded on a stream of device {st_dev}")
+
+
+def _check_current(stream: int, what: str) -> None:
+    if _stream_device(stream) != _current_device():
+        raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: {what} on a stream of device "
+                               f"{_stream_device(stream)} while device {_current_device()} is "
+                               "current")
+
+
+def waits() -> list[tuple[int, int]]:
+    """(stream handle, device of that stream) of this thread's stream waits, for tests."""
+    return getattr(_tls, "waits", [])
+
+
 class _Runtime(types.ModuleType):
     def getDevice(self) -> int:
-        return getattr(_tls, "device", 0)
+        return _current_device()
 
     def setDevice(self, d: int) -> None:
         _tls.device = d
 
     def memcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> None:
         _count("memcpyAsync")
+        _check_current(stream, "memcpyAsync")
         ctypes.memmove(dst, src, size)
 
     def streamWaitEvent(self, stream: int, event: int, flags: int = 0) -> None:
         assert isinstance(event, int) and event != 0, f"bad event handle {event!r}"
-        _count("streamWaitEvent")
+        _count("streamWaitEvent")  # a stream may wait on another device's event
+        if not hasattr(_tls, "waits"):
+            _tls.waits = []
+        _tls.waits.append((stream, _stream_device(stream)))
 
     def getDeviceProperties(self, d: int) -> dict:
         return {"multiProcessorCount": 4}
 
     def eventCreateWithFlags(self, flags: int) -> int:
         _count("eventCreate")
-        return next(_ids)
+        ev = next(_ids)
+        _device_of[ev] = _current_device()
+        return ev
 
     def eventRecord(self, event: int, stream: int) -> None:
         assert isinstance(event, int) and event != 0, f"bad event handle {event!r}"
         _count("eventRecord")
+        _check_record(event, stream)
 
     def eventDestroy(self, event: int) -> None:
         _count("eventDestroy")
@@ -83,6 +128,8 @@ class Stream:
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False,
                  priority: int | None = None) -> None:
         self.ptr = next(_ids)
+        self.device = _current_device()
+        _device_of[self.ptr] = self.device
         self.engine = priority is not None  # only the NCCL engine asks for a priority
 
     def use(self) -> "Stream":
@@ -98,11 +145,13 @@ class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False,
                  interprocess: bool = False) -> None:
         self.ptr = next(_ids)
+        _device_of[self.ptr] = _current_device()
         self.done = True
         _count("Event")
 
     def record(self, stream: Any = None) -> None:
         _count("eventRecord")
+        _check_record(self.ptr, 0 if stream is None else stream.ptr)
 
     def synchronize(self) -> None:
         pass
@@ -196,6 +245,7 @@ class _Kernel:
         assert not kw, kw
         # The engine must have made its stream current (kernels run on the current stream).
         assert get_current_stream().engine, f"{self.name} launched off the engine's stream"
+        _check_current(get_current_stream().ptr, f"kernel {self.name}")
         _count(self.name)
         if self.name == "ringvod_batched_copy":
             tab_ptr, n, chunk = int(args[0]), int(args[1]), int(args[2])

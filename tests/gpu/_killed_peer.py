@@ -1,5 +1,5 @@
 """Rank 1 SIGKILLs itself in the middle of GPU allreduces (argv[1] "allreduce") or of
-DistributedOptimizer steps on the bucket schedule ("train"); the job must end, not hang.
+DistributedOptimizer steps ("train", gradient buckets in flight); the job must end, not hang.
 
 Run by tests/gpu/test_gpu_ops.py::test_gpu_killed_peer_ends_job (2 ranks). The launcher (mpirun
 or hvdrun) ends the job when a rank dies; in tcp mode rank 0's control plane also fails with
@@ -30,7 +30,7 @@ try:
         if hvd.rank() == 1 and i == 20:
             print("rank 1: killing myself", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if what == "train":  # from step 2 on the bucket schedule
+        if what == "train":
             opt.zero_grad()
             model(x.view(-1, 512)).square().mean().backward()
             opt.step()

@@ -93,6 +93,21 @@ def test_run_argument_errors():
     assert "available slots (1)" in r.stdout and "elastic" in r.stdout
 
 
+@pytest.mark.timeout(90)
+def test_run_reset_limit_warns_that_it_has_no_effect():
+    r = run_py("""
+        import warnings
+        from launcher.api import run
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            print("RESULT", run(lambda: 7, num_proc=1, use_gloo=True, reset_limit=2))
+        print("WARNED", [str(w.message) for w in caught if "reset_limit" in str(w.message)])
+        """)
+    assert r.returncode == 0, explain(r)
+    assert "RESULT [7]" in r.stdout, explain(r)
+    assert "has no effect in ringvod unless the run is elastic" in r.stdout, explain(r)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("np_", [1, 2, 4])
 @pytest.mark.parametrize("mode", MODES)

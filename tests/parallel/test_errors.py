@@ -2,7 +2,7 @@
 
 Each mismatch test makes ranks disagree about one property of the same tensor name; the
 coordinator of the process set turns it into an ERROR response delivered to every rank's handle
-(API.md §1.4 texts). At np=1 there is nobody to disagree with: those tests only check that the
+(Horovod's texts). At np=1 there is nobody to disagree with: those tests only check that the
 same calls succeed.
 """
 from __future__ import annotations

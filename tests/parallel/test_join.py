@@ -1,5 +1,5 @@
 """`join` under real ranks: uneven work, zeros from joined ranks, Average over the full size,
-the last joined rank everywhere, with the tensors cached and not cached (API.md §1.12).
+the last joined rank everywhere, with the tensors cached and not cached.
 
 Also run with HOROVOD_CACHE_CAPACITY=0 (second driver) so the no-cache path is covered too.
 """

@@ -1,6 +1,6 @@
 """Lifecycle under real ranks: calls before init, idempotent init, init -> shutdown -> init,
 and one rank shutting down (or exiting) failing the others' pending ops with the shutdown error
-within a few seconds (API.md §1.15, DESIGN.md §3.5)."""
+within a few seconds."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,5 @@
 """Process sets under real ranks: static sets at init, dynamic add/remove, set-relative ranks,
-global broadcast roots, membership errors, and sets working concurrently (API.md §1.10)."""
+global broadcast roots, membership errors, and sets working concurrently."""
 from __future__ import annotations
 
 import numpy as np

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests._spmd import run_spmd
+from tests._spmd import mpi_available, run_spmd, skip_or_fail
 
 FILES = ["tests/parallel/test_torch_ops.py", "tests/parallel/test_torch_optimizer.py",
          "tests/parallel/test_torch_functions.py"]
@@ -27,6 +27,20 @@ def test_torch_spmd(np_: int, request: pytest.FixtureRequest) -> None:
     if selected and np_ not in selected:
         pytest.skip(f"np={np_} not selected by --np")
     run_spmd(FILES, np_, TIMEOUT)
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("mode", ["mpi", "tcp"])
+@pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
+def test_torch_horovod_parity(np_: int, mode: str) -> None:
+    """Scale-factor arithmetic, broadcast gradients in process sets, alltoall's received splits
+    and horovod.common.exceptions, bit for bit as Horovod, at 2 and 3 ranks in both modes."""
+    if mode == "mpi":
+        reason = mpi_available()
+        if reason:
+            skip_or_fail(reason, "mpi")
+    run_spmd("tests/parallel/test_torch_horovod_parity.py", np_, TIMEOUT, mode=mode)
 
 
 @pytest.mark.spmd_driver
@@ -58,5 +72,7 @@ def test_examples_run_unchanged_with_horovod_torch() -> None:
     assert "Model:" not in res.ranks[1].log, "only rank 0 prints"
     res = run_spmd("examples/pytorch/pytorch_mnist.py", 2, 120,
                    args=["--epochs", "1", "--log-interval", "100"])
+    assert "Data: synthetic MNIST-shaped data" in res.ranks[0].log, res.ranks[0].log
+    assert "Test set (synthetic MNIST-shaped data): Average loss:" in res.ranks[0].log
     accs = [float(x) for x in re.findall(r"Accuracy: ([0-9.]+)%", res.ranks[0].log)]
     assert accs and accs[-1] > 50.0, f"training did not learn:\n{res.ranks[0].log}"

@@ -107,10 +107,14 @@ def test_broadcast_optimizer_state_special_cases():
     model = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="LBFGS"):
         hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), root_rank=0)
-    # all ranks fresh: nothing to send but options; no hidden step happens
+    # all ranks fresh: the state is created as Horovod does (zero gradients, one plain step),
+    # which leaves the parameters alone for Adam, then the root's is broadcast
     opt = torch.optim.Adam(model.parameters(), lr=0.001 * (hvd.rank() + 1))
+    before = [p.detach().clone() for p in model.parameters()]
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    assert len(opt.state) == 0 and opt.param_groups[0]["lr"] == 0.001
+    assert len(opt.state) == 2 and opt.param_groups[0]["lr"] == 0.001
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
     # a DistributedOptimizer and a sparse optimizer
     emb = nn.Embedding(5, 2, sparse=True)
     sparse = torch.optim.SparseAdam(emb.parameters())
@@ -122,6 +126,34 @@ def test_broadcast_optimizer_state_special_cases():
     assert all(b == blobs[0] for b in blobs)
     dopt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     hvd.broadcast_optimizer_state(dopt, root_rank=0)
+
+
+def test_broadcast_optimizer_state_frozen_parameter():
+    # A parameter with requires_grad=False next to one that requires grad: the first gets a
+    # zero gradient and state, the frozen one keeps grad None and gets no state (Horovod).
+    torch.manual_seed(hvd.rank())
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    makers = (lambda: torch.optim.Adam(model.parameters(), lr=0.01),
+              lambda: hvd.DistributedOptimizer(
+                  torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                  named_parameters=model.named_parameters()))
+    for make in makers:  # the DistributedOptimizer's hooks exist only in its own round
+        opt = make()
+        for p in model.parameters():
+            p.grad = None
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        assert model[0].weight.grad is None
+        assert model[0].weight not in opt.state
+        for p in (model[0].bias, model[1].weight, model[1].bias):
+            assert p.grad is not None and not p.grad.any()
+            assert p in opt.state
+        blobs = hvd.allgather_object(_state_blob(opt), name="bos.frozen")
+        assert all(b == blobs[0] for b in blobs)
+        # training goes on (the DistributedOptimizer's step allreduces on every rank)
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
 
 
 def test_broadcast_and_allgather_object():

@@ -127,3 +127,39 @@ def test_only_config_reads_the_environment():
             if "os.environ" in text or "os.getenv" in text or "getenv(" in text:
                 offenders.append(os.path.relpath(path, root))
     assert not offenders, f"modules reading the environment besides config.py: {offenders}"
+
+
+NO_EFFECT_ENVS = {"HOROVOD_AUTOTUNE", "HOROVOD_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+                  "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+                  "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "HOROVOD_NUM_NCCL_STREAMS",
+                  "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_HIERARCHICAL_ALLREDUCE",
+                  "HOROVOD_HIERARCHICAL_ALLGATHER", "HOROVOD_TORUS_ALLREDUCE"}
+
+
+def test_options_without_effect_say_so_in_table_and_help():
+    from collective.config import NO_EFFECT, markdown_table
+    from launcher.cli import build_parser
+    assert {o.env for o in OPTIONS if o.no_effect} == NO_EFFECT_ENVS
+    table = markdown_table()
+    help_text = " ".join(build_parser().format_help().split())
+    for o in OPTIONS:
+        row = next((ln for ln in table.splitlines() if f"`{o.env}`" in ln), "")
+        assert (NO_EFFECT in row) == o.no_effect, o.env
+        if o.cli:
+            assert (f"{o.doc} (env {o.env}" in help_text) and (NO_EFFECT in o.doc) == o.no_effect
+
+
+def test_one_warning_names_every_option_without_effect_that_is_set():
+    from collective.config import no_effect_set, warn_no_effect
+    assert no_effect_set(read_env({})) == []
+    # Set to its default: nothing to warn about.
+    assert no_effect_set(read_env({"HOROVOD_BATCH_D2D_MEMCOPIES": "1"})) == []
+    c = read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_NUM_NCCL_STREAMS": "2",
+                  "HOROVOD_BATCH_D2D_MEMCOPIES": "0", "HOROVOD_TORUS_ALLREDUCE": "1",
+                  "HOROVOD_CYCLE_TIME": "5"})
+    assert set(no_effect_set(c)) == {"HOROVOD_AUTOTUNE", "HOROVOD_NUM_NCCL_STREAMS",
+                                     "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_TORUS_ALLREDUCE"}
+    with pytest.warns(RuntimeWarning, match="no effect in ringvod") as rec:
+        warn_no_effect(c)
+    assert len(rec) == 1 and "HOROVOD_NUM_NCCL_STREAMS" in str(rec[0].message)
+    assert "HOROVOD_CYCLE_TIME" not in str(rec[0].message)

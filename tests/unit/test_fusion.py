@@ -1,4 +1,4 @@
-"""Fusion planning (API.md §1.5): threshold, look-ahead, dtype/op mixing, allgather per-rank
+"""Fusion planning (Horovod's rules): threshold, look-ahead, dtype/op mixing, allgather per-rank
 bytes, barrier/join stops, never-fused types, group fusion, purity."""
 from __future__ import annotations
 

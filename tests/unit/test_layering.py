@@ -1,4 +1,4 @@
-"""The import graph (STYLE.md §4 "Dependency direction", Lesson 16).
+"""The import graph: dependencies point one way.
 
 Two kinds of checks:
 * runtime: import a package in a fresh interpreter in which the forbidden packages are stubbed
@@ -226,7 +226,10 @@ def test_launcher_imports_only_names_and_exceptions_from_collective():
         for i, top in imports_of(m):
             if _under(i, ["collective"]) and not _under(i, LAUNCHER_ALLOWED):
                 bad.append((m, i))
-            if _under(i, ["frameworks"]) or (top and _under(i, ["numpy"] + HEAVY)):
+            # launcher.ray's submodules need Ray at import; the package checks for it first and
+            # names the `ray` extra, so only they may import it at module level.
+            ray_ok = m.startswith("launcher.ray.") and _under(i, ["ray"])
+            if _under(i, ["frameworks"]) or (top and _under(i, ["numpy"] + HEAVY) and not ray_ok):
                 bad.append((m, i))  # (lazy probes, e.g. `hvdrun --check-build`, are fine)
             if _under(i, ["ray"]) and not m.startswith("launcher.ray"):
                 bad.append((m, i))

@@ -1,5 +1,5 @@
-"""MessageTable (rank 0's negotiation): readiness with joins, ordering, every validation text of
-API.md §1.4, response contents, and the wire encoding."""
+"""MessageTable (rank 0's negotiation): readiness with joins, ordering, every validation text
+(Horovod's), response contents, and the wire encoding."""
 from __future__ import annotations
 
 import pytest
@@ -124,7 +124,7 @@ def test_broadcast_root_travels():
     assert r.type == ResponseType.BROADCAST and r.root == 1
 
 
-# -- validation texts (API.md §1.4), checked in Horovod's order ----------------------------------
+# -- validation texts (Horovod's), checked in Horovod's order ----------------------------------
 def mismatch(reqs0, reqs1, size=2, joined=None):
     t = table(size)
     if joined is not None:

@@ -1,4 +1,4 @@
-"""ResponseCache (API.md §1.6): hit/miss/invalid, LRU with eviction inheriting the bit, erase and
+"""ResponseCache (Horovod's): hit/miss/invalid, LRU with eviction inheriting the bit, erase and
 renumber consistent on every rank, and the fast-path bit bookkeeping."""
 from __future__ import annotations
 

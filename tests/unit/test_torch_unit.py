@@ -1,5 +1,5 @@
 """Single-process tests of the torch adapter: the `horovod` alias package, the tensor seam,
-compression, naming helpers, int handles, the elastic stub, and the optimizer wrapper's logic
+compression, naming helpers, int handles, elastic state and sampler, and the optimizer wrapper's logic
 with more than one rank (loopback: N threads act as N ranks).
 """
 from __future__ import annotations
@@ -120,12 +120,38 @@ def test_handle_map():
         m.synchronize(hid)
 
 
-def test_elastic_stub_is_explicit():
-    with pytest.raises(NotImplementedError, match="elastic"):
-        ft.elastic.run(lambda state: None)
-    with pytest.raises(NotImplementedError, match="TorchState"):
-        ft.elastic.TorchState(model=None)
-    assert importlib.import_module("frameworks.torch.elastic") is ft.elastic
+def test_elastic_state_and_sampler_single_process():
+    assert importlib.import_module("horovod.torch.elastic") is ft.elastic
+    ft.init()
+    try:
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sampler = ft.elastic.ElasticSampler(list(range(10)), shuffle=False)
+        state = ft.elastic.TorchState(model, opt, sampler=sampler, epoch=0, seen=[])
+        w0 = model.weight.detach().clone()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        state.epoch = 3
+        state.seen.append(1)  # in-place change after the snapshot: not in the commit
+        sampler.record_batch(0, 4)
+        state.restore()
+        assert torch.equal(model.weight, w0) and not opt.state_dict()["state"]
+        assert state.epoch == 0 and state.seen == [] and sampler.processed_num == 0
+        sampler.record_batch(0, 4)
+        state.epoch = 1
+        state.commit()
+        sampler.reset()
+        assert list(iter(sampler)) == list(range(4, 10)) and len(sampler) == 6
+        calls = []
+        state.register_reset_callbacks([lambda: calls.append(1)])
+        state.on_reset()
+        assert calls == [1]
+        state.sync()  # one rank: a broadcast to itself
+        assert state.epoch == 1 and sampler.state_dict() == {"epoch": 0, "processed_num": 4}
+        sampler.set_epoch(1)
+        assert sampler.processed_num == 0 and sorted(sampler) == list(range(10))
+    finally:
+        ft.shutdown()
 
 
 def test_single_process_ops_and_optimizer():

@@ -1,0 +1,378 @@
+"""Elastic training, worker side (framework-neutral): state objects, the retry loop, and the
+rendezvous with the elastic driver of `hvdrun` (`launcher/elastic/`).
+
+Horovod's model, kept as is:
+
+* The training function is wrapped by `run(func)`; it receives a `State` and commits it every
+  few batches (`state.commit()` = `save()` + `check_host_updates()`).
+* A failed collective (`HorovodInternalError`: a peer died) makes every survivor `restore()`
+  the last commit; a membership change announced by the driver makes rank 0's
+  `check_host_updates()` raise `HostsUpdatedInterrupt` on every rank (no restore).
+* Either way the wrapper resets: `shutdown()`, a new rendezvous with the driver, `init()`,
+  `state.sync()` (broadcast from the new rank 0, a survivor), the reset callbacks, and the
+  function runs again.
+
+Driver protocol (over the job's authenticated key-value store, scope `elastic`):
+
+| key | who writes | value |
+|---|---|---|
+| `ready.<worker>.<n>` | the worker, at its n-th `init()` | empty |
+| `assign.<worker>.<n>` | the driver, once every live worker is ready | JSON: rank, size, local/cross ranks, the round's key prefix, the update count; or `removed` / `stop` with a reason |
+| `update.<k>` | the driver, when hosts change | JSON `[timestamp, flags]` (1 removed, 2 added) |
+
+`<worker>` is `HOROVOD_ELASTIC_WORKER_ID`, which the driver gives each process it starts. Every
+worker follows the `update.<k>` keys with one waiting get on a background thread
+(`hvd-elastic-updates`), so `check_host_updates()` costs one small broadcast and no network
+round trip to the driver.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import pickle
+import queue
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ._log import get_logger
+from .config import update_environ
+from .errors import CollectiveTimeoutError, HorovodInternalError, HostsUpdatedInterrupt
+
+__all__ = ["State", "ObjectState", "run", "run_fn", "reset", "broadcast_object",
+           "HostUpdateResult", "rendezvous", "last_reset_timings", "SCOPE", "WORKER_ID_ENV"]
+
+SCOPE = "elastic"
+WORKER_ID_ENV = "HOROVOD_ELASTIC_WORKER_ID"
+
+# How many times one reset retries its rendezvous when a peer fails during it.
+_RESET_ATTEMPTS = 20
+
+
+class HostUpdateResult:
+    """Flags of a host update (Horovod's values)."""
+
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = 3
+
+
+# Wall-clock times (time.time()) of the last reset's phases, for benchmarks and logs:
+# "error" (the failure or interrupt was caught), "assigned" (the driver answered),
+# "initialized" (the new world is up), "callbacks" (the reset callbacks ran), "synced" (the
+# state was broadcast from rank 0; the training function is called next).
+last_reset_timings: dict[str, float] = {}
+
+
+# -- rendezvous with the driver ------------------------------------------------------------------
+class _Updates:
+    """Follows the driver's `update.<k>` keys on a daemon thread; one generation per round."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._gen = 0
+        self._client: Any = None
+        self.queue: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+
+    def restart(self, addr: str, port: int, secret: bytes, first: int) -> None:
+        from .rendezvous import KVClient  # noqa: PLC0415
+
+        with self._lock:
+            self._gen += 1
+            gen = self._gen
+            old, self._client = self._client, KVClient(addr, port, secret, timeout=30.0)
+            client = self._client
+            self.queue = queue.SimpleQueue()
+            q = self.queue
+        if old is not None:
+            old.close()
+        threading.Thread(target=self._follow, args=(gen, client, first, q),
+                         name="hvd-elastic-updates", daemon=True).start()
+
+    def _follow(self, gen: int, client: Any, k: int, q: "queue.SimpleQueue") -> None:
+        while gen == self._gen:
+            try:
+                raw = client.get(SCOPE, f"update.{k}", timeout=3600.0)
+            except CollectiveTimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - closed for the next round, or the driver is gone
+                return
+            if gen != self._gen:
+                return
+            ts, flags = json.loads(raw)
+            q.put((int(ts), int(flags)))
+            k += 1
+
+    def drain(self) -> list[tuple[int, int]]:
+        out = []
+        q = self.queue
+        while True:
+            try:
+                out.append(q.get_nowait())
+            except queue.Empty:
+                return out
+
+
+_updates = _Updates()
+_inits = 0  # this process's rendezvous requests (the <n> of ready.<worker>.<n>)
+
+
+def rendezvous(config: Any) -> tuple[Any, str]:
+    """Asks the elastic driver for this process's place in the next world (called by `init()`
+    in elastic mode). Updates the `HOROVOD_*` rank variables of this process to match.
+
+    Returns:
+        (the config with this round's rank and sizes, the round's rendezvous key prefix).
+
+    Raises:
+        SystemExit: the driver removed this worker (code 0) or stopped the job (the reason).
+        CollectiveTimeoutError: the driver did not answer within the elastic timeout.
+    """
+    from .rendezvous import KVClient  # noqa: PLC0415
+
+    global _inits
+    wid = config.elastic_worker_id
+    if not wid:
+        raise ValueError(f"HOROVOD_ELASTIC=1 but {WORKER_ID_ENV} is not set: start elastic "
+                         "jobs with hvdrun --min-np/--host-discovery-script or horovod.run("
+                         "min_np=...)")
+    n = _inits
+    _inits += 1
+    secret = bytes.fromhex(config.secret_key) if config.secret_key else b""
+    timeout = config.gloo_timeout if config.gloo_timeout > 0 else 30.0
+    kv = KVClient(config.rendezvous_addr, config.rendezvous_port, secret, timeout)
+    try:
+        kv.put(SCOPE, f"ready.{wid}.{n}", b"")
+        raw = kv.get(SCOPE, f"assign.{wid}.{n}",
+                     timeout=config.elastic_timeout + 2 * timeout + 30.0)
+        kv.delete(SCOPE, f"assign.{wid}.{n}")
+    finally:
+        kv.close()
+    msg = json.loads(raw)
+    if last_reset_timings:  # a reset (not the first init) is under way
+        last_reset_timings["assigned"] = time.time()
+    if "removed" in msg:
+        sys.stderr.write(f"{msg['removed']}\n")
+        sys.stderr.flush()
+        raise SystemExit(0)
+    if "stop" in msg:
+        raise SystemExit(f"hvdrun stopped the elastic job: {msg['stop']}")
+    names = {"rank": "HOROVOD_RANK", "size": "HOROVOD_SIZE", "local_rank": "HOROVOD_LOCAL_RANK",
+             "local_size": "HOROVOD_LOCAL_SIZE", "cross_rank": "HOROVOD_CROSS_RANK",
+             "cross_size": "HOROVOD_CROSS_SIZE"}
+    update_environ({env: str(msg[field]) for field, env in names.items()})
+    _updates.restart(config.rendezvous_addr, config.rendezvous_port, secret,
+                     int(msg["updates"]))
+    return config.replace(**{f: int(msg[f]) for f in names}), str(msg["scope"])
+
+
+# -- object broadcast ----------------------------------------------------------------------------
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Rank `root_rank`'s `obj` (pickled) on every rank, through two numpy broadcasts.
+
+    Raises:
+        HorovodInternalError: the broadcast failed (e.g. a peer died).
+    """
+    from . import basics, ops  # noqa: PLC0415
+
+    name = name or "elastic.broadcast_object"
+    root = basics.rank() == root_rank
+    data = pickle.dumps(obj) if root else b""
+    n = ops.broadcast(np.array([len(data)], dtype=np.int64), root_rank, name=f"{name}.sz")
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if root else np.empty(int(n[0]), np.uint8)
+    out = ops.broadcast(buf, root_rank, name=f"{name}.t")
+    return obj if root else pickle.loads(out.tobytes())
+
+
+def _rank() -> int:
+    from . import basics  # noqa: PLC0415
+
+    return basics.rank()
+
+
+# -- state ---------------------------------------------------------------------------------------
+class State:
+    """The state of an elastic job: what survives a reset, and how to agree on it.
+
+    Args:
+        bcast_object: broadcasts a picklable object from rank 0 (default: numpy broadcast).
+        get_rank: returns this process's rank.
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
+                 get_rank: Callable[[], int] | None = None) -> None:
+        self._bcast_object = bcast_object or broadcast_object
+        self._rank = get_rank or _rank
+        self._reset_callbacks: list[Callable[[], None]] = []
+        self._last_updated_timestamp = 0
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Functions called after every reset (e.g. to scale the learning rate by size())."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp: int, update_res: int) -> None:
+        """Queues a host update as if the driver had announced it."""
+        _updates.queue.put((int(timestamp), int(update_res)))
+
+    def commit(self) -> None:
+        """Saves the state (the point a failure rolls back to), then checks for host updates.
+
+        Raises:
+            HostsUpdatedInterrupt: the driver announced a membership change.
+        """
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raises `HostsUpdatedInterrupt` on every rank when rank 0 has seen a host update.
+
+        One broadcast from rank 0, so all ranks decide together.
+
+        Raises:
+            HostsUpdatedInterrupt: with `skip_sync=True` when hosts were only removed.
+            HorovodInternalError: the broadcast failed.
+        """
+        from . import ops  # noqa: PLC0415
+
+        prev = self._last_updated_timestamp
+        flags = HostUpdateResult.no_update
+        for ts, res in _updates.drain():
+            if ts > self._last_updated_timestamp:
+                self._last_updated_timestamp = ts
+                flags |= res
+        words = ops.broadcast(np.array([prev, self._last_updated_timestamp, flags], np.int64),
+                              0, name="elastic.check_host_updates")
+        prev, last, flags = (int(x) for x in words)
+        self._last_updated_timestamp = last
+        if last > prev:
+            raise HostsUpdatedInterrupt(flags == HostUpdateResult.removed)
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Hook run after every reset, before the callbacks."""
+
+
+class ObjectState(State):
+    """State of plain attributes: `ObjectState(epoch=0, batch=0)` gives `state.epoch`, ...
+
+    `save()` snapshots the attributes (deep copies, so later in-place changes do not leak into
+    the snapshot), `restore()` puts the snapshot back, `sync()` broadcasts rank 0's snapshot.
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
+                 get_rank: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        self._saved_state = copy.deepcopy(kwargs)
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {k: copy.deepcopy(getattr(self, k)) for k in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for k, v in self._saved_state.items():
+            setattr(self, k, copy.deepcopy(v))
+
+
+# -- the retry loop ------------------------------------------------------------------------------
+def reset() -> None:
+    """Shuts the runtime down and joins the next world (`shutdown()`, rendezvous, `init()`).
+
+    A peer that fails during the rendezvous makes it start over (up to 20 times).
+
+    Raises:
+        HorovodInternalError: the rendezvous kept failing.
+        SystemExit: the driver removed this worker or stopped the job.
+    """
+    from . import basics  # noqa: PLC0415
+
+    log = get_logger()
+    for attempt in range(_RESET_ATTEMPTS):
+        basics.shutdown()
+        try:
+            basics.init()
+            last_reset_timings["initialized"] = time.time()
+            return
+        except HorovodInternalError as exc:
+            if attempt + 1 == _RESET_ATTEMPTS:
+                raise
+            log.warning("elastic: the rendezvous failed (%s); trying again", exc)
+
+
+def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
+    """Wraps `func(state, ...)` in Horovod's elastic retry loop with the given `reset`."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        skip_sync = False
+        synced_once = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                if synced_once:
+                    last_reset_timings["synced"] = time.time()
+                synced_once = True
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as exc:
+                last_reset_timings.clear()
+                last_reset_timings["error"] = time.time()
+                get_logger().warning("elastic: a collective failed (%s); restoring the last "
+                                     "commit and re-forming the ring", _first_line(exc))
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as exc:
+                last_reset_timings.clear()
+                last_reset_timings["error"] = time.time()
+                skip_sync = exc.skip_sync
+            reset()
+            state.on_reset()
+            last_reset_timings["callbacks"] = time.time()
+
+    return wrapper
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator of an elastic training function `func(state, *args, **kwargs)`.
+
+    Call no collective before it; commit the state every few batches. Example::
+
+        @hvd.elastic.run
+        def train(state):
+            for state.epoch in range(state.epoch, epochs):
+                ...
+                state.commit()
+
+        train(hvd.elastic.ObjectState(epoch=0))
+    """
+    return run_fn(func, reset)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

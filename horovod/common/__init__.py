@@ -1,0 +1,1 @@
+"""Horovod's `horovod.common` package: the names user code imports from it."""

@@ -1,0 +1,547 @@
+"""The elastic driver: starts workers as hosts come and go, re-forms the world after failures.
+
+One thread (the caller of `ElasticDriver.run`) owns all state and handles events from a queue:
+
+| event | from | what happens |
+|---|---|---|
+| `ready` | the key-value server (a worker's `init()` put `ready.<worker>.<n>`) | once every live worker is ready, a new round is formed |
+| `exit` | the spawner | a failure blacklists the worker's host; the barrier may now be complete |
+| `hosts` | the discovery thread (every second) | a change that alters the assignment is announced to the workers (`update.<k>`) |
+| `signal` | SIGINT/SIGTERM/SIGHUP | the job stops |
+
+Forming a round (Horovod's `_on_workers_recorded` + `resume`): count the reset (and stop past
+`--reset-limit`), wait for at least `--min-np` slots (up to `--elastic-timeout`), then assign
+ranks with the surviving workers first (so rank 0, whose state is broadcast, is a survivor),
+answer every waiting worker with its place and the round's rendezvous key prefix, and start
+workers for new slots. Every answer goes through the job's authenticated key-value store.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from collective.rendezvous import KVServer
+
+from .._proc import describe_exit
+from ..hosts import HostInfo, SlotInfo, get_host_assignments
+from .discovery import DiscoveryError, HostDiscovery, HostManager, as_discovery
+from .spawn import WorkerSpawner
+
+__all__ = ["ElasticDriver", "ElasticKVServer", "ElasticResult", "assign_slots",
+           "RESET_LIMIT_MESSAGE", "DISCOVERY_INTERVAL_S"]
+
+DISCOVERY_INTERVAL_S = 1.0
+
+# The worker side of the protocol is collective/elastic.py (which the launcher does not import:
+# it needs numpy); tests/unit/test_elastic_driver.py checks that both agree.
+SCOPE = "elastic"
+WORKER_ID_ENV = "HOROVOD_ELASTIC_WORKER_ID"
+
+
+class HostUpdateResult:
+    no_update, removed, added, mixed = 0, 1, 2, 3
+GRACE_PERIOD_S = 5.0
+RESET_LIMIT_MESSAGE = ("Horovod was shutdown because number of resets during elastic job "
+                       "exceeded limit: {}")
+
+
+class ElasticKVServer(KVServer):
+    """The job's key-value server; it tells the driver when a worker asks for its place."""
+
+    def __init__(self, *args: Any, on_ready: Callable[[int, int], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_ready = on_ready
+
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        super().put(scope, key, value)
+        if scope == SCOPE and key.startswith("ready."):
+            parts = key.split(".")
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                self._on_ready(int(parts[1]), int(parts[2]))
+
+
+@dataclass
+class _Worker:
+    id: int
+    host: str
+    rank: int = -1
+    ready_seq: int = -1     # the n of its latest ready.<id>.<n>
+    answered_seq: int = -1  # the n of the latest assign.<id>.<n> the driver wrote
+    exit: tuple[int, str | None] | None = None
+    removed: bool = False
+    failed: bool = False
+
+    @property
+    def live(self) -> bool:
+        return self.exit is None and not self.removed
+
+    @property
+    def waiting(self) -> bool:
+        return self.ready_seq > self.answered_seq
+
+
+@dataclass
+class ElasticResult:
+    """How an elastic job ended; `exit_code` 0 means the last workers all exited 0."""
+
+    exit_code: int
+    summary: str
+    error: str | None = None
+    final_size: int = 0
+    resets: int = 0
+    results_ranks: list[int] = field(default_factory=list)
+
+
+def assign_slots(hosts: list[HostInfo], survivors: list[tuple[int, str, int]],
+                 max_np: int | None) -> tuple[list[SlotInfo], dict[int, SlotInfo],
+                                              list[SlotInfo], list[int]]:
+    """Places survivors first, then new workers, on the available hosts (pure).
+
+    Args:
+        hosts: available hosts, oldest first.
+        survivors: (worker id, host, previous rank) of the workers that stay if they can.
+        max_np: the most workers (None: as many as there are slots).
+
+    Returns:
+        (all slots by rank, survivor id -> slot, slots for new workers, ids of survivors that
+        have no place any more). Hosts with survivors come first, and on each host the
+        survivors take the lowest local ranks in their previous order, so rank 0 is the
+        lowest-ranked survivor of the oldest host that has one.
+    """
+    slots_of = {h.hostname: h.slots for h in hosts}
+    cap = sum(slots_of.values()) if max_np is None else min(max_np, sum(slots_of.values()))
+    staying: dict[str, list[tuple[int, int]]] = {}
+    removed: list[int] = []
+    kept = 0
+    for wid, host, prev in sorted(survivors, key=lambda s: s[2]):
+        if host in slots_of and len(staying.get(host, [])) < slots_of[host] and kept < cap:
+            staying.setdefault(host, []).append((prev, wid))
+            kept += 1
+        else:
+            removed.append(wid)
+    order = ([h.hostname for h in hosts if h.hostname in staying]
+             + [h.hostname for h in hosts if h.hostname not in staying])
+    counts = {h: len(staying.get(h, [])) for h in order}
+    free = cap - kept
+    for h in order:
+        extra = min(slots_of[h] - counts[h], free)
+        counts[h] += extra
+        free -= extra
+    plan = [HostInfo(h, counts[h]) for h in order if counts[h] > 0]
+    total = sum(counts.values())
+    slots = get_host_assignments(plan, total) if total else []
+    placed: dict[int, SlotInfo] = {}
+    new: list[SlotInfo] = []
+    for s in slots:
+        mine = staying.get(s.hostname, [])
+        if s.local_rank < len(mine):
+            placed[mine[s.local_rank][1]] = s
+        else:
+            new.append(s)
+    return slots, placed, new, removed
+
+
+class ElasticDriver:
+    """Runs one elastic job to completion (not reusable).
+
+    Args:
+        discovery: a `HostDiscovery` or a callable returning `{host: slots}`.
+        spawner: starts and stops workers (`launcher.elastic.spawn.WorkerSpawner`).
+        env_for: builds a new worker's complete environment from its first slot (the driver
+            adds HOROVOD_ELASTIC and the worker id).
+        server: the job's `ElasticKVServer`, started; its `on_ready` must call `ready`.
+        num_proc: workers needed to start; min_np / max_np: the bounds afterwards.
+        elastic_timeout: seconds to wait for `min_np` slots before giving up.
+        reset_limit: the most resets (None: no limit).
+        cooldown_range: (lo, hi) seconds of blacklist cooldown, or None (permanent).
+        message: where driver messages go (stderr lines).
+        straggler_timeout: seconds a live worker may keep the others waiting for a new round
+            (it should fail its next collective within the tcp timeout); after that it is
+            killed and counted as failed.
+    """
+
+    def __init__(self, discovery: Any, spawner: WorkerSpawner,
+                 env_for: Callable[[SlotInfo], dict[str, str]], server: KVServer, *,
+                 num_proc: int, min_np: int, max_np: int | None, elastic_timeout: float = 600.0,
+                 reset_limit: int | None = None,
+                 cooldown_range: tuple[float, float] | None = None,
+                 message: Callable[[str], None] | None = None,
+                 discovery_interval: float = DISCOVERY_INTERVAL_S,
+                 grace_period: float = GRACE_PERIOD_S,
+                 straggler_timeout: float = 90.0) -> None:
+        if min_np < 1 or num_proc < min_np or (max_np is not None and max_np < num_proc):
+            raise ValueError(f"elastic sizes must satisfy 1 <= --min-np ({min_np}) <= -np "
+                             f"({num_proc}) <= --max-np ({max_np})")
+        self.discovery: HostDiscovery = as_discovery(discovery)
+        self.spawner = spawner
+        self.env_for = env_for
+        self.server = server
+        self.num_proc, self.min_np, self.max_np = num_proc, min_np, max_np
+        self.elastic_timeout = elastic_timeout
+        self.reset_limit = reset_limit
+        self.hosts = HostManager(cooldown_range)
+        self._message = message or (lambda text: None)
+        self._interval = discovery_interval
+        self._straggler_timeout = straggler_timeout
+        self._waiting_since: float | None = None
+        self._grace = grace_period
+        self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._workers: dict[int, _Worker] = {}
+        self._next_id = 0
+        self._round = 0
+        self.resets = 0
+        self._updates = 0
+        self._notified: tuple | None = None
+        self._forming_since: float | None = None
+        self._last_wait_msg = 0.0
+        self._stop_reason: str | None = None
+        self._stopping_since: float | None = None
+        self._killed = False
+        self._interrupted: int | None = None
+        self._failures: list[str] = []
+        self._blacklist_log: list[str] = []
+        self._started = 0
+        self._removed = 0
+        self._closed = threading.Event()
+        # Wall-clock times of the last round's driver phases (benchmarks read them).
+        self.timings: dict[str, float] = {}
+
+    # -- inputs (any thread) --------------------------------------------------------------------
+    def ready(self, worker_id: int, seq: int) -> None:
+        self._events.put(("ready", worker_id, seq))
+
+    def _on_exit(self, worker_id: int, code: int, sig_name: str | None) -> None:
+        self._events.put(("exit", worker_id, (code, sig_name)))
+
+    # -- main loop ------------------------------------------------------------------------------
+    def run(self) -> ElasticResult:
+        """Starts the job and returns when every worker has exited.
+
+        Raises:
+            DiscoveryError: the first host discovery failed.
+        """
+        self.hosts.update(self.discovery.find_available_hosts_and_slots())
+        old = self._install_signal_handlers()
+        poller = threading.Thread(target=self._poll_hosts, name="hvdrun-discovery",
+                                  daemon=True)
+        poller.start()
+        try:
+            self._start()
+            while self._workers and any(w.exit is None for w in self._workers.values()) \
+                    or (self._forming_since is not None and self._stop_reason is None):
+                self._step()
+        finally:
+            self._closed.set()
+            for w in self._workers.values():
+                if w.exit is None:
+                    self.spawner.stop(w.id, signal.SIGKILL)
+            self.spawner.close()
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        return self._result()
+
+    def _step(self) -> None:
+        timeout = 0.5
+        if self._stopping_since is not None and not self._killed:
+            timeout = max(0.0, min(timeout, self._stopping_since + self._grace
+                                   - time.monotonic()))
+        try:
+            kind, a, b = self._events.get(timeout=timeout)
+        except queue.Empty:
+            kind, a, b = "tick", None, None
+        if kind == "ready":
+            w = self._workers.get(a)
+            if w is not None and w.exit is None:
+                if not any(x.live and x.waiting for x in self._workers.values()):
+                    self.timings = {"first_ready": time.time()}
+                w.ready_seq = max(w.ready_seq, b)
+                self.server.delete(SCOPE, f"ready.{a}.{b}")
+        elif kind == "exit":
+            self._worker_exited(a, *b)
+        elif kind == "hosts":
+            self.hosts.update(b)
+        elif kind == "discovery_error":
+            self._message(f"hvdrun: host discovery failed (will retry): {a}")
+        elif kind == "signal":
+            name = signal.Signals(a).name
+            if self._stopping_since is None:
+                self._interrupted = a
+                self._stop(f"hvdrun received {name}")
+            elif not self._killed:
+                self._kill_all()
+        if self._stopping_since is not None:
+            if not self._killed and time.monotonic() >= self._stopping_since + self._grace:
+                self._kill_all()
+            return
+        self._check_barrier()
+        if self._forming_since is not None:
+            self._try_assign()
+        else:
+            self._check_hosts()
+
+    # -- start ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        deadline = time.monotonic() + self.elastic_timeout
+        while self.hosts.total_slots() < self.num_proc:
+            self._say_waiting(self.num_proc, deadline)
+            if time.monotonic() >= deadline:
+                self._stop(self._timeout_message(self.num_proc))
+                return
+            try:
+                kind, a, b = self._events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if kind == "hosts":
+                self.hosts.update(b)
+            elif kind == "signal":
+                self._interrupted = a
+                self._stop(f"hvdrun received {signal.Signals(a).name}")
+                return
+        slots, _, new, _ = assign_slots(self.hosts.available(), [], self.max_np)
+        self._notified = self._signature()
+        self._message(f"hvdrun: elastic job starting {len(slots)} worker(s) on "
+                      f"{self._describe(slots)}")
+        for s in new:
+            self._launch(s)
+
+    # -- workers --------------------------------------------------------------------------------
+    def _launch(self, slot: SlotInfo) -> None:
+        wid = self._next_id
+        self._next_id += 1
+        w = _Worker(wid, slot.hostname, slot.rank, answered_seq=0)
+        self._workers[wid] = w
+        self._answer(w, 0, self._assignment(slot))
+        env = dict(self.env_for(slot))
+        env["HOROVOD_ELASTIC"] = "1"
+        env[WORKER_ID_ENV] = str(wid)
+        self._started += 1
+        self.spawner.spawn(wid, slot.hostname, env, self._on_exit)
+
+    def _assignment(self, slot: SlotInfo) -> dict[str, Any]:
+        return {"rank": slot.rank, "size": slot.size, "local_rank": slot.local_rank,
+                "local_size": slot.local_size, "cross_rank": slot.cross_rank,
+                "cross_size": slot.cross_size, "scope": f"ringvod/elastic/{self._round}",
+                "updates": self._updates}
+
+    def _answer(self, w: _Worker, seq: int, msg: dict[str, Any]) -> None:
+        w.answered_seq = seq
+        self.server.put(SCOPE, f"assign.{w.id}.{seq}", json.dumps(msg).encode())
+
+    def _worker_exited(self, wid: int, code: int, sig_name: str | None) -> None:
+        w = self._workers.get(wid)
+        if w is None or w.exit is not None:
+            return
+        w.exit = (code, sig_name)
+        if w.removed or self._stopping_since is not None or code == 0:
+            return
+        w.failed = True
+        what = f"worker {wid} (rank {w.rank} on host {w.host})"
+        self._message(f"hvdrun: {what} exited with status code {describe_exit(code, sig_name)}.")
+        self._failures.append(f"{what}: exit code {describe_exit(code, sig_name)}")
+        if not self.hosts.is_blacklisted(w.host):
+            cooldown = self.hosts.blacklist(w.host)
+            how = "for good" if cooldown is None else f"for {cooldown:.1f} s"
+            text = f"blacklisting host {w.host} {how}: {what} failed"
+            self._blacklist_log.append(f"{w.host} ({what} failed)")
+            self._message(f"hvdrun: {text}")
+            # The survivors re-form after the failure anyway: no host update to announce.
+            self._notified = self._signature()
+        if not any(x.live for x in self._workers.values()):
+            self._stop("no worker is left to continue the job")
+
+    def _kill_all(self) -> None:
+        for w in self._workers.values():
+            if w.exit is None:
+                self.spawner.stop(w.id, signal.SIGKILL)
+        self._killed = True
+
+    def _stop(self, reason: str) -> None:
+        if self._stopping_since is not None:
+            return
+        self._stop_reason = reason
+        self._forming_since = None
+        self._stopping_since = time.monotonic()
+        for w in self._workers.values():
+            if w.exit is None and w.waiting:  # told why; it exits by itself (else SIGKILL)
+                self._answer(w, w.ready_seq, {"stop": reason})
+            elif w.exit is None:
+                self.spawner.stop(w.id, signal.SIGTERM)
+
+    # -- rounds ---------------------------------------------------------------------------------
+    def _check_barrier(self) -> None:
+        if self._forming_since is not None:
+            return
+        live = [w for w in self._workers.values() if w.live]
+        if not any(w.waiting for w in live):
+            self._waiting_since = None
+            return
+        if not all(w.waiting for w in live):
+            now = time.monotonic()
+            if self._waiting_since is None:
+                self._waiting_since = now
+            elif now - self._waiting_since > self._straggler_timeout:
+                for w in live:
+                    if not w.waiting:
+                        self._message(f"hvdrun: worker {w.id} (rank {w.rank} on host {w.host}) "
+                                      f"did not rejoin within {self._straggler_timeout:g} s of "
+                                      "the others asking for a new round; stopping it")
+                        self.spawner.stop(w.id, signal.SIGKILL)
+                self._waiting_since = now  # its exit (a failure) completes the barrier
+            return
+        self._waiting_since = None
+        self.timings["barrier"] = time.time()
+        finished = [w for w in self._workers.values()
+                    if w.exit is not None and w.exit[0] == 0 and not w.removed]
+        if finished:
+            self._stop(f"worker {finished[0].id} finished while the others asked to reset; "
+                       "the job has ended")
+            return
+        if self.reset_limit is not None and self.resets >= self.reset_limit:
+            self._stop(RESET_LIMIT_MESSAGE.format(self.reset_limit))
+            return
+        self.resets += 1
+        self._forming_since = time.monotonic()
+        self._last_wait_msg = 0.0
+
+    def _try_assign(self) -> None:
+        assert self._forming_since is not None
+        live = [w for w in self._workers.values() if w.live]
+        if not live:  # the waiting workers died meanwhile
+            self._forming_since = None
+            return
+        if not all(w.waiting for w in live):
+            return
+        have = self.hosts.total_slots()
+        need = self.min_np
+        if have < need:
+            deadline = self._forming_since + self.elastic_timeout
+            self._say_waiting(need, deadline)
+            if time.monotonic() >= deadline:
+                self._stop(self._timeout_message(need))
+            return
+        survivors = [(w.id, w.host, w.rank) for w in live]
+        slots, placed, new, removed = assign_slots(self.hosts.available(), survivors,
+                                                   self.max_np)
+        if not placed:
+            self._stop("No hosts from previous set remaining, unable to broadcast state.")
+            return
+        self._round += 1
+        self._forming_since = None
+        self._notified = self._signature()
+        for wid in removed:
+            w = self._workers[wid]
+            w.removed = True
+            self._removed += 1
+            self._answer(w, w.ready_seq, {"removed": f"{w.host}[{w.id}] has been removed from "
+                                                     "elastic job"})
+        for wid, slot in placed.items():
+            w = self._workers[wid]
+            w.rank = slot.rank
+            self._answer(w, w.ready_seq, self._assignment(slot))
+        for s in new:
+            self._launch(s)
+        self.timings["assigned"] = time.time()
+        self._message(f"hvdrun: elastic round {self._round} (reset {self.resets}): "
+                      f"{len(slots)} worker(s) on {self._describe(slots)}"
+                      + (f"; {len(new)} new" if new else "")
+                      + (f"; {len(removed)} removed" if removed else ""))
+
+    # -- host changes ---------------------------------------------------------------------------
+    def _signature(self) -> tuple:
+        return tuple((h.hostname, h.slots) for h in self.hosts.available())
+
+    def _check_hosts(self) -> None:
+        sig = self._signature()
+        if sig == self._notified:
+            return
+        self._notified = sig
+        avail = {h.hostname: h.slots for h in self.hosts.available()}
+        live = [w for w in self._workers.values() if w.live]
+        flags = HostUpdateResult.no_update
+        per_host: dict[str, int] = {}
+        for w in live:
+            per_host[w.host] = per_host.get(w.host, 0) + 1
+        if any(n > avail.get(h, 0) for h, n in per_host.items()):
+            flags |= HostUpdateResult.removed
+        room = sum(avail.values()) if self.max_np is None else min(self.max_np,
+                                                                    sum(avail.values()))
+        if room > len(live):
+            flags |= HostUpdateResult.added
+        if flags == HostUpdateResult.no_update:
+            return
+        self._updates += 1
+        self.timings["update"] = time.time()
+        what = {1: "removed", 2: "added", 3: "added and removed"}[flags]
+        self._message(f"hvdrun: hosts {what}: now {self._describe_hosts(avail)}; asking the "
+                      "workers to re-form")
+        self.server.put(SCOPE, f"update.{self._updates - 1}",
+                        json.dumps([self._updates, flags]).encode())
+
+    def _poll_hosts(self) -> None:
+        while not self._closed.wait(self._interval):
+            try:
+                self._events.put(("hosts", None,
+                                  self.discovery.find_available_hosts_and_slots()))
+            except Exception as exc:  # noqa: BLE001 - later failures are logged and retried
+                self._events.put(("discovery_error", str(exc), None))
+
+    # -- messages -------------------------------------------------------------------------------
+    def _say_waiting(self, need: int, deadline: float) -> None:
+        now = time.monotonic()
+        if now - self._last_wait_msg < 10.0:
+            return
+        self._last_wait_msg = now
+        self._message(f"hvdrun: waiting for {need} slots, have {self.hosts.total_slots()} "
+                      f"(giving up in {max(deadline - now, 0):.0f} s, --elastic-timeout)")
+
+    def _timeout_message(self, need: int) -> str:
+        avail = {h.hostname: h.slots for h in self.hosts.available()}
+        black = self.hosts.blacklisted()
+        return (f"Timed out after {self.elastic_timeout:g} s waiting for {need} slots; have "
+                f"{sum(avail.values())} ({self._describe_hosts(avail) or 'no hosts'}"
+                + (f"; blacklisted: {', '.join(black)}" if black else "") + "). Add hosts, "
+                "lower --min-np or raise --elastic-timeout (HOROVOD_ELASTIC_TIMEOUT).")
+
+    @staticmethod
+    def _describe_hosts(avail: Mapping[str, int]) -> str:
+        return ",".join(f"{h}:{n}" for h, n in avail.items())
+
+    @staticmethod
+    def _describe(slots: list[SlotInfo]) -> str:
+        counts: dict[str, int] = {}
+        for s in slots:
+            counts[s.hostname] = counts.get(s.hostname, 0) + 1
+        return ",".join(f"{h}:{n}" for h, n in counts.items())
+
+    def _result(self) -> ElasticResult:
+        last = [w for w in self._workers.values() if not w.removed and not w.failed]
+        ok = (self._stop_reason is None and bool(last)
+              and all(w.exit is not None and w.exit[0] == 0 for w in last))
+        final = [w for w in last if w.exit is not None and w.exit[0] == 0]
+        status = "finished" if ok else "failed"
+        lines = [f"hvdrun: elastic job {status}"
+                 + (f": {self._stop_reason}" if self._stop_reason else "") + "."]
+        lines.append(f"  {self._round + 1} round(s), {self.resets} reset(s); {self._started} "
+                     f"worker(s) started, {len(self._failures)} failed, {self._removed} "
+                     f"removed; final size {len(final) if ok else 0}")
+        for f in self._failures:
+            lines.append(f"  failed: {f}")
+        for b in self._blacklist_log:
+            lines.append(f"  blacklisted: {b}")
+        code = 0 if ok else (128 + self._interrupted if self._interrupted else 1)
+        return ElasticResult(code, "\n".join(lines), None if ok else self._stop_reason
+                             or "workers failed", len(final) if ok else 0, self.resets,
+                             sorted(w.rank for w in final))
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        old: dict[int, Any] = {}
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            old[sig] = signal.signal(sig, lambda s, _f: self._events.put(("signal", s, None)))
+        return old

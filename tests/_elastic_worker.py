@@ -1,0 +1,183 @@
+"""Worker of tests/integration/test_elastic.py, tests/gpu/test_elastic_gpu.py (and benchmarks/elastic_recovery.py).
+
+A toy training loop under `hvd.elastic.run` whose result is exactly predictable: at step s every
+rank r contributes `base(s) + r - (size-1)/2` and the average is `base(s)` at any size, in exact
+floating point (small dyadic numbers). So the final weights are `-0.5 * sum(base(s))` over the
+steps, each applied once, whatever resets happened; `log` lists the steps in the order they were
+committed. Settings come from ET_* variables:
+
+ET_OUT      directory for result.<rank>.json, progress and markers (required)
+ET_STEPS    number of steps (default 30)
+ET_COMMIT   commit every this many steps (default 3)
+ET_SLEEP    seconds per step (default 0.05)
+ET_KILL     "host:step[,host:step]": the worker on that host SIGKILLs itself once at that step
+ET_FAIL     "host:step": the worker on that host exits 3 at that step (every time)
+ET_TORCH    1: torch instead (TorchState: model, optimizer, ElasticSampler; see main_torch)
+ET_DATASET, ET_BATCH  torch: dataset size (60) and batch size per rank (2)
+ET_BPPS     torch: backward_passes_per_step (default 1); the averaged gradient is then
+            ET_BPPS * base(step) (passes add up, as in Horovod)
+ET_CUDA     1: torch on CUDA (NCCL), the worker of host "localhost" on GPU 0, others on GPU 1
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+OUT = os.environ["ET_OUT"]
+STEPS = int(os.environ.get("ET_STEPS", "30"))
+COMMIT = int(os.environ.get("ET_COMMIT", "3"))
+SLEEP = float(os.environ.get("ET_SLEEP", "0.05"))
+HOST = os.environ.get("HOROVOD_HOSTNAME", "")
+WID = os.environ.get("HOROVOD_ELASTIC_WORKER_ID", "?")
+TORCH = os.environ.get("ET_TORCH") == "1"
+
+with open(os.path.join(OUT, f"pid.{WID}"), "w") as _f:
+    _f.write(str(os.getpid()))
+
+
+def base(s: int) -> float:
+    return float(s % 7 - 3)
+
+
+def _triggers(var: str) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for item in filter(None, os.environ.get(var, "").split(",")):
+        h, s = item.rsplit(":", 1)
+        out.setdefault(h, []).append(int(s))
+    return out
+
+
+KILL, FAIL = _triggers("ET_KILL"), _triggers("ET_FAIL")
+
+
+def maybe_die(step: int) -> None:
+    if step in KILL.get(HOST, []):
+        marker = os.path.join(OUT, f"killed.{HOST}.{step}")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            with open(os.path.join(OUT, "kill_times"), "a") as f:
+                f.write(f"{time.time()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+    if step in FAIL.get(HOST, []):
+        sys.exit(3)
+
+
+def progress(hvd, step: int) -> None:
+    with open(os.path.join(OUT, f"progress.{WID}"), "a") as f:
+        f.write(f"{time.time()} {hvd.rank()} {hvd.size()} {step}\n")
+
+
+def main_numpy() -> None:
+    import collective as hvd
+    from collective import elastic
+
+    hvd.init()
+    state = elastic.ObjectState(step=0, w=np.zeros(4), log=[], sizes=[])
+    resets = []
+
+    def on_reset() -> None:
+        resets.append((hvd.size(), dict(elastic.last_reset_timings)))
+
+    state.register_reset_callbacks([on_reset])
+
+    @elastic.run
+    def train(state):
+        first = True
+        while state.step < STEPS:
+            s = state.step
+            maybe_die(s)
+            g = np.full(4, base(s) + hvd.rank() - (hvd.size() - 1) / 2)
+            avg = hvd.allreduce(g, name="grad")
+            state.w = state.w - 0.5 * avg
+            state.log.append(s)
+            state.sizes.append(hvd.size())
+            state.step += 1
+            progress(hvd, state.step)
+            if first and elastic.last_reset_timings:  # the first step after a reset
+                with open(os.path.join(OUT, f"timings.{WID}"), "a") as f:
+                    f.write(json.dumps(dict(elastic.last_reset_timings, step=time.time(),
+                                            rank=hvd.rank(), size=hvd.size())) + "\n")
+            first = False
+            if state.step % COMMIT == 0:
+                state.commit()
+            time.sleep(SLEEP)
+        state.commit()
+
+    train(state)
+    write(hvd, state.w, state, resets)
+
+
+def main_torch() -> None:
+    """One epoch over ET_DATASET samples in batches of ET_BATCH per rank (ElasticSampler),
+    SGD with momentum on a 4-weight linear model whose averaged gradient is base(step)."""
+    import torch
+
+    import horovod.torch as hvd
+    from collective import elastic
+
+    device = torch.device("cpu")
+    if os.environ.get("ET_CUDA") == "1":  # one GPU per "host": localhost 0, any other 1
+        device = torch.device("cuda", (0 if HOST == "localhost" else 1)
+                              % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    hvd.init()
+    model = torch.nn.Linear(4, 1, bias=False).to(device)
+    with torch.no_grad():
+        model.weight.zero_()
+    passes = int(os.environ.get("ET_BPPS", "1"))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes)
+    dataset = list(range(int(os.environ.get("ET_DATASET", "60"))))
+    batch = int(os.environ.get("ET_BATCH", "2"))
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=1)
+    state = hvd.elastic.TorchState(model, opt, sampler=sampler, step=0, log=[], sizes=[],
+                                   seen=[])
+    resets = []
+    state.register_reset_callbacks(
+        [lambda: resets.append((hvd.size(), dict(elastic.last_reset_timings)))])
+
+    @hvd.elastic.run
+    def train(state):
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=state.sampler)
+        for idx in loader:
+            s = state.step
+            maybe_die(s)
+            opt.zero_grad()
+            scale = base(s) + hvd.rank() - (hvd.size() - 1) / 2
+            for _ in range(passes):  # accumulated locally, one allreduce per step
+                (model(torch.ones(1, 4, device=device)).sum() * scale).backward()
+            opt.step()
+            gathered = hvd.allgather_object([int(i) for i in idx])
+            state.seen = state.seen + [i for part in gathered for i in part]
+            state.sampler.record_batch(0, batch)
+            state.log = state.log + [s]
+            state.sizes = state.sizes + [hvd.size()]
+            state.step += 1
+            progress(hvd, state.step)
+            if state.step % COMMIT == 0:
+                state.commit()
+            time.sleep(SLEEP)
+        state.commit()
+
+    train(state)
+    write(hvd, model.weight.detach().cpu().numpy().reshape(-1), state, resets)
+
+
+def write(hvd, w, state, resets) -> None:
+    res = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "w": [float(x) for x in w],
+           "log": list(state.log), "sizes": list(state.sizes), "resets": resets,
+           "seen": list(getattr(state, "seen", [])), "host": HOST, "worker": WID}
+    tmp = os.path.join(OUT, f".result.{hvd.rank()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(res, f)
+    os.replace(tmp, os.path.join(OUT, f"result.{hvd.rank()}.json"))
+
+
+if __name__ == "__main__":
+    main_torch() if TORCH else main_numpy()

@@ -1,0 +1,205 @@
+"""Elastic training end to end: `hvdrun --min-np ...` with real worker processes on this machine.
+
+"Hosts" are names of this machine (localhost, 127.0.0.1, its hostname), which hvdrun runs
+locally, so a test can fail, add and remove hosts. The worker is `tests/_elastic_worker.py`: a toy
+training loop whose final weights are known exactly. Every test has a hard timeout; when it
+fires, every worker still alive dumps its Python stacks (faulthandler, SIGABRT) into the output,
+which is printed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._elastic_job import REPO, Job, no_orphans, progress_steps
+
+HOSTNAME = socket.gethostname()
+
+
+def _expected_w(steps: int) -> float:
+    return -0.5 * sum(float(s % 7 - 3) for s in range(steps))
+
+
+def test_sigkill_rolls_back_to_last_commit(tmp_path: Path) -> None:
+    """Test 1: a worker is SIGKILLed between commits; the others restore, re-form and finish
+    with the exact weights and every step committed exactly once."""
+    steps = 24
+    job = Job(tmp_path, ["-np", "3", "--min-np", "2", "-H", "localhost:2,127.0.0.1:1"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "3", "ET_KILL": "127.0.0.1:7"}, 60)
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [r["rank"] for r in res] == [0, 1], out
+    for r in res:
+        assert r["size"] == 2 and r["step"] == steps
+        assert r["log"] == list(range(steps)), r["log"]
+        assert r["w"] == [_expected_w(steps)] * 4, r["w"]
+        assert r["sizes"][:6] == [3] * 6 and set(r["sizes"][6:]) == {2}, r["sizes"]
+    # Step 7 was reached (the kill), so steps 6 and 7 ran twice on the survivors: a rollback.
+    redone = [s for s in progress_steps(job)["progress.0"] if s == 7]
+    assert len(redone) == 2, progress_steps(job)
+    assert "blacklisting host 127.0.0.1" in out and "exited with status code 137" in out
+    assert "elastic job finished" in out and "1 reset(s)" in out
+    no_orphans(job)
+
+
+def test_host_added_by_discovery(tmp_path: Path) -> None:
+    """Test 2: a host appears in the discovery output; the new worker gets the state and the
+    job finishes at the larger size."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    steps = 60
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3",
+                         "--host-discovery-script", f"cat {hosts}"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.1"}, 90)
+    job.wait_progress(4)
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [r["rank"] for r in res] == [0, 1, 2], out
+    assert {r["host"] for r in res} == {"localhost", "127.0.0.1"}
+    for r in res:
+        assert r["size"] == 3 and r["step"] == steps
+        assert r["log"] == list(range(steps))
+        assert r["w"] == [_expected_w(steps)] * 4
+        assert r["sizes"][0] == 2 and r["sizes"][-1] == 3
+    assert "hosts added" in out and "1 new" in out, out
+    # No failure: nothing was rolled back or redone.
+    for name, seq in progress_steps(job).items():
+        assert seq == sorted(set(seq)), (name, seq)
+    no_orphans(job)
+
+
+def test_host_removed_interrupts_without_rollback(tmp_path: Path) -> None:
+    """Test 3: a host disappears from the discovery output: HostsUpdatedInterrupt, the worker
+    there leaves cleanly, no committed work is rolled back."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    steps = 50
+    job = Job(tmp_path, ["-np", "3", "--min-np", "2", "--host-discovery-script",
+                         f"cat {hosts}"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.08"}, 90)
+    job.wait_progress(4)
+    hosts.write_text("localhost:2\n")
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [r["rank"] for r in res] == [0, 1], out
+    for r in res:
+        assert r["size"] == 2 and r["log"] == list(range(steps))
+        assert r["w"] == [_expected_w(steps)] * 4
+    assert "hosts removed" in out and "has been removed from elastic job" in out, out
+    assert "restoring the last commit" not in out and "blacklisting" not in out, out
+    for name, seq in progress_steps(job).items():
+        assert seq == sorted(set(seq)), (name, seq)  # nothing ran twice
+    no_orphans(job)
+
+
+def test_reset_limit_fails_cleanly(tmp_path: Path) -> None:
+    """Test 4: failures beyond --reset-limit end the job with Horovod's message and a summary."""
+    job = Job(tmp_path, ["-np", "3", "--min-np", "1", "--reset-limit", "1", "-H",
+                         f"localhost:1,127.0.0.1:1,{HOSTNAME}:1"],
+              {"ET_STEPS": "200", "ET_COMMIT": "2",
+               "ET_KILL": f"127.0.0.1:3,{HOSTNAME}:8"}, 60)
+    code, out = job.finish()
+    assert code == 1, out
+    assert ("Horovod was shutdown because number of resets during elastic job exceeded "
+            "limit: 1") in out, out
+    assert "elastic job failed" in out and "2 failed" in out, out
+    assert "blacklisting host 127.0.0.1" in out and f"blacklisting host {HOSTNAME}" in out
+    assert not job.results()
+    no_orphans(job)
+
+
+def test_fewer_than_min_np_times_out(tmp_path: Path) -> None:
+    """Test 5: after a failure fewer than --min-np slots remain; the driver waits
+    --elastic-timeout, then fails with a clear error and leaves no process behind."""
+    t0 = time.monotonic()
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "2", "-H",
+                         "localhost:1,127.0.0.1:1"],
+              {"ET_STEPS": "200", "ET_KILL": "127.0.0.1:3"}, 60)
+    code, out = job.finish()
+    assert code == 1, out
+    assert "waiting for 2 slots, have 1" in out, out
+    assert "Timed out after 2 s waiting for 2 slots; have 1 (localhost:1; blacklisted: " \
+           "127.0.0.1)" in out, out
+    assert "hvdrun stopped the elastic job" in out  # what the waiting survivor was told
+    assert time.monotonic() - t0 < 30
+    no_orphans(job)
+
+
+def test_elastic_sampler_covers_dataset_once(tmp_path: Path) -> None:
+    """Test 6 (torch): across a SIGKILL and rollback, the samples of the committed batches are
+    exactly the dataset once; model, momentum and the backward_passes_per_step=2 accumulation
+    (cut short on the survivor by the failure) are rolled back consistently."""
+    pytest.importorskip("torch")
+    # 60 samples, 2 per rank per batch: 15 batches at 2 ranks; the kill at batch 5 rolls back
+    # to the commit after batch 4 (16 samples), the 44 left are 22 batches at 1 rank.
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1"],
+              {"ET_TORCH": "1", "ET_DATASET": "60", "ET_BATCH": "2", "ET_COMMIT": "2",
+               "ET_SLEEP": "0.01", "ET_KILL": "127.0.0.1:5", "ET_BPPS": "2"}, 120)
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [r["rank"] for r in res] == [0], out
+    # SGD(lr=0.5, momentum=0.5) on an averaged gradient of 2 * base(step) per weight (two
+    # backward passes per step add up).
+    w, buf = 0.0, None
+    for s in range(26):
+        g = 2.0 * float(s % 7 - 3)
+        buf = g if buf is None else 0.5 * buf + g
+        w -= 0.5 * buf
+    for r in res:
+        assert sorted(r["seen"]) == list(range(60)), r["seen"]
+        assert r["log"] == list(range(26)) and r["sizes"] == [2] * 4 + [1] * 22, r
+        assert r["w"] == pytest.approx([w] * 4, abs=1e-5), (r["w"], w)
+    assert "restoring the last commit" in out
+    no_orphans(job)
+
+
+API_SCRIPT = r"""
+import os, signal, time
+import horovod
+
+def train(steps):
+    import numpy as np
+    import collective as hvd
+    from collective import elastic
+
+    hvd.init()
+    state = elastic.ObjectState(step=0, total=0.0)
+
+    @elastic.run
+    def loop(state):
+        while state.step < steps:
+            if state.step == 5 and os.environ["HOROVOD_HOSTNAME"] == "127.0.0.1":
+                os.kill(os.getpid(), signal.SIGKILL)
+            state.total += float(hvd.allreduce(np.ones(1), name="x")[0])
+            state.step += 1
+            state.commit()
+            time.sleep(0.02)
+
+    loop(state)
+    return hvd.rank(), hvd.size(), state.step, state.total
+
+print("RESULT", horovod.run(train, args=(20,), num_proc=3, min_num_proc=2,
+                            hosts="localhost:2,127.0.0.1:1"))
+"""
+
+
+def test_horovod_run_elastic() -> None:
+    """horovod.run(..., min_num_proc=...): results of the last round's ranks."""
+    pytest.importorskip("cloudpickle")  # the function is defined in __main__
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", API_SCRIPT], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT [(0, 2, 20, 20.0), (1, 2, 20, 20.0)]" in proc.stdout, proc.stdout

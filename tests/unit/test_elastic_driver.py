@@ -1,0 +1,121 @@
+"""Pure parts of the elastic driver: slot assignment, host order and blacklist, discovery
+output, and the CLI's validation of the elastic flags."""
+from __future__ import annotations
+
+import pytest
+
+from launcher.cli import build_parser
+from launcher.elastic.cli import elastic_settings_from_args
+from launcher.elastic.discovery import (DiscoveryError, HostDiscoveryScript, HostManager,
+                                        as_discovery, parse_discovery_output)
+from launcher.elastic.driver import assign_slots
+from launcher.hosts import HostInfo
+
+
+def test_assign_survivors_first_then_new_hosts() -> None:
+    hosts = [HostInfo("a", 2), HostInfo("b", 1), HostInfo("c", 2)]
+    # Survivors: worker 5 (was rank 1) on b, worker 7 (was rank 0) on c.
+    slots, placed, new, removed = assign_slots(hosts, [(5, "b", 1), (7, "c", 0)], None)
+    assert [s.hostname for s in slots] == ["b", "c", "c", "a", "a"]
+    assert placed[5].rank == 0 and placed[7].rank == 1  # host order decides, survivors first
+    assert [(s.hostname, s.local_rank) for s in new] == [("c", 1), ("a", 0), ("a", 1)]
+    assert removed == []
+    assert all(s.size == 5 for s in slots)
+
+
+def test_assign_respects_max_np_and_removes_extra_survivors() -> None:
+    hosts = [HostInfo("a", 1), HostInfo("b", 4)]
+    slots, placed, new, removed = assign_slots(
+        hosts, [(1, "a", 0), (2, "b", 1), (3, "b", 2), (4, "gone", 3)], 2)
+    assert len(slots) == 2 and not new
+    assert placed[1].rank == 0 and placed[2].rank == 1
+    assert sorted(removed) == [3, 4]
+
+
+def test_assign_cross_ranks() -> None:
+    slots, _, new, _ = assign_slots([HostInfo("a", 2), HostInfo("b", 2)], [], 3)
+    assert [(s.hostname, s.rank, s.local_rank, s.cross_rank, s.cross_size) for s in new] == [
+        ("a", 0, 0, 0, 2), ("a", 1, 1, 0, 1), ("b", 2, 0, 1, 2)]
+
+
+def test_host_manager_order_and_cooldown() -> None:
+    now = [100.0]
+    hm = HostManager((2, 10), clock=lambda: now[0])
+    hm.update({"a": 1, "b": 2})
+    hm.update({"c": 1, "b": 2, "a": 1})  # order is first-seen, not discovery order
+    assert [h.hostname for h in hm.available()] == ["a", "b", "c"]
+    cooldown = hm.blacklist("b")
+    assert cooldown is not None and 2 <= cooldown <= 4
+    assert [h.hostname for h in hm.available()] == ["a", "c"] and hm.total_slots() == 2
+    now[0] += cooldown + 0.01
+    assert [h.hostname for h in hm.available()] == ["a", "b", "c"]
+    second = hm.blacklist("b")  # the cooldown grows with each failure, up to the maximum
+    assert second is not None and 4 <= second <= 6
+    for _ in range(5):
+        last = hm.blacklist("b")
+    assert last == 10
+
+
+def test_host_manager_permanent_blacklist_and_bad_range() -> None:
+    hm = HostManager()
+    hm.update({"a": 1})
+    assert hm.blacklist("a") is None
+    assert hm.available() == [] and hm.blacklisted() == ["a"]
+    with pytest.raises(ValueError, match="1 <= MIN <= MAX <= 3600"):
+        HostManager((0, 5))
+
+
+def test_discovery_output() -> None:
+    assert parse_discovery_output("a:2\n\nb\na:3\n", 4, "s") == {"a": 3, "b": 4}
+    with pytest.raises(DiscoveryError, match="without a slot count"):
+        parse_discovery_output("b\n", None, "s")
+    with pytest.raises(DiscoveryError, match="expected 'hostname'"):
+        parse_discovery_output("a b:1\n", 1, "s")
+
+
+def test_discovery_script_failure_and_callable(tmp_path) -> None:
+    with pytest.raises(DiscoveryError, match="exited with status 3: nope"):
+        HostDiscoveryScript("echo nope >&2; exit 3").find_available_hosts_and_slots()
+    assert HostDiscoveryScript("echo x:2").find_available_hosts_and_slots() == {"x": 2}
+    assert as_discovery(lambda: {"h": 2}).find_available_hosts_and_slots() == {"h": 2}
+    with pytest.raises(TypeError):
+        as_discovery(3)
+
+
+def _args(*argv: str):
+    return build_parser().parse_args([*argv, "python", "x.py"])
+
+
+def test_cli_elastic_settings() -> None:
+    settings, el = elastic_settings_from_args(_args(
+        "-np", "2", "--min-np", "1", "--max-np", "4", "--host-discovery-script", "d.sh",
+        "--slots-per-host", "2", "--reset-limit", "3", "--elastic-timeout", "5",
+        "--blacklist-cooldown-range", "1", "9"))
+    assert settings.num_proc == 2 and settings.mode == "tcp"
+    assert (el.min_np, el.max_np, el.slots_per_host, el.reset_limit) == (1, 4, 2, 3)
+    assert el.elastic_timeout == 5.0 and el.cooldown_range == (1.0, 9.0)
+    assert float(settings.env_overrides["HOROVOD_ELASTIC_TIMEOUT"]) == 5
+    _, el = elastic_settings_from_args(_args("--min-np", "2", "-H", "a:1,b:1"))
+    assert el.min_np == 2 and el.max_np is None and el.elastic_timeout == 600.0
+
+
+@pytest.mark.parametrize("argv, match", [
+    (("-np", "2", "--min-np", "3", "-H", "a:2,b:2"), "--min-np"),
+    (("-np", "4", "--max-np", "3", "-H", "a:2,b:2"), "--max-np"),
+    (("-np", "2", "--min-np", "1", "-H", "a:2"), "fewer than 2 hosts"),
+    (("-np", "2", "--min-np", "1", "--mpi", "-H", "a:1,b:1"), "tcp mode"),
+    (("-np", "2", "--host-discovery-script", "d", "--blacklist-cooldown-range", "0", "5"),
+     "MIN <= MAX"),
+])
+def test_cli_elastic_errors(argv, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        elastic_settings_from_args(_args(*argv))
+
+
+def test_protocol_constants_match_the_worker_side() -> None:
+    import collective.elastic as worker
+    from launcher.elastic import driver
+
+    assert (driver.SCOPE, driver.WORKER_ID_ENV) == (worker.SCOPE, worker.WORKER_ID_ENV)
+    for name in ("no_update", "removed", "added", "mixed"):
+        assert getattr(driver.HostUpdateResult, name) == getattr(worker.HostUpdateResult, name)

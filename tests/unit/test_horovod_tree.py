@@ -1,0 +1,123 @@
+"""Horovod's module tree beyond the API: `horovod.common.exceptions` and
+`horovod.runner.util.threads`, which scripts and test helpers import."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+
+def test_common_exceptions_are_ringvods_classes():
+    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+    import collective
+    from collective import errors
+
+    assert HorovodInternalError is errors.HorovodInternalError is collective.HorovodInternalError
+    assert HostsUpdatedInterrupt is errors.HostsUpdatedInterrupt
+    assert issubclass(HorovodInternalError, RuntimeError)
+    assert issubclass(HostsUpdatedInterrupt, RuntimeError)
+    # What the runtime raises for a failed collective is caught under Horovod's name.
+    with pytest.raises(HorovodInternalError):
+        raise errors.ShutdownError()
+    assert HostsUpdatedInterrupt(True).skip_sync is True
+
+
+def test_in_thread_runs_target_and_checks_args():
+    from horovod.runner.util.threads import in_thread
+
+    seen = []
+    thread = in_thread(seen.append, args=(7,), name="hvd-test")
+    thread.join(5)
+    assert seen == [7] and thread.daemon and thread.name == "hvd-test"
+    assert in_thread(lambda: None, daemon=False).daemon is False
+    with pytest.raises(ValueError, match="args must be a tuple"):
+        in_thread(seen.append, args=[1])
+
+
+def test_in_thread_silent_swallows(monkeypatch):
+    from horovod.runner.util.threads import in_thread
+
+    hooked = []
+    monkeypatch.setattr(threading, "excepthook", hooked.append)
+
+    def boom():
+        raise KeyError("x")
+
+    in_thread(boom, silent=True).join(5)
+    assert hooked == []
+    in_thread(boom).join(5)
+    assert len(hooked) == 1 and hooked[0].exc_type is KeyError
+
+
+def test_on_event_calls_after_event_and_honours_stop():
+    from horovod.runner.util.threads import on_event
+
+    event, calls = threading.Event(), []
+    thread = on_event(event, calls.append, args=("fired",))
+    time.sleep(0.05)
+    assert calls == [] and thread.is_alive()
+    event.set()
+    thread.join(5)
+    assert calls == ["fired"]
+
+    never, stop = threading.Event(), threading.Event()
+    thread = on_event(never, calls.append, args=("late",), stop=stop, check_stop_interval_s=0.01)
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive() and calls == ["fired"]
+
+    with pytest.raises(ValueError, match="Event must not be None"):
+        on_event(None, print)
+    with pytest.raises(ValueError, match="Stop must be a threading.Event"):
+        on_event(event, print, stop=object())
+    with pytest.raises(ValueError, match="Check stop interval must be positive"):
+        on_event(event, print, check_stop_interval_s=0)
+
+
+def test_execute_function_multithreaded():
+    from horovod.runner.util.threads import execute_function_multithreaded
+
+    live, peak, lock = [0], [0], threading.Lock()
+
+    def add(a, b):
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        time.sleep(0.01)
+        with lock:
+            live[0] -= 1
+        return a + b
+
+    args = [[i, 10 * i] for i in range(8)]
+    assert execute_function_multithreaded(add, args, max_concurrent_executions=3) == {
+        i: 11 * i for i in range(8)}
+    assert peak[0] <= 3
+    assert args == [[i, 10 * i] for i in range(8)]
+    assert execute_function_multithreaded(add, [(1, 2)], block_until_all_done=False) is None
+
+
+def test_execute_function_multithreaded_reports_failed_calls(monkeypatch):
+    from horovod.runner.util.threads import execute_function_multithreaded
+
+    monkeypatch.setattr(threading, "excepthook", lambda _args: None)
+
+    def fails_on_two(x):
+        if x == 2:
+            raise ValueError("two")
+        return x
+
+    with pytest.raises(RuntimeError, match="Some threads for func fails_on_two did not complete"):
+        execute_function_multithreaded(fails_on_two, [(1,), (2,), (3,)])
+
+
+def test_device_error_types_are_what_horovod_users_catch():
+    # A grouped op mixing CPU and CUDA tensors: Horovod raises a RuntimeError (ringvod's was a
+    # ValueError; it is both). A dtype NCCL cannot reduce fails at synchronize, where Horovod
+    # raises HorovodInternalError.
+    from collective import HorovodInternalError
+    from collective.engines.device import DeviceOpError
+
+    assert issubclass(DeviceOpError, RuntimeError) and issubclass(DeviceOpError, ValueError)
+    assert not issubclass(DeviceOpError, HorovodInternalError)  # a local usage error

@@ -1,0 +1,85 @@
+"""A lone synchronous allreduce in a loop, in a process that runs nothing else: ringvod
+(`hvd.allreduce_`) or torch.distributed (`dist.all_reduce`), each followed by a host wait for
+the device. Prints the median per-op time and the mean over blocks of 1000 ops. Also the
+target of a sampling profiler (py-spy) for the per-op host time.
+
+    mpirun -np 2 python tools/lone_loop.py --device cuda [--impl torch]
+    mpirun -np 2 py-spy record -f raw -o prof.txt -- python tools/lone_loop.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--impl", choices=["ringvod", "torch"], default="ringvod")
+    p.add_argument("--bytes", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=20000)
+    p.add_argument("--port", type=int, default=29541)
+    p.add_argument("--tag", default="", help="label for the output line (e.g. an older tree)")
+    a = p.parse_args()
+    cuda = a.device == "cuda"
+    if a.impl == "ringvod":
+        import frameworks.torch as hvd
+        hvd.init()
+        rank, size, local = hvd.rank(), hvd.size(), hvd.local_rank()
+    else:
+        import torch.distributed as dist
+        rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
+        size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("LOCAL_RANK",
+                                                                               str(rank))))
+    if cuda:
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    x = torch.ones(a.bytes // 4, device=a.device)
+    if a.impl == "ringvod":
+        def op():
+            hvd.allreduce_(x, op=hvd.Sum, name="lone")
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                init_method=f"tcp://127.0.0.1:{a.port}", rank=rank,
+                                world_size=size)
+
+        def op():
+            dist.all_reduce(x)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(200):
+        op()
+    sync()
+    per_op, blocks = [], []
+    now = time.perf_counter
+    for _ in range(max(a.iters // 1000, 1)):
+        t0 = now()
+        for _ in range(1000):
+            t = now()
+            op()
+            sync()
+            per_op.append(now() - t)
+        blocks.append((now() - t0) / 1000)
+    if rank == 0:
+        impl = a.impl + ("/" + a.tag if a.tag else "")
+        print(f"lone_loop impl={impl} size={size} device={a.device} bytes={a.bytes}: median "
+              f"{statistics.median(per_op) * 1e6:.1f} us per op, mean of 1000-op blocks "
+              f"{statistics.median(blocks) * 1e6:.1f} us", flush=True)
+    if a.impl == "ringvod":
+        hvd.shutdown()
+    else:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
