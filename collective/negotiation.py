@@ -7,7 +7,8 @@ the same cache operations in the same order, so cache bit numbering stays identi
 from __future__ import annotations
 
 import enum
-import pickle
+import itertools
+import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,9 +18,10 @@ import numpy as np
 
 from .types import (CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response,
                     ResponseType)
+from .wire import MAX_DIMS, MAX_STR_BYTES, WireError
 
 __all__ = ["CacheState", "ResponseCache", "MessageTable", "PendingHits", "encode_requests",
-           "decode_requests", "encode_responses", "decode_responses", "CACHEABLE"]
+           "decode_requests", "decode_gathered", "encode_responses", "decode_responses", "CACHEABLE"]
 
 CACHEABLE = (ResponseType.ALLREDUCE, ResponseType.ALLGATHER, ResponseType.ADASUM,
              ResponseType.ALLTOALL)
@@ -124,32 +126,237 @@ class ResponseCache:
 
 
 # -- wire format (control plane payloads) -----------------------------------------------------
+# Fixed-layout fields, never pickle: a peer's message is data, not code (collective/wire.py).
+_REQ_MAGIC, _RESP_MAGIC = b"RQ1", b"RS1"
+_REQ_HEAD = struct.Struct("<IB")  # count, shutdown
+_REQ_ROW = struct.Struct("<iBBiiBddB")  # rank type dtype device root op pre post ndim
+_RESP_HEAD = struct.Struct("<IBB")  # count, shutdown, join_active
+_RESP_ROW = struct.Struct("<BBBiiiddIII")  # type dtype op device root last pre post n_names
+#                                            n_sizes n_shapes
+_DIMS = [struct.Struct(f"<{n}q") for n in range(MAX_DIMS + 1)]
+_U32 = struct.Struct("<I")
+_REQUEST_TYPES = {int(v): v for v in RequestType}
+_RESPONSE_TYPES = {int(v): v for v in ResponseType}
+_DATA_TYPES = {int(v): v for v in DataType}
+_REDUCE_OPS = {int(v): v for v in ReduceOp}
+
+
 def encode_requests(reqs: Sequence[Request], shutdown: bool) -> bytes:
-    return pickle.dumps(([(r.rank, int(r.type), r.name, int(r.dtype), r.shape, r.device, r.root,
-                           int(r.reduce_op), r.prescale, r.postscale) for r in reqs], shutdown),
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    parts = [_REQ_MAGIC, _REQ_HEAD.pack(len(reqs), bool(shutdown))]
+    add = parts.append
+    for r in reqs:
+        shape = r.shape
+        name = r.name.encode("utf-8", "surrogatepass")
+        if len(name) > MAX_STR_BYTES or len(shape) > MAX_DIMS:
+            raise WireError(f"tensor {r.name[:60]!r}: name longer than {MAX_STR_BYTES} bytes "
+                            f"or rank above {MAX_DIMS}")
+        add(_REQ_ROW.pack(r.rank, r.type, r.dtype, r.device, r.root, r.reduce_op, r.prescale,
+                          r.postscale, len(shape)))
+        if shape:
+            add(_DIMS[len(shape)].pack(*shape))
+        add(_U32.pack(len(name)))
+        add(name)
+    return b"".join(parts)
 
 
 def decode_requests(data: bytes) -> tuple[list[Request], bool]:
-    rows, shutdown = pickle.loads(data)
-    return [Request(rank=r[0], type=RequestType(r[1]), name=r[2], dtype=DataType(r[3]),
-                    shape=tuple(r[4]), device=r[5], root=r[6], reduce_op=ReduceOp(r[7]),
-                    prescale=r[8], postscale=r[9]) for r in rows], shutdown
+    """Raises: WireError: `data` is not a well-formed request list."""
+    data = bytes(data)
+    end = len(data)
+    if data[:3] != _REQ_MAGIC or end < 3 + _REQ_HEAD.size:
+        raise WireError(f"malformed request list: bad header {data[:8]!r}")
+    n, shutdown = _REQ_HEAD.unpack_from(data, 3)
+    pos = 3 + _REQ_HEAD.size
+    row = _REQ_ROW.size
+    if n * (row + 4) > end - pos:
+        raise WireError(f"malformed request list: {n} requests cannot fit in {end} bytes")
+    out = []
+    try:
+        for _ in range(n):
+            if pos + row > end:
+                raise WireError("truncated")
+            rank, rtype, dtype, device, root, op, pre, post, ndim = _REQ_ROW.unpack_from(
+                data, pos)
+            pos += row
+            if ndim:
+                st = _DIMS[ndim]  # IndexError past MAX_DIMS
+                if pos + st.size > end:
+                    raise WireError("truncated shape")
+                shape = st.unpack_from(data, pos)
+                pos += st.size
+                if min(shape) < 0:
+                    raise WireError(f"negative dimension in {shape}")
+            else:
+                shape = ()
+            if pos + 4 > end:
+                raise WireError("truncated name")
+            (ln,) = _U32.unpack_from(data, pos)
+            pos += 4
+            if pos + ln > end:
+                raise WireError("truncated name")
+            name = data[pos:pos + ln].decode("utf-8", "surrogatepass")
+            pos += ln
+            out.append(Request(rank, _REQUEST_TYPES[rtype], name, _DATA_TYPES[dtype], shape,
+                               device, root, _REDUCE_OPS[op], pre, post))
+    except WireError as exc:
+        raise WireError(f"malformed request list: {exc} at offset {pos}") from None
+    except (KeyError, IndexError, UnicodeDecodeError, struct.error) as exc:
+        raise WireError(f"malformed request list: bad field ({type(exc).__name__}: {exc}) "
+                        f"at offset {pos}") from None
+    if pos != end:
+        raise WireError(f"malformed request list: {end - pos} unexpected bytes after the end")
+    return out, bool(shutdown)
+
+
+def decode_gathered(gathered: Sequence[bytes], ranks: Sequence[int]) -> list[list[Request]]:
+    """Every rank's request list (rank 0 of a set, slow path).
+
+    Raises:
+        WireError: a rank's message is malformed, naming that rank.
+    """
+    out = []
+    for i, data in enumerate(gathered):
+        try:
+            out.append(decode_requests(data)[0])
+        except WireError as exc:
+            raise WireError(f"rank {ranks[i]} sent a {exc}; it is not a ringvod rank of this "
+                            "version, or the connection is corrupt (a job without "
+                            "HOROVOD_SECRET_KEY accepts any process as a rank)") from None
+    return out
+
+
+def _pack_strs(parts: list, strs: Sequence[str]) -> None:
+    """u32 total bytes + the UTF-8 names separated by NUL (the usual case, split in C), or,
+    when a name contains NUL, u32 0xFFFFFFFF + u32 byte lengths + the names concatenated."""
+    if not strs:
+        return
+    joined = "\0".join(strs)
+    if joined.count("\0") == len(strs) - 1:
+        blob = joined.encode("utf-8", "surrogatepass")
+        parts.append(_U32.pack(len(blob)))
+        parts.append(blob)
+        return
+    enc = [x.encode("utf-8", "surrogatepass") for x in strs]
+    lens = [len(e) for e in enc]
+    parts.append(_U32.pack(0xFFFFFFFF))
+    parts.append(struct.pack(f"<{len(lens)}I", *lens))
+    parts.append(b"".join(enc))
 
 
 def encode_responses(resps: Sequence[Response], shutdown: bool, join_active: bool) -> bytes:
-    return pickle.dumps(([(int(r.type), r.names, int(r.dtype), r.device, r.sizes,
-                           int(r.reduce_op), r.prescale, r.postscale, r.root, r.error,
-                           r.last_joined_rank, r.shapes) for r in resps], shutdown, join_active),
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    parts = [_RESP_MAGIC, _RESP_HEAD.pack(len(resps), bool(shutdown), bool(join_active))]
+    add = parts.append
+    for r in resps:
+        err = r.error.encode("utf-8", "surrogatepass")
+        if len(err) > MAX_STR_BYTES:
+            raise WireError(f"an error text of {len(err)} bytes exceeds {MAX_STR_BYTES}")
+        shapes = r.shapes
+        add(_RESP_ROW.pack(r.type, r.dtype, r.reduce_op, r.device, r.root, r.last_joined_rank,
+                           r.prescale, r.postscale, len(r.names), len(r.sizes), len(shapes)))
+        _pack_strs(parts, r.names)
+        if r.sizes:
+            add(struct.pack(f"<{len(r.sizes)}q", *r.sizes))
+        if shapes:
+            ndims = [len(sh) for sh in shapes]
+            if max(ndims) > MAX_DIMS:
+                raise WireError(f"tensor rank {max(ndims)} exceeds {MAX_DIMS}")
+            add(bytes(ndims))
+            dims = list(itertools.chain.from_iterable(shapes))
+            if dims:
+                add(struct.pack(f"<{len(dims)}q", *dims))
+        add(_U32.pack(len(err)))
+        add(err)
+    return b"".join(parts)
 
 
 def decode_responses(data: bytes) -> tuple[list[Response], bool, bool]:
-    rows, shutdown, join_active = pickle.loads(data)
-    return [Response(type=ResponseType(r[0]), names=r[1], dtype=DataType(r[2]), device=r[3],
-                     sizes=r[4], reduce_op=ReduceOp(r[5]), prescale=r[6], postscale=r[7],
-                     root=r[8], error=r[9], last_joined_rank=r[10], shapes=r[11])
-            for r in rows], shutdown, join_active
+    """Raises: WireError: `data` is not a well-formed response list."""
+    data = bytes(data)
+    end = len(data)
+    if data[:3] != _RESP_MAGIC or end < 3 + _RESP_HEAD.size:
+        raise WireError(f"malformed response list: bad header {data[:8]!r}")
+    n, shutdown, join_active = _RESP_HEAD.unpack_from(data, 3)
+    pos = 3 + _RESP_HEAD.size
+    row = _RESP_ROW.size
+    if n * (row + 4) > end - pos:
+        raise WireError(f"malformed response list: {n} responses cannot fit in {end} bytes")
+    out = []
+
+    def need(k: int, what: str) -> None:
+        if k < 0 or pos + k > end:
+            raise WireError(f"truncated {what}")
+
+    try:
+        for _ in range(n):
+            need(row, "response")
+            (rtype, dtype, op, device, root, last, pre, post, n_names, n_sizes,
+             n_shapes) = _RESP_ROW.unpack_from(data, pos)
+            pos += row
+            names: list[str] = []
+            if n_names:
+                need(4, "names")
+                (total,) = _U32.unpack_from(data, pos)
+                pos += 4
+                if total != 0xFFFFFFFF:
+                    need(total, "names")
+                    names = data[pos:pos + total].decode("utf-8", "surrogatepass").split("\0")
+                    pos += total
+                    if len(names) != n_names:
+                        raise WireError(f"{len(names)} names where {n_names} were announced")
+                else:
+                    need(4 * n_names, "name lengths")
+                    lens = struct.unpack_from(f"<{n_names}I", data, pos)
+                    pos += 4 * n_names
+                    total = sum(lens)
+                    need(total, "names")
+                    blob, off = data[pos:pos + total], 0
+                    pos += total
+                    for ln in lens:
+                        names.append(blob[off:off + ln].decode("utf-8", "surrogatepass"))
+                        off += ln
+            sizes: list[int] = []
+            if n_sizes:
+                need(8 * n_sizes, "sizes")
+                sizes = list(struct.unpack_from(f"<{n_sizes}q", data, pos))
+                pos += 8 * n_sizes
+            shapes: list[tuple[int, ...]] = []
+            if n_shapes:
+                need(n_shapes, "shape ranks")
+                ndims = data[pos:pos + n_shapes]
+                pos += n_shapes
+                if max(ndims) > MAX_DIMS:
+                    raise WireError(f"tensor rank {max(ndims)} exceeds {MAX_DIMS}")
+                total = sum(ndims)
+                need(8 * total, "shapes")
+                dims = struct.unpack_from(f"<{total}q", data, pos) if total else ()
+                pos += 8 * total
+                if dims and min(dims) < 0:
+                    raise WireError("negative dimension")
+                k = ndims[0]
+                if k and ndims.count(k) == n_shapes:  # all of one rank: split in C
+                    it = iter(dims)
+                    shapes = list(zip(*([it] * k)))
+                else:
+                    off = 0
+                    for k in ndims:
+                        shapes.append(dims[off:off + k])
+                        off += k
+            need(4, "error text")
+            (ln,) = _U32.unpack_from(data, pos)
+            pos += 4
+            need(ln, "error text")
+            error = data[pos:pos + ln].decode("utf-8", "surrogatepass") if ln else ""
+            pos += ln
+            out.append(Response(_RESPONSE_TYPES[rtype], names, _DATA_TYPES[dtype], device,
+                                sizes, _REDUCE_OPS[op], pre, post, root, error, last, shapes))
+    except WireError as exc:
+        raise WireError(f"malformed response list: {exc} at offset {pos}") from None
+    except (KeyError, IndexError, UnicodeDecodeError, struct.error) as exc:
+        raise WireError(f"malformed response list: bad field ({type(exc).__name__}: {exc}) "
+                        f"at offset {pos}") from None
+    if pos != end:
+        raise WireError(f"malformed response list: {end - pos} unexpected bytes after the end")
+    return out, bool(shutdown), bool(join_active)
 
 
 # -- rank 0's message table -------------------------------------------------------------------

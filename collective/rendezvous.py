@@ -20,7 +20,9 @@ Wire protocol (nothing is ever unpickled; every field has a fixed layout):
 * Requests and replies, after the handshake: ``u32 length`` + body + ``HMAC(session, direction
   + u64 sequence number + body)``. A frame with a wrong MAC (forged, replayed or reordered)
   closes the connection and is logged. Unauthenticated peers can make the server read at most
-  a fixed handful of bytes (the hello is bounded), and only for `HANDSHAKE_TIMEOUT` seconds.
+  a fixed handful of bytes (the hello is bounded), within one deadline for the whole handshake
+  (`HANDSHAKE_TIMEOUT`); each listener works on at most `MAX_PENDING` of them at a time, all
+  on one thread (`PreAuthGate`), and logs refusals throttled (`RefusalLog`).
 * Request body: ``op`` (1 byte: P put, G get, D delete) + ``u16 scope length`` + ``u16 key
   length`` + scope + key + (P: the value | G: ``u32`` milliseconds to wait for the key).
   Reply body: status (1 byte: 0 ok + value, 1 not found, 2 error + UTF-8 message).
@@ -43,8 +45,9 @@ from typing import Callable
 from ._log import get_logger
 from .errors import CollectiveTimeoutError, HorovodInternalError
 
-__all__ = ["KVServer", "KVClient", "handshake_server", "handshake_client", "recv_exact",
-           "KV_MAGIC", "HANDSHAKE_TIMEOUT", "MAX_VALUE_BYTES"]
+__all__ = ["KVServer", "KVClient", "PreAuthGate", "RefusalLog", "handshake_server",
+           "handshake_client", "recv_exact", "KV_MAGIC", "HANDSHAKE_TIMEOUT", "MAX_VALUE_BYTES",
+           "MAX_PENDING"]
 
 KV_MAGIC = b"RVODKV01"
 NONCE_BYTES = 32
@@ -60,6 +63,11 @@ _U32 = struct.Struct("!I")
 _U64 = struct.Struct("!Q")
 _REQ = struct.Struct("!cHH")
 
+# Sent instead of the server's proof when the client's proof is wrong, so that the client can
+# tell a refused secret (final) from a connection dropped under load (worth retrying).
+REFUSED = b"RVOD-REFUSED-BAD-SECRET-PROOF..."
+assert len(REFUSED) == 32
+
 _OK, _NOT_FOUND, _ERROR = 0, 1, 2
 _TO_SERVER, _TO_CLIENT = b"c", b"s"
 
@@ -68,17 +76,23 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Reads exactly `n` bytes (the socket's timeout applies to each read).
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Reads exactly `n` bytes; with `deadline` (time.monotonic()), all of them by then,
+    else the socket's timeout applies to each read.
 
     Raises:
         ConnectionError: the peer closed the connection first.
-        socket.timeout: a read timed out.
+        socket.timeout: a read timed out, or the deadline passed.
     """
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"timed out after {got} of {n} bytes")
+            sock.settimeout(left)
         r = sock.recv_into(view[got:], n - got)
         if r == 0:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
@@ -99,14 +113,14 @@ def handshake_server(sock: socket.socket, secret: bytes, magic: bytes,
         sock.settimeout(timeout)
         sn = os.urandom(NONCE_BYTES)
         sock.sendall(magic + sn)
-        head = recv_exact(sock, NONCE_BYTES + _U16.size)
+        head = recv_exact(sock, NONCE_BYTES + _U16.size, deadline)
         cn, (hlen,) = head[:NONCE_BYTES], _U16.unpack(head[NONCE_BYTES:])
         if hlen > MAX_HELLO_BYTES:
             return None
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        rest = recv_exact(sock, hlen + MAC_BYTES)
+        rest = recv_exact(sock, hlen + MAC_BYTES, deadline)
         hello, proof = rest[:hlen], rest[hlen:]
         if not hmac.compare_digest(proof, _mac(secret, b"C", magic, sn, cn, hello)):
+            sock.sendall(REFUSED)
             return None
         sock.sendall(_mac(secret, b"S", magic, cn, sn, hello))
         return hello, _mac(secret, b"K", sn, cn)
@@ -122,8 +136,9 @@ def handshake_client(sock: socket.socket, secret: bytes, magic: bytes, hello: by
         HorovodInternalError: the server refused the secret, or failed to prove it knows it.
         OSError: the connection failed (callers may retry).
     """
+    deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
-    head = recv_exact(sock, len(magic) + NONCE_BYTES)
+    head = recv_exact(sock, len(magic) + NONCE_BYTES, deadline)
     if head[:len(magic)] != magic:
         raise HorovodInternalError(
             f"{where} is not a ringvod endpoint of the expected kind (got {head[:8]!r}); "
@@ -132,17 +147,258 @@ def handshake_client(sock: socket.socket, secret: bytes, magic: bytes, hello: by
     cn = os.urandom(NONCE_BYTES)
     sock.sendall(cn + _U16.pack(len(hello)) + hello + _mac(secret, b"C", magic, sn, cn, hello))
     try:
-        proof = recv_exact(sock, MAC_BYTES)
+        proof = recv_exact(sock, MAC_BYTES, deadline)
     except ConnectionError:
+        raise ConnectionError(f"{where} closed the connection during the handshake (busy, "
+                              "or shutting down)") from None
+    if proof == REFUSED:
         raise HorovodInternalError(
             f"{where} refused authentication: this process's job secret (HOROVOD_SECRET_KEY) "
             "differs from the server's. Start every worker from the same hvdrun, or give all "
-            "of them the same secret.") from None
+            "of them the same secret.")
     if not hmac.compare_digest(proof, _mac(secret, b"S", magic, cn, sn, hello)):
         raise HorovodInternalError(
             f"{where} could not prove it knows the job secret; refusing to talk to it. "
             "Another service may be listening on that port.")
     return _mac(secret, b"K", sn, cn)
+
+
+MAX_PENDING = 64  # unauthenticated connections one listener works on at a time
+REFUSAL_LOG_BURST = 3  # refusals logged one by one per window; the rest are summarised
+REFUSAL_LOG_WINDOW = 10.0
+
+
+class RefusalLog:
+    """Throttled WARNINGs about refused connections: the first few of each window one by
+    one (naming the peer), the rest as one summary line per window."""
+
+    def __init__(self, what: str, window: float = REFUSAL_LOG_WINDOW,
+                 burst: int = REFUSAL_LOG_BURST) -> None:
+        self.what, self.window, self.burst = what, window, burst
+        self._start = time.monotonic()
+        self._logged = 0
+        self._held: dict[str, int] = {}
+        self._last = ""
+        self._lock = threading.Lock()
+
+    def refused(self, peer: str, reason: str) -> None:
+        with self._lock:
+            self._roll(time.monotonic())
+            if self._logged < self.burst:
+                self._logged += 1
+                get_logger().warning("%s refused a connection from %s: %s", self.what, peer,
+                                     reason)
+                return
+            self._held[reason] = self._held.get(reason, 0) + 1
+            self._last = peer
+
+    def _roll(self, now: float) -> None:
+        if now - self._start < self.window:
+            return
+        self.flush(now)
+        self._start, self._logged = now, 0
+
+    def flush(self, now: float | None = None) -> None:
+        """Logs the summary of refusals held back (if any)."""
+        if not self._held:
+            return
+        now = time.monotonic() if now is None else now
+        total = sum(self._held.values())
+        why = "; ".join(f"{n}: {r}" for r, n in sorted(self._held.items(), key=lambda x: -x[1]))
+        get_logger().warning("%s refused %d more connection(s) in the last %.0f s, most "
+                             "recently from %s (%s)", self.what, total,
+                             max(now - self._start, 0.0), self._last, why)
+        self._held.clear()
+
+    def tick(self) -> None:
+        with self._lock:
+            self._roll(time.monotonic())
+
+
+_NO_PROOF = "it did not prove the job secret (wrong or missing HOROVOD_SECRET_KEY)"
+
+
+class _Pending:
+    """One unauthenticated connection in the middle of the server side of the handshake."""
+
+    __slots__ = ("sock", "peer", "deadline", "out", "inbuf", "need", "sn")
+
+    def __init__(self, sock: socket.socket, peer: str, deadline: float, magic: bytes) -> None:
+        self.sock, self.peer, self.deadline = sock, peer, deadline
+        self.sn = os.urandom(NONCE_BYTES)
+        self.out = magic + self.sn
+        self.inbuf = b""
+        self.need = NONCE_BYTES + _U16.size  # the client nonce and the hello's length first
+
+
+class PreAuthGate:
+    """Accepts on `listeners` and runs the server side of the handshake for every new
+    connection on one thread, through a selector.
+
+    Unauthenticated peers get one deadline for the whole handshake (`timeout`), at most
+    `max_pending` of them are worked on at a time (a new one evicts the oldest: a flood cannot
+    lock out a real peer, whose handshake takes one round trip), and refusals are logged
+    throttled (`RefusalLog`). A connection that proves the secret is handed to
+    `on_ready(sock, hello, session_key, peer)` in blocking mode; from then on it is the
+    owner's. The gate never reads more than the fixed handshake bytes from anyone.
+    """
+
+    def __init__(self, listeners: list[socket.socket], secret: bytes, magic: bytes,
+                 on_ready: Callable[[socket.socket, bytes, bytes, str], None], what: str,
+                 timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = MAX_PENDING) -> None:
+        self.listeners, self.secret, self.magic = listeners, secret, magic
+        self.on_ready, self.what = on_ready, what
+        self.timeout, self.max_pending = timeout, max_pending
+        self.refusals = RefusalLog(what)
+        self._pending: dict[socket.socket, _Pending] = {}
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.accept_errors = 0
+
+    def start(self, name: str) -> None:
+        for s in self.listeners:
+            s.setblocking(False)
+            self._sel.register(s, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join()
+        for p in list(self._pending.values()):
+            self._drop(p)
+        self.refusals.flush()
+        self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                first = min((p.deadline for p in self._pending.values()), default=now + 1.0)
+                events = self._sel.select(max(min(first - now, 1.0), 0.0))
+                for key, mask in events:
+                    obj = key.fileobj
+                    if obj is self._wake_r:
+                        return
+                    if key.data is None:
+                        self._accept(obj)  # type: ignore[arg-type]
+                    else:
+                        self._step(key.data, mask)
+                now = time.monotonic()
+                for p in [p for p in self._pending.values() if p.deadline <= now]:
+                    self._refuse(p, f"no complete handshake within {self.timeout:g} s")
+                self.refusals.tick()
+        except Exception as exc:  # noqa: BLE001 - never let a bug here pass silently
+            get_logger().error("%s: the connection gate failed: %s", self.what, exc)
+
+    def _accept(self, listener: socket.socket) -> None:
+        for _ in range(256):  # drain the backlog, bounded per round
+            try:
+                sock, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: back off instead of spinning
+                self.accept_errors += 1
+                self.refusals.refused("?", f"accept failed: {exc}")
+                time.sleep(0.05)
+                return
+            peer = _fmt(addr) if isinstance(addr, tuple) else "a local process"
+            if len(self._pending) >= self.max_pending:
+                oldest = min(self._pending.values(), key=lambda p: p.deadline)
+                self._refuse(oldest, f"more than {self.max_pending} unauthenticated "
+                                     "connections at once (the oldest is dropped)")
+            sock.setblocking(False)
+            p = _Pending(sock, peer, time.monotonic() + self.timeout, self.magic)
+            self._pending[sock] = p
+            try:
+                self._sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, p)
+            except (OSError, ValueError) as exc:
+                self._refuse(p, f"cannot watch the connection: {exc}")
+
+    def _step(self, p: _Pending, mask: int) -> None:
+        if self._pending.get(p.sock) is not p:
+            return  # dropped earlier in this round (evicted or expired)
+        try:
+            if p.out and mask & selectors.EVENT_WRITE:
+                n = p.sock.send(p.out)
+                p.out = p.out[n:]
+                if not p.out:
+                    self._sel.modify(p.sock, selectors.EVENT_READ, p)
+            if mask & selectors.EVENT_READ:
+                chunk = p.sock.recv(p.need - len(p.inbuf))
+                if not chunk:
+                    self._refuse(p, "closed during the handshake")
+                    return
+                p.inbuf += chunk
+                if len(p.inbuf) < p.need:
+                    return
+                if p.need == NONCE_BYTES + _U16.size:
+                    (hlen,) = _U16.unpack_from(p.inbuf, NONCE_BYTES)
+                    if hlen > MAX_HELLO_BYTES:
+                        self._refuse(p, _NO_PROOF)
+                        return
+                    p.need += hlen + MAC_BYTES
+                    return
+                self._finish(p)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._refuse(p, f"connection failed during the handshake ({exc})")
+
+    def _finish(self, p: _Pending) -> None:
+        cn = p.inbuf[:NONCE_BYTES]
+        hello = p.inbuf[NONCE_BYTES + _U16.size:-MAC_BYTES]
+        proof = p.inbuf[-MAC_BYTES:]
+        if p.out or not hmac.compare_digest(proof, _mac(self.secret, b"C", self.magic, p.sn,
+                                                        cn, hello)):
+            try:
+                p.sock.send(REFUSED)  # best effort: tells a real client its secret is wrong
+            except OSError:
+                pass
+            self._refuse(p, _NO_PROOF)
+            return
+        self._forget(p)
+        sock = p.sock
+        try:
+            sock.setblocking(True)
+            sock.settimeout(max(p.deadline - time.monotonic(), 0.05))
+            sock.sendall(_mac(self.secret, b"S", self.magic, cn, p.sn, hello))
+            sock.settimeout(None)
+        except OSError:
+            sock.close()
+            return
+        self.on_ready(sock, hello, _mac(self.secret, b"K", p.sn, cn), p.peer)
+
+    def _forget(self, p: _Pending) -> None:
+        self._pending.pop(p.sock, None)
+        try:
+            self._sel.unregister(p.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _drop(self, p: _Pending) -> None:
+        self._forget(p)
+        p.sock.close()
+
+    def _refuse(self, p: _Pending, reason: str) -> None:
+        self._drop(p)
+        if not self._stopping:
+            self.refusals.refused(p.peer, reason)
 
 
 class _Channel:
@@ -190,10 +446,13 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 class KVServer:
-    """Threaded key-value store; one named thread accepts, one serves each connection.
+    """Threaded key-value store: one thread authenticates new connections (`PreAuthGate`),
+    one serves each authenticated client.
 
     Attributes:
-        handshake_timeout: seconds an unauthenticated connection may take to authenticate.
+        handshake_timeout: seconds an unauthenticated connection may take for the whole
+            handshake.
+        max_pending: unauthenticated connections worked on at once.
 
     Example:
         >>> server = KVServer("127.0.0.1", 0, secret)
@@ -202,6 +461,7 @@ class KVServer:
     """
 
     handshake_timeout = HANDSHAKE_TIMEOUT
+    max_pending = MAX_PENDING
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: bytes = b"") -> None:
         self.host, self.port, self._secret = host, port, secret
@@ -209,9 +469,7 @@ class KVServer:
         self._cond = threading.Condition()
         self._stopping = False
         self._listener: socket.socket | None = None
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
-        self._accept_thread: threading.Thread | None = None
+        self._gate: PreAuthGate | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._conns_lock = threading.Lock()
 
@@ -235,13 +493,12 @@ class KVServer:
         except OSError:
             sock.close()
             raise
-        sock.setblocking(False)
         self._listener = sock
         self.port = sock.getsockname()[1]
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name=f"hvd-kv-accept-{self.port}", daemon=True)
-        self._accept_thread.start()
+        self._gate = PreAuthGate([sock], self._secret, KV_MAGIC, self._spawn,
+                                 f"rendezvous server {self.host}:{self.port}",
+                                 self.handshake_timeout, self.max_pending)
+        self._gate.start(f"hvd-kv-accept-{self.port}")
         return self.host, self.port
 
     @property
@@ -255,13 +512,8 @@ class KVServer:
                 return
             self._stopping = True
             self._cond.notify_all()
-        if self._wake_w is not None:
-            try:
-                self._wake_w.send(b"x")
-            except OSError:
-                pass
-        if self._accept_thread is not None:
-            self._accept_thread.join()
+        if self._gate is not None:
+            self._gate.stop()
         with self._conns_lock:
             conns = list(self._conns.items())
         for sock, _ in conns:
@@ -271,9 +523,8 @@ class KVServer:
                 pass
         for _, thread in conns:
             thread.join()
-        for s in (self._listener, self._wake_r, self._wake_w):
-            if s is not None:
-                s.close()
+        if self._listener is not None:
+            self._listener.close()
 
     def __enter__(self) -> "KVServer":
         self.start()
@@ -309,54 +560,25 @@ class KVServer:
                 self._cond.wait(left)
 
     # -- network ------------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        assert self._listener is not None and self._wake_r is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self._listener, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
-        try:
-            while not self._stopping:
-                for key, _ in sel.select():
-                    if key.fileobj is self._wake_r or self._stopping:
-                        return
-                    try:
-                        sock, peer = self._listener.accept()
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError as exc:  # e.g. EMFILE: back off instead of spinning
-                        get_logger().warning("rendezvous server: accept failed: %s", exc)
-                        time.sleep(0.1)
-                        continue
-                    self._spawn(sock, peer)
-        finally:
-            sel.close()
-
-    def _spawn(self, sock: socket.socket, peer: tuple) -> None:
+    def _spawn(self, sock: socket.socket, hello: bytes, key: bytes, peer: str) -> None:
+        """Gate thread: an authenticated client gets a thread of its own."""
         with self._conns_lock:
-            if len(self._conns) >= MAX_CONNECTIONS:
-                get_logger().warning("rendezvous server: too many connections; dropping %s",
-                                     _fmt(peer))
+            if self._stopping or len(self._conns) >= MAX_CONNECTIONS:
                 sock.close()
+                if not self._stopping:
+                    self._gate.refusals.refused(  # type: ignore[union-attr]
+                        peer, f"{MAX_CONNECTIONS} authenticated clients are connected already")
                 return
-            t = threading.Thread(target=self._serve, args=(sock, peer),
-                                 name=f"hvd-kv-conn-{_fmt(peer)}", daemon=True)
+            t = threading.Thread(target=self._serve, args=(sock, key, peer),
+                                 name=f"hvd-kv-conn-{peer}", daemon=True)
             self._conns[sock] = t
         t.start()
 
-    def _serve(self, sock: socket.socket, peer: tuple) -> None:
+    def _serve(self, sock: socket.socket, key: bytes, peer: str) -> None:
         try:
-            sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            got = handshake_server(sock, self._secret, KV_MAGIC, self.handshake_timeout)
-            if got is None:
-                if not self._stopping:
-                    get_logger().warning(
-                        "rendezvous server %s:%d refused a connection from %s: it did not "
-                        "prove the job secret (wrong or missing HOROVOD_SECRET_KEY)",
-                        self.host, self.port, _fmt(peer))
-                return
-            chan = _Channel(sock, got[1], _TO_CLIENT, _TO_SERVER, MAX_VALUE_BYTES)
+            chan = _Channel(sock, key, _TO_CLIENT, _TO_SERVER, MAX_VALUE_BYTES)
             sock.settimeout(None)  # authenticated clients may idle for the job's lifetime
             while not self._stopping:
                 body = chan.recv()
@@ -364,7 +586,7 @@ class KVServer:
                     get_logger().warning(
                         "rendezvous server %s:%d dropped a connection from %s: a frame failed "
                         "authentication (forged, replayed or corrupted)",
-                        self.host, self.port, _fmt(peer))
+                        self.host, self.port, peer)
                     return
                 chan.send(self._handle(body))
         except (OSError, ValueError):

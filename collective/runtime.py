@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import os
-import pickle
 import socket
 import threading
 from typing import Any, Sequence
@@ -19,6 +19,7 @@ from .entry import Entry
 from .errors import DuplicateNameError, ShutdownError
 from .handle import Handle
 from .process_sets import ProcessSet, global_process_set
+from .wire import MAX_STR_BYTES, WireError
 
 __all__ = ["Runtime", "detect_mode"]
 
@@ -89,7 +90,8 @@ class Runtime:
     def _topology(self) -> None:
         c = self.config
         self.hostname = c.hostname or socket.gethostname()
-        hosts = [pickle.loads(b) for b in self.control.allgather(pickle.dumps(self.hostname))]
+        hosts = [_host_of(b, r) for r, b in
+                 enumerate(self.control.allgather(self.hostname.encode("utf-8")))]
         order: list[str] = []
         for h in hosts:
             if h not in order:
@@ -134,7 +136,8 @@ class Runtime:
             world = getattr(self.control, "comm", MPI.COMM_WORLD).Get_group()
             mine = list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.size)),
                                                   world))
-        lists = [pickle.loads(b) for b in self.control.allgather(pickle.dumps(mine))]
+        lists = [_ranks_of(b, r, self.size)
+                 for r, b in enumerate(self.control.allgather(json.dumps(mine).encode()))]
         return next(sorted(lst) for lst in lists if lst is not None)
 
     def _next_ps_id(self) -> int:
@@ -210,8 +213,13 @@ class Runtime:
         """Coordinator thread, every cycle in dynamic mode: apply changes all ranks agree on."""
         with self._lock:
             head = self._ps_changes[0] if self._ps_changes else None
-        mine = None if head is None else (head[0], head[1].ranks if head[0] == "add" else head[1])
-        views = [pickle.loads(b) for b in self.control.allgather(pickle.dumps(mine))]
+        mine = None
+        if head is not None:
+            ranks = head[1].ranks if head[0] == "add" else None
+            mine = (["add", None if ranks is None else [int(r) for r in ranks]]
+                    if head[0] == "add" else ["remove", int(head[1])])
+        views = [_change_of(b, r, self.size)
+                 for r, b in enumerate(self.control.allgather(json.dumps(mine).encode()))]
         if any(v is None for v in views):
             return
         with self._lock:
@@ -309,6 +317,49 @@ class Runtime:
             ps.fail_all(exc)
         for _, _, h in changes:
             h._set_exception(exc)
+
+
+# -- plain-data messages of the topology exchange and process-set changes (never pickle) -------
+def _host_of(data: bytes, rank: int) -> str:
+    if not 0 < len(data) <= MAX_STR_BYTES:
+        raise WireError(f"rank {rank} sent a malformed host name ({len(data)} bytes)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise WireError(f"rank {rank} sent a malformed host name (not UTF-8: {exc})") from None
+
+
+def _json(data: bytes, rank: int, what: str) -> Any:
+    if len(data) > MAX_STR_BYTES:
+        raise WireError(f"rank {rank} sent {what} of {len(data)} bytes")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"rank {rank} sent malformed {what}: {exc}") from None
+
+
+def _rank_list(v: Any, rank: int, size: int, what: str) -> list[int]:
+    if not isinstance(v, list) or len(v) > size or not all(type(r) is int for r in v):
+        raise WireError(f"rank {rank} sent {what} that is not a list of at most {size} ranks: "
+                        f"{str(v)[:80]}")
+    return v
+
+
+def _ranks_of(data: bytes, rank: int, size: int) -> list[int] | None:
+    v = _json(data, rank, "a process set's ranks")
+    return None if v is None else _rank_list(v, rank, size, "a process set's ranks")
+
+
+def _change_of(data: bytes, rank: int, size: int) -> tuple | None:
+    v = _json(data, rank, "a process set change")
+    if v is None:
+        return None
+    if isinstance(v, list) and len(v) == 2 and v[0] == "add":
+        return ("add", None if v[1] is None else _rank_list(v[1], rank, size,
+                                                           "a process set change"))
+    if isinstance(v, list) and len(v) == 2 and v[0] == "remove" and type(v[1]) is int:
+        return ("remove", v[1])
+    raise WireError(f"rank {rank} sent a malformed process set change: {str(v)[:80]}")
 
 
 def _atexit_shutdown() -> None:

@@ -1,7 +1,9 @@
 """Stall inspector: names that some ranks submitted and others have not, for too long.
 
-Runs on rank 0 of each process set over the message table (`MessageTable.pending()`), at most
-once per warning period. Pure apart from the clock, which callers may inject for tests.
+Runs on rank 0 of each process set over the message table (`MessageTable.pending()`): once per
+warning period, and also at the moment a pending name reaches the warning (or shutdown) time,
+so the first warning comes at the setting, not up to twice it. Pure apart from the clock,
+which callers may inject for tests.
 """
 from __future__ import annotations
 
@@ -24,16 +26,26 @@ class StallInspector:
                 warn(SHUTDOWN_LESS_THAN_WARNING)
             self.shutdown_time = 0.0
         self._clock = clock
-        self._last_check = clock()
+        self._next = clock() + warning_time  # when `due` is next true
 
     def due(self) -> bool:
-        return self.enabled and self._clock() - self._last_check >= self.warning_time
+        return self.enabled and self._clock() >= self._next
 
     def check(self, pending: dict[str, tuple[set[int], float]], size: int,
               global_ranks: list[int], joined: set[int]) -> tuple[str | None, bool]:
         """Returns (report or None, shutdown?) for names older than the warning time."""
         now = self._clock()
-        self._last_check = now
+        warn, stop = self.warning_time, self.shutdown_time
+        # Next check: a period from now (reports repeat each period, as Horovod's do), or
+        # earlier when a pending name reaches the warning or the shutdown time.
+        nxt = now + warn
+        for _, first_seen in pending.values():
+            age = now - first_seen
+            if age < warn:
+                nxt = min(nxt, first_seen + warn)
+            elif stop > 0 and age < stop:
+                nxt = min(nxt, first_seen + stop)
+        self._next = nxt
         missing: dict[int, list[str]] = {}
         shutdown_ranks: set[int] = set()
         for name, (ready, first_seen) in pending.items():

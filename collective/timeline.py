@@ -19,11 +19,22 @@ File layout (Horovod's, viewable in chrome://tracing and Perfetto)::
     {"ph": "E", "ts": 80, "pid": 1, "args": {"dtype": "float32", "shape": "[3, 4]"}}
     ]
 
-The file is a valid JSON array after every write: it always ends in ``\\n]\\n`` and the next
-write overwrites that tail, starting with ``,``. Linux can cut a write killed by SIGKILL only
-between pages, so writes are record-aligned and cross a 4 KiB page boundary only inside their
-first record. A job killed mid-run therefore leaves a loadable file, except if the kill lands
-in the sub-microsecond window while the kernel copies that one record's head.
+Crash safety, by construction. Linux applies a write to a file page by page and stops a write
+hit by SIGKILL only between two pages, so a write that stays inside one 4 KiB page lands whole
+or not at all. The writer keeps to that:
+
+* the file is created under a temporary name with its header and renamed into place, so the
+  path never holds an empty or half-written header;
+* a write that fits in the page where the file ends appends ``,`` + records + the tail
+  ``\n]\n`` (which the next write overwrites): the file is valid JSON before and after it;
+* a write that reaches into the next page first pads the current page with spaces after its
+  last whole record, so cutting it at the page boundary leaves whole records followed by
+  spaces, with only the closing ``]`` missing (a form Chrome's trace viewer, Perfetto and
+  `load_events` read); it never crosses a second boundary;
+* names are shortened to 1 KiB, so every record fits in a page.
+
+A file left by a killed job is therefore always ``[`` + whole records, ending in ``]`` unless
+the kill landed in the middle of a page-crossing write.
 
 Per-tensor state machine (UNKNOWN → NEGOTIATING → TOP_LEVEL → ACTIVITY), run on the writer
 thread and reset for every new file. It tolerates odd call orders instead of asserting as
@@ -66,11 +77,12 @@ _BATCH = 1024  # events formatted per drain before the GIL is given back by a wr
 # larger slices (measured ~10% less writer CPU per event than 1 ms). It bounds how stale the
 # file can be when the job is killed.
 _POLL_S = 0.005
-# Linux stops a write hit by SIGKILL only between pages (seen: files torn at 4 KiB multiples),
-# so a write that stays inside one page leaves the old or the new valid file. Appending across
-# a boundary cannot be made atomic; writes cross one only inside their first record, which
-# keeps the tearable window to the kernel's copy of that record's head (see `flush`).
+# Linux stops a write hit by SIGKILL only between pages, so every write stays inside one page or
+# crosses one boundary right after whitespace padding (see the module docstring and `flush`).
 _PAGE = 4096
+# Names are shortened (`_literal`) so that no record comes near a page: with the ",\n" before it
+# and the tail after it, every record fits in one.
+_MAX_LITERAL = 1024  # longest JSON string literal of a name, quotes included
 _TAIL = b"\n]\n"
 
 # Event kinds (tuple[0]); commands are negative so `kind < 0` separates them cheaply.
@@ -102,9 +114,53 @@ def _dtype_name(dtype: Any) -> str:
 def _shape_text(shape: Any) -> str:
     """TensorShape::DebugString: '[3, 4]'; '[]' for a scalar."""
     try:
-        return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+        text = "[" + ", ".join(str(int(d)) for d in shape) + "]"
     except TypeError:
-        return str(shape)
+        text = str(shape)
+    return text if len(text) <= 256 else text[:250] + " ...]"
+
+
+def _literal(name: str) -> str:
+    """`name` as a JSON string literal of at most _MAX_LITERAL bytes ('...' marks a cut)."""
+    lit = json.dumps(name)
+    keep = len(name)
+    while len(lit) > _MAX_LITERAL:
+        keep = min(keep // 2, _MAX_LITERAL)
+        lit = json.dumps(name[:keep] + "...")
+    return lit
+
+
+def create_file(path: str, data: bytes) -> int:
+    """Opens `path` for writing holding exactly `data`, never empty or partial in between.
+
+    The data is written to a temporary file in the same directory, which is then renamed over
+    `path` (atomic). Paths that are not regular files (a FIFO, /dev/null), or a directory where
+    no temporary file can be made, get a plain truncating open.
+    """
+    tmp = ""
+    fd = -1
+    if not os.path.exists(path) or os.path.isfile(path):
+        tmp = os.path.join(os.path.dirname(path) or ".",
+                           f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError:
+            tmp = ""
+    if fd < 0:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        if tmp:
+            os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        if tmp:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise
+    return fd
 
 
 class _Reply:
@@ -131,7 +187,6 @@ class _FileWriter:
     def __init__(self, path: str, t0_ns: int, epoch_us: int) -> None:
         self.path = path
         self.t0 = t0_ns
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.end = 0  # offset of the tail "\n]\n"
         self.sfx: dict[str, str] = {}  # tensor -> ', "pid": N}' (its pid, pre-formatted)
         self.xsfx: dict[str, str] = {}  # tensor -> ', "pid": N, "dur": 0}'
@@ -147,7 +202,7 @@ class _FileWriter:
                 f'{{"start_time_since_epoch_in_micros": {epoch_us}}}}},\n'
                 '{"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}}')
         data = ("[\n" + head).encode()
-        os.pwrite(self.fd, data + _TAIL, 0)
+        self.fd = create_file(path, data + _TAIL)
         self.end = len(data)
 
     # --- record formatting (the writer's hot path) ----------------------------------------
@@ -161,7 +216,7 @@ class _FileWriter:
             sfx = self.sfx[name] = f', "pid": {pid}}}'
             self.xsfx[name] = f', "pid": {pid}, "dur": 0}}'
             self.parts.append(f'{{"name": "process_name", "ph": "M", "pid": {pid}, "args": '
-                              f'{{"name": {json.dumps(name)}}}}}')
+                              f'{{"name": {_literal(name)}}}}}')
             self.parts.append(f'{{"name": "process_sort_index", "ph": "M", "pid": {pid}, '
                               f'"args": {{"sort_index": {pid}}}}}')
         return sfx
@@ -173,7 +228,7 @@ class _FileWriter:
         key = (prefix, value) if value.__class__ is str else (prefix, value.__class__, value)
         head = self.heads.get(key)
         if head is None:
-            lit = json.dumps(prefix + _type_name(value))
+            lit = _literal(prefix + _type_name(value))
             head = self.heads[key] = f'{{"ph": "B", "name": {lit}, "ts": '
             if value.__class__ is str:  # the fast paths of _run look str values up directly
                 (self.neg_heads if prefix else self.op_heads)[value] = head
@@ -287,7 +342,7 @@ class _FileWriter:
             text = self.end_args.get(key)
             if text is not None:
                 return text
-        text = (f', "args": {{"dtype": {json.dumps(_dtype_name(dtype))}, '
+        text = (f', "args": {{"dtype": {_literal(_dtype_name(dtype))}, '
                 f'"shape": "{_shape_text(shape)}"}}}}')
         if key is not None and len(self.end_args) < 65536:
             self.end_args[key] = text
@@ -295,34 +350,37 @@ class _FileWriter:
 
     # --- I/O --------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Appends the formatted records; see `_PAGE` for how the writes are cut."""
+        """Appends the formatted records, a page at a time (see the module docstring)."""
         parts = self.parts
         if not parts:
             return
         self.parts = []
         # Records are single-line ASCII (names go through json.dumps), so ",\n" occurs only
-        # between records and marks every place a write may end.
+        # between records: every ",\n" in `data` is a place where whole records end.
         data = (",\n" + ",\n".join(parts)).encode("ascii")
-        fd, start, pos, total = self.fd, self.end, 0, len(data)
-        while pos < total:
-            # A write starts with the record that crosses a page boundary (if any) and then
-            # only adds records that end, tail included, in the page where that one ends, so
-            # the part a kill could cut off is never more than one record's head.
-            first = data.find(b",\n", pos + 2)
-            if first < 0:
-                first = total
-            last_page = (start + first - pos + 2) // _PAGE
-            limit = (last_page + 1) * _PAGE - start + pos - 3  # largest allowed cut
-            if limit >= total:
-                cut = total
-            else:
-                cut = data.rfind(b",\n", first, limit + 2)
-                if cut < first:
-                    cut = first
-            os.pwrite(fd, data[pos:cut] + _TAIL, start)
-            start += cut - pos
-            pos = cut
-        self.end = start
+        fd, off, pos, total = self.fd, self.end, 0, len(data)
+        while pos < total:  # data[pos] is a separator, written at file offset `off`
+            page_end = (off // _PAGE + 1) * _PAGE
+            room = page_end - 3 - off  # the tail must stay in this page
+            if total - pos <= room:
+                os.pwrite(fd, data[pos:] + _TAIL, off)
+                off += total - pos
+                break
+            # Whole records that fit, spaces up to the boundary, then whole records that fit
+            # in the next page: a kill can cut this write only at the boundary.
+            cut = data.rfind(b",\n", pos + 1, pos + room + 2)
+            if cut < 0:
+                cut = pos
+            nxt = total if total - cut <= _PAGE - 3 else data.rfind(
+                b",\n", cut + 1, cut + _PAGE - 1)
+            if nxt < 0:  # a record longer than a page (names are shortened, so never)
+                nxt = data.find(b",\n", cut + 2)
+                nxt = total if nxt < 0 else nxt
+            pad = page_end - off - (cut - pos)
+            os.pwrite(fd, data[pos:cut] + b" " * pad + data[cut:nxt] + _TAIL, off)
+            off = page_end + (nxt - cut)
+            pos = nxt
+        self.end = off
 
 
 class Timeline:

@@ -47,7 +47,10 @@ def category_of(span_name: str) -> str:
 
 
 def load_events(path: str) -> list[dict]:
-    """Loads a timeline file, tolerating a missing `]` or a torn last record.
+    """Loads a timeline file, also one left by a killed job.
+
+    ringvod's writer leaves whole records, at worst without the closing `]`; files from other
+    writers may also end in `,` or in a torn record, which is skipped.
 
     Raises:
         OSError: the file cannot be read.

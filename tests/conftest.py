@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _gpu_reason() -> str | None:
     if importlib.util.find_spec("cupy") is None:
-        return 'CuPy is not installed (in the ringvod repository: pip install ".[gpu]")'
+        return "CuPy is not installed (pip install cupy-cuda12x nvidia-nccl-cu12)"
     try:
         import cupy
         if cupy.cuda.runtime.getDeviceCount() < 1:

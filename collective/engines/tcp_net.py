@@ -9,7 +9,8 @@ Connections:
   the 2-core CI box); others over TCP.
 * Every connection is authenticated with the job secret (the handshake of
   `collective.rendezvous`, under its own magic) before it is used. Its hello names the session,
-  the plane and the connecting rank; the accept thread files it under that hello, and the
+  the plane and the connecting rank; the listeners' gate (one thread, a selector, a deadline
+  for the whole handshake, a cap on pending connections) files it under that hello, and the
   plane that needs it picks it up. Data frames are not MAC'd: the connection is bound to the
   handshake (a per-frame HMAC would halve the bandwidth).
 * Of each pair, the higher global rank connects and the lower accepts, so the two ends agree
@@ -23,7 +24,6 @@ Every later call raises the same error. `Fabric.abort()` does the same from anot
 from __future__ import annotations
 
 import os
-import selectors
 import socket
 import threading
 import time
@@ -31,7 +31,7 @@ from typing import Any
 
 from .._log import get_logger
 from ..errors import CollectiveTimeoutError, HorovodInternalError
-from ..rendezvous import HANDSHAKE_TIMEOUT, handshake_client, handshake_server
+from ..rendezvous import HANDSHAKE_TIMEOUT, MAX_PENDING, PreAuthGate, handshake_client
 
 __all__ = ["Fabric", "PeerInfo", "host_id", "PEER_MAGIC"]
 
@@ -84,7 +84,14 @@ def _tune(sock: socket.socket, tcp: bool) -> None:
 
 class Fabric:
     """The process's listeners and connection registry, shared by the world plane and its
-    splits; owns the first-failure state."""
+    splits; owns the first-failure state.
+
+    Attributes:
+        max_pending: unauthenticated connections the listeners work on at once (one thread,
+            a selector: `collective.rendezvous.PreAuthGate`).
+    """
+
+    max_pending = MAX_PENDING
 
     def __init__(self, rank: int, secret: bytes, timeout: float, bind_ip: str,
                  use_unix: bool | None = None) -> None:
@@ -100,12 +107,10 @@ class Fabric:
         self._incoming: dict[bytes, socket.socket] = {}
         self._sockets: set[socket.socket] = set()
         self._links: set[Any] = set()  # tcp_link.Link objects
-        self._threads: set[threading.Thread] = set()
         self._closing = False
         self.error: BaseException | None = None
         self._listeners: list[socket.socket] = []
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._accept_thread: threading.Thread | None = None
+        self._gate: PreAuthGate | None = None
 
     # -- setup --------------------------------------------------------------------------------
     def start(self, hostname: str) -> PeerInfo:
@@ -134,13 +139,12 @@ class Fabric:
             except OSError as exc:  # not Linux, or sandboxed: TCP only
                 get_logger().debug("tcp mode: no abstract Unix socket (%s)", exc)
                 hid = ""
-        for s in self._listeners:
-            s.setblocking(False)
         self.me = PeerInfo(self.rank, hostname, self._bind_ip, tcp.getsockname()[1], unix_name,
                            hid)
-        self._accept_thread = threading.Thread(target=self._accept_loop,
-                                               name=f"hvd-tcp-accept-{self.rank}", daemon=True)
-        self._accept_thread.start()
+        self._gate = PreAuthGate(self._listeners, self.secret, PEER_MAGIC, self._authenticated,
+                                 f"tcp mode: rank {self.rank}",
+                                 min(self.timeout, HANDSHAKE_TIMEOUT), self.max_pending)
+        self._gate.start(f"hvd-tcp-accept-{self.rank}")
         return self.me
 
     def set_table(self, session: str, peers: list[PeerInfo]) -> None:
@@ -148,60 +152,21 @@ class Fabric:
         self.peers = {p.rank: p for p in peers}
 
     # -- accepting ----------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        sel = selectors.DefaultSelector()
-        for s in self._listeners:
-            sel.register(s, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
-        try:
-            while not self._closing:
-                for key, _ in sel.select():
-                    if key.fileobj is self._wake_r:
-                        return
-                    try:
-                        sock, addr = key.fileobj.accept()  # type: ignore[union-attr]
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError as exc:
-                        get_logger().warning("tcp mode: accept failed: %s", exc)
-                        time.sleep(0.1)
-                        continue
-                    t = threading.Thread(target=self._handshake, args=(sock, addr),
-                                         name=f"hvd-tcp-handshake-{self.rank}", daemon=True)
-                    with self._lock:
-                        self._threads.add(t)
-                        self._sockets.add(sock)
-                    t.start()
-        finally:
-            sel.close()
-
-    def _handshake(self, sock: socket.socket, addr: object) -> None:
-        keep = False
-        try:
-            sock.setblocking(True)
-            if sock.family != socket.AF_UNIX:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            got = handshake_server(sock, self.secret, PEER_MAGIC,
-                                   min(self.timeout, HANDSHAKE_TIMEOUT))
-            if got is None:
-                if not self._closing:
-                    who = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "a local process"
-                    get_logger().warning(
-                        "tcp mode: rank %d refused a connection from %s: it did not prove the "
-                        "job secret (wrong or missing HOROVOD_SECRET_KEY)", self.rank, who)
+    def _authenticated(self, sock: socket.socket, hello: bytes, key: bytes, peer: str) -> None:
+        """Gate thread: files a connection that proved the secret under its hello."""
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            if not self._closing and len(self._incoming) < MAX_PENDING_INCOMING:
+                old = self._incoming.pop(hello, None)
+                if old is not None:  # a retried dial replaces its earlier connection
+                    self._sockets.discard(old)
+                    old.close()
+                self._incoming[hello] = sock
+                self._sockets.add(sock)
+                self._lock.notify_all()
                 return
-            with self._lock:
-                if not self._closing and len(self._incoming) < MAX_PENDING_INCOMING:
-                    self._incoming[got[0]] = sock
-                    keep = True
-                    self._lock.notify_all()
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
-                if not keep:
-                    self._sockets.discard(sock)
-            if not keep:
-                sock.close()
+        sock.close()
 
     # -- connections --------------------------------------------------------------------------
     def _hello(self, plane_id: str, rank: int) -> bytes:
@@ -217,17 +182,7 @@ class Fabric:
         assert self.me is not None
         info = self.peers[peer]
         if self.rank > peer:
-            sock = self._dial(info, deadline)
-            try:
-                handshake_client(sock, self.secret, PEER_MAGIC, self._hello(plane_id, self.rank),
-                                 max(deadline - time.monotonic(), 0.1), self.describe(peer))
-            except BaseException:
-                sock.close()
-                raise
-            with self._lock:
-                self._sockets.add(sock)
-            sock.setblocking(True)
-            return sock
+            return self._dial_and_authenticate(plane_id, info, deadline)
         key = self._hello(plane_id, peer)
         with self._lock:
             while key not in self._incoming:
@@ -241,6 +196,44 @@ class Fabric:
                         "firewall, or raise HOROVOD_GLOO_TIMEOUT_SECONDS.")
                 self._lock.wait(min(left, 1.0))
             return self._incoming.pop(key)
+
+    def _dial_and_authenticate(self, plane_id: str, info: PeerInfo,
+                               deadline: float) -> socket.socket:
+        """Dials `info` and proves the secret, retrying a failed handshake (the peer's gate
+        may have dropped us under a flood of other connections) until `deadline`."""
+        hello = self._hello(plane_id, self.rank)
+        delay, last = 0.01, None
+        while True:
+            sock = self._dial(info, deadline)
+            try:
+                handshake_client(sock, self.secret, PEER_MAGIC, hello,
+                                 max(min(deadline - time.monotonic(), HANDSHAKE_TIMEOUT), 0.1),
+                                 f"rank {info.rank} ({self.describe(info.rank)})")
+            except HorovodInternalError:
+                sock.close()
+                raise
+            except OSError as exc:
+                sock.close()
+                last = exc
+            else:
+                with self._lock:
+                    self._sockets.add(sock)
+                sock.setblocking(True)
+                return sock
+            self.check()
+            if time.monotonic() + delay > deadline:
+                what = ("timed out" if isinstance(last, socket.timeout)
+                        else f"failed: {last}")
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: the handshake with rank {info.rank} at "
+                    f"{self.describe(info.rank)} (plane {plane_id}) {what} within "
+                    f"{self.timeout:.0f} s. The connection was made but that rank did not "
+                    "answer: check that rank's log (is it alive, or stuck?), that the address "
+                    "belongs to it and not to another service, that every rank has the same "
+                    "HOROVOD_SECRET_KEY, and the host's load; raise "
+                    "HOROVOD_GLOO_TIMEOUT_SECONDS if startup is slow.") from last
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
     def _dial(self, info: PeerInfo, deadline: float) -> socket.socket:
         local = (self.me is not None and info.unix and info.hostid and
@@ -333,22 +326,17 @@ class Fabric:
             self._sockets.discard(link.sock)
 
     def close(self) -> None:
-        """Closes listeners and links; joins the accept, handshake and sender threads."""
+        """Closes listeners and links; joins the gate and sender threads."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
             self._lock.notify_all()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        if self._accept_thread is not None:
-            self._accept_thread.join()
+        if self._gate is not None:
+            self._gate.stop()
         with self._lock:
             links = list(self._links)
             socks = list(self._sockets) + list(self._incoming.values())
-            threads = list(self._threads)
             self._incoming.clear()
         for link in links:
             link.close()
@@ -358,7 +346,5 @@ class Fabric:
             except OSError:
                 pass
             s.close()
-        for t in threads:
-            t.join()
-        for s in self._listeners + [self._wake_r, self._wake_w]:
+        for s in self._listeners:
             s.close()

@@ -1,7 +1,10 @@
 """Synthetic training throughput, as Horovod's `examples/pytorch/pytorch_synthetic_benchmark.py`.
 
-    hvdrun -np 2 python examples/pytorch/pytorch_synthetic_benchmark.py --no-cuda --model small_cnn
-    mpirun -np 2 python examples/pytorch/pytorch_synthetic_benchmark.py          # resnet50, GPUs
+    # CPU: sizes that finish in well under a minute on 2 cores
+    hvdrun -np 2 python examples/pytorch/pytorch_synthetic_benchmark.py --no-cuda \
+        --model small_cnn --image-size 32 --batch-size 16 --num-warmup-batches 3 \
+        --num-batches-per-iter 5 --num-iters 5
+    hvdrun -np 2 python examples/pytorch/pytorch_synthetic_benchmark.py   # resnet50, GPUs
 
 Same flags and output lines as Horovod's script. `--model` takes a torchvision model name when
 torchvision is installed; otherwise (and for the names below) built-in models are used:
@@ -11,6 +14,7 @@ ringvod additions (defaults 224 and 1000, Horovod's fixed values).
 from __future__ import annotations
 
 import argparse
+import time
 import timeit
 
 import numpy as np
@@ -160,6 +164,8 @@ def main() -> None:
     if args.cuda:
         torch.cuda.set_device(hvd.local_rank())
         torch.backends.cudnn.benchmark = True
+    else:  # the ranks of a host share its cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // hvd.local_size()))
 
     model = build_model(args.model, args.num_classes)
     if args.cuda:
@@ -193,7 +199,11 @@ def main() -> None:
     log(f"Number of {device}s: {hvd.size()}")
 
     log("Running warmup...")
-    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    start = time.perf_counter()
+    for i in range(args.num_warmup_batches):  # the first steps are the slowest: show progress
+        benchmark_step()
+        log(f"Warmup batch {i + 1}/{args.num_warmup_batches}: "
+            f"{time.perf_counter() - start:.1f} s")
 
     log("Running benchmark...")
     img_secs = []

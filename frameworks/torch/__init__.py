@@ -5,6 +5,14 @@ collectives), `compression`, `functions` (broadcast helpers), `optimizer`
 (`DistributedOptimizer`), `sync_batch_norm`, `elastic` (elastic training); the basics come from
 `collective`.
 """
+try:
+    import torch as _torch  # noqa: F401 - fail here, with the fix, rather than deep inside
+except ImportError as _exc:
+    raise ModuleNotFoundError(
+        "horovod.torch needs PyTorch, which is not installed. Install it with `pip install "
+        "torch` (the CPU-only build: `pip install torch --index-url "
+        "https://download.pytorch.org/whl/cpu`), or from your ringvod clone with `pip install "
+        "\".[torch]\"` (see README.md, Install)", name="torch") from _exc
 from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet,
                         Sum, add_process_set, ccl_built, cross_rank, cross_size, cuda_built,
                         ddl_built, global_process_set, gloo_built, gloo_enabled,

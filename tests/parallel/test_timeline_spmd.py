@@ -187,6 +187,46 @@ def test_rank_stall_shutdown():
     hvd.shutdown()
 
 
+@pytest.mark.spmd
+@pytest.mark.timeout(60)
+def test_rank_stall_timing():
+    """Rank 0 submits alone; its stall warning must come at the setting (2 s), not later."""
+    import logging
+
+    import collective as hvd
+    from collective import _log as log_mod
+    hvd.init()
+    x = np.ones(2, np.float32)
+    hvd.allreduce(x, name="cached", op=hvd.Sum)  # in the response cache from now on
+    seen: list[tuple[float, str]] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "Missing ranks" in record.getMessage():
+                seen.append((time.monotonic(), record.getMessage()))
+
+    log_mod.get_logger().addHandler(Catch())
+    delays = {}
+    for name in ("lone", "cached"):  # the slow path, then a cache hit
+        _barrier()
+        time.sleep(1.1)  # off the inspector's period, which started at init()
+        if hvd.rank() == 0:
+            t0 = time.monotonic()
+            h = hvd.allreduce_async(x, name=name, op=hvd.Sum)
+            hvd.synchronize(h)
+            hits = [t - t0 for t, msg in seen if t > t0 and f"allreduce.{name}" in msg]
+            assert hits, seen
+            delays[name] = hits[0]
+        else:
+            time.sleep(3.5)
+            hvd.allreduce(x, name=name, op=hvd.Sum)
+    if hvd.rank() == 0:
+        print("stall warning delays:", delays, flush=True)
+        assert 1.95 <= delays["lone"] <= 2.6, delays
+        assert 1.95 <= delays["cached"] <= 2.8, delays  # a hit reaches rank 0 after 0.2 s
+    hvd.shutdown()
+
+
 # --- drivers -------------------------------------------------------------------------------
 def _run(scenario: str, tmp_path, **env) -> str:
     """Runs one rank-side scenario on NP ranks; returns rank 0's log."""
@@ -224,6 +264,13 @@ def test_stall_warning_lists_missing_ranks(tmp_path):
             "different ranks are trying to submit different tensors") in log
     assert "[0][W " in log  # rank prefix, level letter, no timestamp (HOROVOD_LOG_HIDE_TIME)
     assert "Will shutdown" not in log
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_stall_warning_comes_at_the_setting(tmp_path):
+    _run("test_rank_stall_timing", tmp_path, HOROVOD_STALL_CHECK_TIME_SECONDS="2")
 
 
 @pytest.mark.spmd_driver

@@ -72,5 +72,7 @@ def test_examples_run_unchanged_with_horovod_torch() -> None:
     assert "Model:" not in res.ranks[1].log, "only rank 0 prints"
     res = run_spmd("examples/pytorch/pytorch_mnist.py", 2, 120,
                    args=["--epochs", "1", "--log-interval", "100"])
+    assert "Data: synthetic MNIST-shaped data" in res.ranks[0].log, res.ranks[0].log
+    assert "Test set (synthetic MNIST-shaped data): Average loss:" in res.ranks[0].log
     accs = [float(x) for x in re.findall(r"Accuracy: ([0-9.]+)%", res.ranks[0].log)]
     assert accs and accs[-1] > 50.0, f"training did not learn:\n{res.ranks[0].log}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shlex
+import sys
 
 import pytest
 
@@ -118,8 +119,8 @@ def test_cli_main_reports_errors_as_usage(capsys):
         cli.main(["true"])
     assert "-np" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.main(["-np", "2", "--min-np", "1", "true"])
-    assert "elastic" in capsys.readouterr().err
+        cli.main(["-np", "2", "--min-np", "1", "true"])  # elastic on one host
+    assert "Elastic jobs need -H with two hosts" in capsys.readouterr().err
 
 
 def test_version_and_settings(capsys):
@@ -328,7 +329,7 @@ def test_openmpi4_command():
     assert argv == [
         "mpirun", "--allow-run-as-root", "--tag-output", "-np", "4", "-H", "a:2,b:2",
         "--bind-to", "none", "--map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib",
-        "-mca", "plm_rsh_args", "-p 22 -i /k", "-mca", "btl_tcp_if_include", "eth0",
+        "-mca", "op", "^avx", "-mca", "plm_rsh_args", "-p 22 -i /k", "-mca", "btl_tcp_if_include", "eth0",
         "--output-filename", "/out", "-x", "HOROVOD_CYCLE_TIME", "-x", "PATH",
         "--report-bindings", "-v", "python", "t.py"]
 
@@ -390,3 +391,36 @@ def test_launch_settings_validation():
         LaunchSettings(num_proc=1, hosts=(HostInfo("a", 2),), mode="jsrun", command=("x",))
     with pytest.raises(ValueError, match="no command"):
         LaunchSettings(num_proc=1, hosts=(HostInfo("a", 2),), mode="tcp", command=())
+
+
+def test_usage_errors_are_short(capsys):
+    for argv, msg in ((["-np", "-1", "true"], "-np must be at least 1 (got -1)"),
+                      (["-np", "0", "true"], "-np must be at least 1 (got 0)"),
+                      (["-np", "2", "--bogus", "true"], "unrecognized arguments: --bogus"),
+                      (["-np", "2", "no_such_command_xyz"], "cannot run 'no_such_command_xyz'")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hvdrun: error: {msg}"), err
+        lines = err.splitlines()
+        assert len(lines) == 2 and "hvdrun --help" in lines[1], err
+
+
+def test_python_file_runs_with_this_python(tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.resolve_command(["train.py", "--lr", "1"]) == [sys.executable, "train.py",
+                                                               "--lr", "1"]
+    assert cli.resolve_command(["python3", "train.py"]) == ["python3", "train.py"]
+    with pytest.raises(ValueError, match="cannot run 'other.py': no such file in"):
+        cli.resolve_command(["other.py"], [HostInfo("localhost", 2)])
+    assert cli.resolve_command(["other.py"], [HostInfo("node7", 2)]) == ["other.py"]
+
+
+def test_gloo_and_tcp_both_select_tcp_mode():
+    assert cli.settings_from_args(parse("-np", "2", "--gloo", "true")).mode == "tcp"
+    assert cli.settings_from_args(parse("-np", "2", "--tcp", "true")).mode == "tcp"
+    s = cli.settings_from_args(parse("-np", "2", "--mpi", "--tcp", "true"))
+    assert s.mode == "mpi" and s.tcp_only  # Horovod's meaning: MPI over TCP only

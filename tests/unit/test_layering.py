@@ -218,8 +218,8 @@ def test_each_framework_imports_without_the_others(fw):
                 if d != fw and not d.startswith("_") and d.isidentifier()]
     out = run_fresh(f"""
         import frameworks.{fw}
-        print(json.dumps(sorted(m for m in sys.modules
-                                if m.startswith('frameworks.') and
+        print(json.dumps(sorted(m for m, mod in sys.modules.items()
+                                if mod is not None and m.startswith('frameworks.') and
                                 m.split('.')[1] not in ('{fw}', '_common'))))
     """, stubs=others + siblings + ["launcher"], timeout=90)
     assert out == [], f"frameworks.{fw} imported {out}"
@@ -260,7 +260,10 @@ def test_launcher_imports_only_names_and_exceptions_from_collective():
         for i, top in imports_of(m):
             if _under(i, ["collective"]) and not _under(i, LAUNCHER_ALLOWED):
                 bad.append((m, i))
-            if _under(i, ["frameworks"]) or (top and _under(i, ["numpy"] + HEAVY)):
+            # launcher.ray's submodules need Ray at import; the package checks for it first and
+            # names the `ray` extra, so only they may import it at module level.
+            ray_ok = m.startswith("launcher.ray.") and _under(i, ["ray"])
+            if _under(i, ["frameworks"]) or (top and _under(i, ["numpy"] + HEAVY) and not ray_ok):
                 bad.append((m, i))  # (lazy probes, e.g. `hvdrun --check-build`, are fine)
             if _under(i, ["ray"]) and not m.startswith("launcher.ray"):
                 bad.append((m, i))

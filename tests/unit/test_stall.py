@@ -119,3 +119,40 @@ def test_disabled():
               StallInspector(0.0, 0.0, clock=clock)):
         clock.t += 1e6
         assert not s.due()
+
+
+def test_first_warning_at_the_setting_not_a_period_later():
+    """A name first seen just after a check is reported when it reaches the warning time."""
+    clock = Clock()
+    s = StallInspector(10.0, 0.0, clock=clock)
+    clock.t += 10.0
+    assert s.due()
+    assert s.check({}, 2, [0, 1], set()) == (None, False)  # nothing pending yet
+    pending = {"a": ({0}, clock.t + 0.5)}  # submitted half a second after that check
+    clock.t += 10.0  # the regular period: "a" is 9.5 s old, not reported yet
+    assert s.due()
+    assert s.check(pending, 2, [0, 1], set()) == (None, False)
+    clock.t += 0.49
+    assert not s.due()
+    clock.t += 0.01  # exactly 10 s after "a" was first seen
+    assert s.due()
+    report, _ = s.check(pending, 2, [0, 1], set())
+    assert report is not None and "1: [a]" in report
+    clock.t += 9.9  # then once per period, as Horovod repeats it
+    assert not s.due()
+    clock.t += 0.1
+    assert s.due()
+
+
+def test_shutdown_at_the_shutdown_time():
+    clock = Clock()
+    s = StallInspector(10.0, 15.0, clock=clock)
+    pending = {"a": ({0}, clock.t)}
+    clock.t += 10.0
+    report, stop = s.check(pending, 2, [0, 1], set())
+    assert report is not None and not stop
+    clock.t += 4.99
+    assert not s.due()
+    clock.t += 0.01
+    assert s.due()
+    assert s.check(pending, 2, [0, 1], set())[1]

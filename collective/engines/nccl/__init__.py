@@ -43,8 +43,10 @@ try:
     from cupy.cuda import nccl  # noqa: F401
 except ImportError as exc:  # pragma: no cover - the registry reports it
     raise EngineUnavailableError(
-        "GPU tensors need CuPy with NCCL: in the ringvod repository, `pip install \".[gpu]\"` "
-        "(CUDA 12) or `pip install \".[gpu-cu13]\"` (CUDA 13)") from exc
+        "GPU tensors need CuPy with NCCL. For CUDA 12 (torch.version.cuda 12.x): "
+        "`pip install cupy-cuda12x nvidia-nccl-cu12`; for CUDA 13: "
+        "`pip install cupy-cuda13x nvidia-nccl-cu13` "
+        "(from a ringvod clone: `pip install \".[gpu]\"` / `\".[gpu-cu13]\"`)") from exc
 
 from .comm import init_communicator, versions  # noqa: E402
 from .engine import (NCCLEngine, UnsupportedOnGPUError, create_engine, guest_enter,  # noqa: E402

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import collections
-import pickle
+import json
 import socket
 import sys
 import threading
@@ -166,8 +166,9 @@ class NCCLEngine(Engine):
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             ok, why = False, f"{type(exc).__name__}: {exc}"
         host = socket.gethostname()
-        infos = [pickle.loads(b) for b in self.control.allgather(
-            pickle.dumps((ok, why, host, self.device, bus)))]
+        # Plain data (JSON), never pickle: nothing a peer sends runs as code.
+        infos = [_setup_info(b, r) for r, b in enumerate(self.control.allgather(
+            json.dumps([ok, why, host, self.device, bus]).encode()))]
         bad = [f"rank {r} ({i[2]}, cuda:{i[3]}): {i[1]}" for r, i in enumerate(infos) if not i[0]]
         if bad:
             raise HorovodInternalError("NCCL engine setup failed on " + "; ".join(bad))
@@ -532,3 +533,17 @@ def create_engine(control: ControlPlane, config: Any) -> NCCLEngine:
             "CuPy cannot load the NCCL library; install it with `pip install nvidia-nccl-cu12` "
             "(CUDA 12) or `pip install nvidia-nccl-cu13` (CUDA 13)")
     return NCCLEngine(control, config)
+
+
+def _setup_info(data: bytes, rank: int) -> tuple:
+    """(ok, why, host, device, bus) of one rank's engine setup, checked field by field."""
+    try:
+        v = json.loads(data)
+        ok, why, host, dev, bus = v
+        if not (type(ok) is bool and isinstance(why, str) and isinstance(host, str)
+                and type(dev) is int and isinstance(bus, str)):
+            raise ValueError("wrong field types")
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise HorovodInternalError(
+            f"rank {rank} sent a malformed NCCL setup message ({exc})") from None
+    return ok, why, host, dev, bus

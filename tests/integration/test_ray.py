@@ -1,0 +1,403 @@
+"""ringvod on Ray: `RayExecutor`, the Ray Train `HorovodTrainer`, and `TorchTrainer` with hvd.
+
+One local Ray cluster for the whole module: two raylets on this machine
+(`ray.cluster_utils.Cluster`), i.e. two Ray nodes with 2 CPUs each, so that multi-node layouts
+are real (hosts are keyed by Ray node id). Skipped, with the reason, when Ray is not installed;
+the ImportError test runs without Ray.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+try:
+    import ray  # noqa: F401
+    HAVE_RAY = True
+except ImportError:
+    HAVE_RAY = False
+
+needs_ray = pytest.mark.skipif(not HAVE_RAY, reason='Ray is not installed (pip install ".[ray]")')
+CPUS_PER_NODE = 2
+
+
+def test_missing_ray_gives_an_import_error_naming_the_extra():
+    code = ("import sys, json\nsys.modules['ray'] = None\n"
+            "try:\n    import horovod.ray\n"
+            "except ImportError as e:\n    print(json.dumps(str(e)))\n"
+            "else:\n    print(json.dumps('no error'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    msg = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 'pip install ".[ray]"' in msg and "Ray" in msg, msg
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not HAVE_RAY:
+        pytest.skip('Ray is not installed (pip install ".[ray]")')
+    import ray
+    from ray import cloudpickle
+    from ray.cluster_utils import Cluster
+
+    # Functions of this module travel by value: workers need not import the test module.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    c = Cluster(initialize_head=True, connect=False,
+                head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False})
+    c.worker_node = c.add_node(num_cpus=CPUS_PER_NODE)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def _all_cpus_free(timeout: float = 30.0) -> bool:
+    import ray
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0) >= 2 * CPUS_PER_NODE:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+class Counter:
+    def __init__(self, start):
+        self.n = start
+
+    def bump(self):
+        self.n += 1
+        return self.n
+
+
+def _train(steps):
+    import torch
+
+    import horovod.torch as hvd
+    hvd.init()
+    torch.manual_seed(1234 + hvd.rank())  # different initial weights: broadcast must fix them
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    start = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+    g = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    end = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {"rank": hvd.rank(), "size": hvd.size(), "weights": end.tolist(),
+            "moved": float((end - start).abs().max())}
+
+
+def _layout():
+    import numpy as np
+
+    import collective as hvd  # numpy tensors: no torch import in 4 workers on a 2-core box
+    hvd.init()
+    return {"rank": hvd.rank(), "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+            "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
+            "node": os.environ["HOROVOD_HOSTNAME"],
+            "sum": float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0])}
+
+
+@needs_ray
+@pytest.mark.timeout(180)
+def test_static_executor_trains_with_identical_weights_and_executes(cluster):
+    from horovod.ray import RayExecutor
+    settings = RayExecutor.create_settings(timeout_s=60)
+    ex = RayExecutor(settings, num_workers=2, cpus_per_worker=1)
+    ex.start(executable_cls=Counter, executable_args=[10])
+    try:
+        out = ex.run(_train, args=(5,))
+        assert [o["rank"] for o in out] == [0, 1] and {o["size"] for o in out} == {2}
+        assert out[0]["weights"] == out[1]["weights"]  # bitwise identical
+        assert out[0]["moved"] > 0
+        assert ex.execute(lambda c: c.bump()) == [11, 11]
+        assert ex.execute_single(lambda c: c.bump()) == 12
+        assert ex.execute(lambda c: c.n) == [12, 11]
+        refs = ex.run_remote(lambda a, b=0: a + b, args=(1,), kwargs={"b": 2})
+        import ray
+        assert ray.get(refs) == [3, 3]
+        nodes = [w.node_id for w in ex.worker_info]
+        assert ex.run(lambda: os.environ["HOROVOD_HOSTNAME"]) == nodes
+    finally:
+        ex.shutdown()
+    assert _all_cpus_free(), "actors or the placement group outlived shutdown()"
+    with pytest.raises(RuntimeError, match="not started"):
+        ex.run(lambda: 1)
+
+
+@needs_ray
+@pytest.mark.timeout(180)
+def test_multi_node_layout_follows_the_ray_nodes(cluster):
+    from horovod.ray import RayExecutor
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_hosts=2,
+                     num_workers_per_host=2)
+    ex.start()
+    try:
+        out = ex.run(_layout)
+    finally:
+        ex.shutdown()
+    nodes = [o["node"] for o in out]
+    assert len(set(nodes)) == 2 and nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    assert [o["local_rank"] for o in out] == [0, 1, 0, 1]
+    assert [o["cross_rank"] for o in out] == [0, 0, 1, 1]
+    assert {o["local_size"] for o in out} == {2} and {o["cross_size"] for o in out} == {2}
+    assert {o["sum"] for o in out} == {4.0}
+    assert _all_cpus_free()
+
+
+def _crash_rank_1():
+    import numpy as np
+
+    import collective as hvd
+    hvd.init()
+    hvd.allreduce(np.ones(4), name="before")
+    if hvd.rank() == 1:
+        os._exit(3)
+    for i in range(100):
+        hvd.allreduce(np.ones(4), name=f"after.{i}")
+        time.sleep(0.05)
+
+
+@needs_ray
+@pytest.mark.timeout(180)
+def test_lost_worker_names_worker_and_node_and_leaves_no_actor(cluster):
+    from horovod.ray import RayExecutor, WorkerLostError
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    ex.start()
+    info = ex.worker_info
+    with pytest.raises(WorkerLostError) as err:
+        ex.run(_crash_rank_1)
+    msg = str(err.value)
+    assert err.value.rank == 1 and "rank 1" in msg, msg
+    assert info[1].node_id in msg and info[1].node_ip in msg, msg
+    assert ex.workers == []
+    assert _all_cpus_free(), "actors left behind after a failure"
+
+
+@needs_ray
+@pytest.mark.timeout(60)
+def test_executor_argument_errors(cluster):
+    from horovod.ray import ElasticRayExecutor, RayExecutor
+    s = RayExecutor.create_settings()
+    with pytest.raises(ValueError, match="num_workers or num_hosts"):
+        RayExecutor(s)
+    with pytest.raises(ValueError, match="use_gpu must be True"):
+        RayExecutor(s, num_workers=2, gpus_per_worker=1)
+    with pytest.raises(ValueError, match="min_workers"):
+        RayExecutor(s, max_workers=2)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        RayExecutor(s, num_workers=2, min_workers=1)
+    with pytest.raises(ValueError, match="below min_workers"):
+        RayExecutor(s, min_workers=3, max_workers=2)
+    elastic = RayExecutor(s, min_workers=1, max_workers=2)
+    with pytest.raises(NotImplementedError, match="run\\(\\) only"):
+        elastic.execute(lambda w: 1)
+    with pytest.warns(DeprecationWarning, match="RayExecutor"):
+        ElasticRayExecutor(ElasticRayExecutor.create_settings(min_num_proc=1))
+    ex = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_workers=64)
+    with pytest.raises(TimeoutError, match="Placement group"):
+        ex.start()
+    assert _all_cpus_free()
+
+
+def test_plan_matches_hvdrun_slot_assignment():
+    if not HAVE_RAY:
+        pytest.skip('Ray is not installed (pip install ".[ray]")')
+    from launcher.hosts import HostInfo, get_host_assignments
+    from launcher.ray.plan import group_by_node, rank_env, slots_for_nodes
+    nodes = ["a", "b", "a", "c", "b", "a"]
+    order = group_by_node(nodes)
+    assert [nodes[i] for i in order] == ["a", "a", "a", "b", "b", "c"]
+    grouped = [nodes[i] for i in order]
+    assert slots_for_nodes(grouped) == get_host_assignments(
+        [HostInfo("a", 3), HostInfo("b", 2), HostInfo("c", 1)], 6)
+    ungrouped = slots_for_nodes(["a", "b", "a"])
+    assert [(s.local_rank, s.cross_rank, s.cross_size) for s in ungrouped] == [
+        (0, 0, 2), (0, 1, 2), (1, 0, 1)]
+    env = rank_env(ungrouped[2], ("10.0.0.1", 5000), "ab", {"X": 1})
+    assert env["HOROVOD_RANK"] == "2" and env["HOROVOD_HOSTNAME"] == "a"
+    assert env["HOROVOD_CONTROLLER"] == "gloo" and env["HOROVOD_SECRET_KEY"] == "ab"
+    assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1" and env["X"] == "1"
+
+
+def _train_loop(config):
+    import tempfile as tf
+
+    import torch
+
+    import horovod.torch as hvd
+    import ray.train
+    hvd.init()
+    torch.manual_seed(hvd.rank())
+    model = torch.nn.Linear(4, 1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=config["lr"]),
+                                   named_parameters=model.named_parameters())
+    for epoch in range(2):
+        x = torch.randn(16, 4)
+        loss = ((model(x) - 1.0) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        w = hvd.allgather(torch.cat([p.detach().flatten() for p in model.parameters()])[None])
+        checkpoint = None
+        if hvd.rank() == 0:
+            d = tf.mkdtemp()
+            torch.save(model.state_dict(), os.path.join(d, "model.pt"))
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report({"epoch": epoch, "size": hvd.size(), "rank": hvd.rank(),
+                          "same_weights": bool((w == w[0]).all()),
+                          "local_rank": hvd.local_rank()}, checkpoint=checkpoint)
+
+
+def _fit(trainer_cls, name, **kw):
+    from ray.train import RunConfig, ScalingConfig
+    trainer = trainer_cls(_train_loop, train_loop_config={"lr": 0.1},
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(storage_path=tempfile.mkdtemp(), name=name), **kw)
+    return trainer.fit()
+
+
+@needs_ray
+@pytest.mark.timeout(240)
+def test_ray_train_horovod_trainer_reports_and_checkpoints(cluster):
+    from horovod.ray import HorovodConfig, HorovodTrainer
+    result = _fit(HorovodTrainer, "hvd", horovod_config=HorovodConfig(timeout_s=60))
+    assert result.error is None
+    assert result.metrics["epoch"] == 1 and result.metrics["size"] == 2
+    assert result.metrics["same_weights"] is True
+    assert result.checkpoint is not None
+    with result.checkpoint.as_directory() as d:
+        assert os.path.exists(os.path.join(d, "model.pt"))
+
+
+@needs_ray
+@pytest.mark.timeout(240)
+def test_torch_trainer_with_hvd_init_inside(cluster):
+    from ray.train.torch import TorchTrainer
+    result = _fit(TorchTrainer, "torch")
+    assert result.error is None
+    assert result.metrics["epoch"] == 1 and result.metrics["size"] == 2
+    assert result.metrics["same_weights"] is True
+    assert result.checkpoint is not None
+
+
+# -- elastic (last: it removes a node of the module's cluster and adds another) ---------------
+
+def _elastic_train(progress_dir, epochs_min):
+    import torch
+
+    import horovod.torch as hvd
+    hvd.init()
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, sizes=[])
+
+    @hvd.elastic.run
+    def loop(state):
+        while True:
+            if hvd.size() not in state.sizes[-1:]:
+                state.sizes.append(hvd.size())
+            x = torch.randn(8, 4)
+            loss = (model(x) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.epoch += 1
+            if hvd.rank() == 0:
+                with open(os.path.join(progress_dir, "progress"), "w") as f:
+                    json.dump({"epoch": state.epoch, "size": hvd.size(), "sizes": state.sizes}, f)
+            time.sleep(0.2)
+            state.commit()
+            done = os.path.exists(os.path.join(progress_dir, "finish"))
+            if state.epoch >= epochs_min and done:
+                return {"epoch": state.epoch, "sizes": list(state.sizes), "rank": hvd.rank(),
+                        "size": hvd.size(),
+                        "weights": [p.detach().flatten().tolist() for p in model.parameters()]}
+
+    return loop(state)
+
+
+def _progress(d):
+    try:
+        with open(os.path.join(d, "progress")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_for(pred, what, timeout=90):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@needs_ray
+@pytest.mark.timeout(300)
+def test_elastic_node_leaves_then_joins(cluster):
+    import threading
+
+    from horovod.ray import RayExecutor
+    d = tempfile.mkdtemp()
+    # One worker per node (2 CPUs each): the head node's worker survives, the other node leaves.
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=1, max_workers=2,
+                     cpus_per_worker=CPUS_PER_NODE, elastic_timeout=60)
+    ex.start()
+    out, err = [], []
+
+    def run():
+        try:
+            out.append(ex.run(_elastic_train, args=(d, 10)))
+        except BaseException as exc:  # noqa: BLE001
+            err.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        _wait_for(lambda: _progress(d).get("size") == 2 and _progress(d)["epoch"] >= 3 or err,
+                  "2 workers training")
+        assert not err, err
+        before = _progress(d)["epoch"]
+        cluster.remove_node(cluster.worker_node)
+        _wait_for(lambda: _progress(d).get("size") == 1 or err, "the job to shrink to 1")
+        assert not err, err
+        assert _progress(d)["epoch"] >= before - 1  # restored from the last commit
+        cluster.worker_node = cluster.add_node(num_cpus=CPUS_PER_NODE)
+        _wait_for(lambda: _progress(d).get("size") == 2 and _progress(d)["sizes"][-2:] == [1, 2]
+                  or err, "the new node's worker to join")
+        open(os.path.join(d, "finish"), "w").close()
+        t.join(120)
+        assert not t.is_alive(), "the elastic job did not finish"
+        assert not err, err
+    finally:
+        open(os.path.join(d, "finish"), "w").close()
+        t.join(60)
+        ex.shutdown()
+    res = out[0]
+    assert [r["rank"] for r in res] == [0, 1] and {r["size"] for r in res} == {2}
+    assert res[0]["sizes"] == [2, 1, 2] and res[0]["epoch"] >= 10
+    assert res[0]["weights"] == res[1]["weights"] and res[0]["epoch"] == res[1]["epoch"]
+    assert _all_cpus_free()
