@@ -631,7 +631,7 @@ def run_loopback(n: int, fn: Callable[[int], Any], timeout: float = 30.0, start:
 
     Args:
         n: number of ranks (threads).
-        fn: the rank body; `collective.runtime.current()` is this rank's runtime.
+        fn: the rank body; `collective._current.current()` is this rank's runtime.
         timeout: seconds for all threads; on expiry every thread's stack is in the error.
         start: start the coordinator thread (False: the body drives `run_cycle()` itself).
         control: wraps each rank's control plane (e.g. a call counter).
@@ -649,7 +649,8 @@ def run_loopback(n: int, fn: Callable[[int], Any], timeout: float = 30.0, start:
 
     from collective.config import read_env
     from collective.engines.loopback import LoopbackWorld
-    from collective.runtime import Runtime, use_runtime
+    from collective._current import use_runtime
+    from collective.runtime import Runtime
 
     world = LoopbackWorld(n, timeout=world_timeout)
     cfg = read_env({}, **config)

@@ -46,7 +46,7 @@ _ATTACKER = r"""
 import builtins, os, pickle, sys
 import numpy as np
 import collective as hvd
-import collective.coordinator as co
+import collective.coordinator.negotiate as co
 from collective.engines.tcp import plane as tcp
 
 class Evil:
@@ -275,7 +275,7 @@ def test_dial_handshake_timeout_names_rank_peer_and_address() -> None:
 _FLOODED_JOB = r"""
 import os, sys, time, numpy as np
 import collective as hvd
-from collective.runtime import current
+from collective._current import current
 for i in range(2):  # init -> work -> shutdown -> init under the flood
     hvd.init()
     r, n = hvd.rank(), hvd.size()
