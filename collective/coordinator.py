@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _log
+from . import _log, autotune
 from .engines import create_engine
 from .engines.device import release_ready
 from .entry import Entry
@@ -39,8 +39,9 @@ __all__ = ["Coordinator", "ProcessSetState"]
 _log_ = _log.get_logger()
 
 # Status bits of the fast-path vector, stored inverted (set = condition false), as Horovod.
-_NOT_SHUTDOWN, _NOT_UNCACHED, _NOT_INVALID = 1, 2, 4
-_ALL_CLEAR = _NOT_SHUTDOWN | _NOT_UNCACHED | _NOT_INVALID
+# _NOT_RETUNE: cleared by global rank 0 when autotune has new parameters to broadcast.
+_NOT_SHUTDOWN, _NOT_UNCACHED, _NOT_INVALID, _NOT_RETUNE = 1, 2, 4, 8
+_ALL_CLEAR = _NOT_SHUTDOWN | _NOT_UNCACHED | _NOT_INVALID | _NOT_RETUNE
 # While tensors are pending but nothing completed, wait at most this long before negotiating
 # again (a submit wakes the thread at once): short enough to meet peers that are about to
 # submit, long enough not to steal the GIL from the training thread.
@@ -143,6 +144,12 @@ class Coordinator:
         self.express_waits = 0
         self._express_ok = False  # set by start()
         self._thread_id: int | None = None
+        # Autotuned parameters: every rank switches at the same negotiation round (_retune).
+        self.fusion_threshold = self.config.fusion_threshold
+        self.cycle_time = self.config.cycle_time
+        self.tuner: autotune.Driver | None = None  # global rank 0 while autotune runs
+        self.rounds = 0  # negotiation rounds of the global set
+        self.retunes: list[tuple[int, autotune.Params]] = []  # (round, parameters applied)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -151,6 +158,8 @@ class Coordinator:
         # cache, and one fixed process set (its round covers one set).
         self._express_ok = (not rt.dynamic_process_sets and len(rt.member_sets()) == 1
                             and all(ps.cache.capacity > 0 for ps in rt.member_sets()))
+        if self.config.autotune and rt.rank == 0:
+            self.tuner = autotune.from_config(self.config)
         self._thread = threading.Thread(target=self._loop, name="hvd-coordinator", daemon=True)
         self._thread.start()
         self._thread_id = self._thread.ident
@@ -241,7 +250,9 @@ class Coordinator:
 
     def _express_round(self, ps: ProcessSetState, req: Request, bit: int) -> bool:
         words = np.zeros(1 + (ps.cache.num_bits + 63) // 64, dtype=np.uint64)
-        words[0] = _ALL_CLEAR
+        words[0] = _ALL_CLEAR if self.tuner is None or not self.tuner.pending else (
+            _ALL_CLEAR ^ _NOT_RETUNE)
+        self.rounds += 1
         word = 1 + bit // 64
         words[word] = 1 << (bit % 64)
         res = ps.control.allreduce_words(words, "and")
@@ -304,8 +315,8 @@ class Coordinator:
         cycle does, unless they already fill a bucket, other work is queued, a shutdown is
         requested, or a thread is blocked on a device handle (a synchronize wants them now).
         """
-        window = self.config.cycle_time
-        bucket = min(self.config.fusion_threshold, _DEVICE_BUCKET)
+        window = self.cycle_time
+        bucket = min(self.fusion_threshold, _DEVICE_BUCKET)
         sets = self.rt.member_sets()
         if (window <= 0 or bucket <= 0 or self._waiters > 0 or self.shutdown_requested
                 or not any(ps.queue for ps in sets)):  # a list's truth needs no lock
@@ -354,9 +365,9 @@ class Coordinator:
         self.rt._pin_thread()
         cause: BaseException | None = None
         try:
-            cycle = self.config.cycle_time
             timed_out = True  # the first cycle always runs
             while True:
+                cycle = self.cycle_time
                 start = time.monotonic()
                 self._wake.clear()
                 if self._handoff is not None or self._ended_by_driver:
@@ -471,6 +482,12 @@ class Coordinator:
             status |= _NOT_UNCACHED
         if not invalid:
             status |= _NOT_INVALID
+        if ps.id == 0:
+            self.rounds += 1
+            if self.tuner is None or not self.tuner.pending:
+                status |= _NOT_RETUNE
+        else:
+            status |= _NOT_RETUNE
         words[0] = status
         res = ps.control.allreduce_words(words, "and")
         return self._conclude(ps, res, uncached, invalid, want_shutdown)
@@ -493,11 +510,13 @@ class Coordinator:
                 ps.cache.erase(bit)
                 if bit in hits:
                     uncached.append(hits.pop(bit))
+        if not flags & _NOT_RETUNE:  # autotune: every rank switches before this round's plan
+            self._retune(ps)
         common = hits.take_common(res)
         if tl is not None:
             for b in common:
                 tl.negotiate_end(ps.cache.name_of(b))
-        threshold = self.config.fusion_threshold
+        threshold = self.fusion_threshold
         if not any_uncached:
             cached = [ps.cache.get(b) for b in common]
             return self._fuse(ps, cached, threshold), any_shutdown
@@ -542,6 +561,18 @@ class Coordinator:
             ps.cache.renumber()
             ps.carry.extend(ps.hits.remap(ps.cache))  # bit numbers changed
         return fused, shutdown
+
+    def _retune(self, ps: ProcessSetState) -> None:
+        """Global rank 0's autotune parameters, broadcast and applied on every rank."""
+        data = ps.control.bcast(self.tuner.publish() if self.tuner is not None else None)
+        p = autotune.Params.decode(data)
+        self.fusion_threshold = p.fusion_threshold
+        self.cycle_time = max(p.cycle_time_ms, 0.0) / 1000.0
+        self.retunes.append((self.rounds, p))
+        if not p.active:
+            self.tuner = None  # tuning ended: these values stay
+        _log.trace("autotune: round %d: fusion threshold %d, cycle time %g ms", self.rounds,
+                   p.fusion_threshold, p.cycle_time_ms)
 
     def _fuse(self, ps: ProcessSetState, responses: list[Response],
               threshold: int) -> list[Response]:
@@ -599,6 +630,8 @@ class Coordinator:
         try:
             if t == _R_ALLREDUCE or t == _R_ADASUM:
                 engine.allreduce(entries, resp)
+                if self.tuner is not None and t == _R_ALLREDUCE and ps.id == 0:
+                    self.tuner.record(resp.names, sum(resp.sizes) * resp.dtype.itemsize)
             elif t == _R_ALLGATHER:
                 engine.allgather(entries, resp)
             elif t == _R_BROADCAST:
