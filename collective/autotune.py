@@ -36,7 +36,8 @@ from typing import Callable, Iterable, TextIO
 from . import _log
 from .config import Config, options_by_field
 
-__all__ = ["Autotuner", "Sampler", "Driver", "from_config", "Params", "CSV_HEADER", "THRESHOLD_GRID_MB", "CYCLE_GRID_MS"]
+__all__ = ["Autotuner", "Sampler", "Driver", "from_config", "Params", "CSV_HEADER",
+           "THRESHOLD_GRID_MB", "CYCLE_GRID_MS"]
 
 _MB = 1024 * 1024
 THRESHOLD_GRID_MB = (0, 1, 2, 4, 8, 16, 32, 64)

@@ -1,7 +1,8 @@
 """SPMD script: options without effect warn once (rank 0) at init(); HOROVOD_MPI_THREADS_DISABLE
 makes ringvod start MPI at MPI_THREAD_SERIALIZED, so mpi_threads_supported() is False.
 
-argv[1]: "disabled" (the environment sets HOROVOD_MPI_THREADS_DISABLE=1 and HOROVOD_TORUS_ALLREDUCE=1)
+argv[1]: "disabled" (the environment sets HOROVOD_MPI_THREADS_DISABLE=1 and
+HOROVOD_TORUS_ALLREDUCE=1)
 or "default" (neither is set).
 """
 import sys

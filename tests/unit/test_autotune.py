@@ -27,7 +27,8 @@ def run(tuner: Autotuner, rng: np.random.Generator, noise: float,
     n = 0
     while tuner.active and n < limit:
         p = tuner.params
-        score = throughput(p.fusion_threshold, p.cycle_time_ms) * (1 + noise * rng.standard_normal())
+        score = throughput(p.fusion_threshold, p.cycle_time_ms)
+        score *= 1 + noise * rng.standard_normal()
         tuner.add_sample(1e6, 1e6 / max(score, 1e-3) / 1e6)
         n += 1
     return n
