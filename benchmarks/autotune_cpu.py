@@ -104,6 +104,7 @@ def main() -> None:
     variants["autotune"] = {"HOROVOD_AUTOTUNE": "1",
                             "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": str(args.steps_per_sample)}
     res: dict[str, list[dict]] = {k: [] for k in variants}
+    load_before = os.getloadavg()
     for r in range(args.rounds):
         for name, env in variants.items():
             out = run_one(env, args, args.steps if name == "autotune" else args.fixed_steps)
@@ -131,8 +132,14 @@ def main() -> None:
           f"{[(x['final'][0] / MB, x['final'][1]) for x in res['autotune']]} (MB, ms)")
     if args.json:
         with open(args.json, "w") as f:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                    capture_output=True, text=True).stdout.strip()
             json.dump({"date": datetime.date.today().isoformat(), "machine": platform.node(),
-                       "cpus": os.cpu_count(), "args": vars(args), "runs": res,
+                       "cpu": platform.processor() or platform.machine(),
+                       "cpus": os.cpu_count(), "commit": commit,
+                       "python": platform.python_version(),
+                       "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                       "args": vars(args), "runs": res,
                        "median_mbps": med, "best_fixed": best}, f, indent=1)
 
 
