@@ -43,9 +43,9 @@ def worker(out: str, tensors: int, kib: int, steps: int) -> None:
     import numpy as np
     sys.path.insert(0, REPO)
     import collective as hvd
-    import collective.runtime
+    from collective import _current
     hvd.init()
-    coord = collective.runtime.current().coordinator
+    tuning = _current.current().coordinator.tuning
     n = kib * 1024 // 4
     grads = [np.ones(n, np.float32) for _ in range(tensors)]
     times, ended = [], None
@@ -57,13 +57,13 @@ def worker(out: str, tensors: int, kib: int, steps: int) -> None:
         times.append(time.perf_counter() - t0)
         for g in grads:
             g.fill(1.0)
-        if ended is None and coord.retunes and not coord.retunes[-1][1].active:
+        if ended is None and tuning.retunes and not tuning.retunes[-1][1].active:
             ended = step
     if hvd.rank() == 0:
         with open(out, "w") as f:
             json.dump({"times": times, "ended": ended, "bytes": tensors * n * 4,
-                       "final": [coord.fusion_threshold, coord.cycle_time * 1000],
-                       "switches": len(coord.retunes)}, f)
+                       "final": [tuning.fusion_threshold, tuning.cycle_time * 1000],
+                       "switches": len(tuning.retunes)}, f)
     hvd.shutdown()
 
 

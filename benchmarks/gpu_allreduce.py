@@ -79,7 +79,7 @@ def main() -> int:
     import cupy
     from cupy.cuda import nccl
 
-    from collective.engines.nccl import _new_communicator, _uid_bytes, versions
+    from collective.engines.nccl.comm import _new_communicator, _uid_bytes, versions
     uid = hvd.broadcast_object(_uid_bytes(nccl.get_unique_id()) if rank == 0 else None, 0)
     cupy.cuda.Device(torch.cuda.current_device()).use()
     comm = _new_communicator(n, uid, rank)
@@ -151,7 +151,7 @@ def main() -> int:
             lt.append([human_bytes(nb), f"{by['ringvod']:.1f}", f"{by['CuPy NCCL']:.1f}",
                        f"{by['torch.distributed']:.1f}",
                        f"{by['ringvod'] / by['torch.distributed']:.2f}x"])
-        from collective import runtime
+        from collective import _current as runtime
         coord = runtime.current().coordinator
         print("lone synchronous allreduce (median, host waits for the GPU; express rounds "
               f"{coord.express_rounds}, of which waited {coord.express_waits}):")

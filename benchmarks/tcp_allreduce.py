@@ -56,7 +56,7 @@ def worker(kind: str, out: str, sizes: list[int], scale: float, shm: bool) -> No
     else:
         sys.path.insert(0, REPO)
         if not shm:
-            from collective.engines import tcp_shm
+            from collective.engines.tcp import shm as tcp_shm
             tcp_shm.ENABLED = False
         import collective as hvd
         hvd.init()

@@ -157,7 +157,7 @@ def step():
         hvd.synchronize(h)
 for _ in range(5):
     step()
-from collective import runtime as _rt
+from collective import _current as _rt
 tl = _rt.current_or_none().coordinator.timeline
 clock = time.pthread_getcpuclockid(tl._thread.ident) if tl is not None and tl.enabled else None
 w0 = time.clock_gettime(clock) if clock is not None else 0.0
@@ -199,7 +199,7 @@ def step():
     opt.step()
 for _ in range(5):
     step()
-from collective import runtime as _rt
+from collective import _current as _rt
 tl = _rt.current_or_none().coordinator.timeline
 clock = time.pthread_getcpuclockid(tl._thread.ident) if tl is not None and tl.enabled else None
 w0 = time.clock_gettime(clock) if clock is not None else 0.0

@@ -72,7 +72,6 @@ _EXPORTS = {
     "broadcast_": "ops",
     "broadcast_async": "ops",
     "broadcast_async_": "ops",
-    "enqueue": "ops",
     "grouped_allgather": "ops",
     "grouped_allgather_async": "ops",
     "grouped_allreduce": "ops",
@@ -111,7 +110,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names resolve lazil
     from .ops import (  # noqa: F401
         Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
         allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
-        broadcast, broadcast_, broadcast_async, broadcast_async_, enqueue, grouped_allgather,
+        broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
         grouped_allgather_async, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
         grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async, join,
         poll, reducescatter, reducescatter_async, resolve_op, synchronize)
@@ -152,6 +151,6 @@ __all__ = [
     "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_async",
     "broadcast_", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
     "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "barrier",
-    "join", "poll", "synchronize", "enqueue", "resolve_op",
+    "join", "poll", "synchronize", "resolve_op",
     "ProcessSet", "global_process_set", "DataType", "ReduceOp", "RequestType", "__version__",
 ]

@@ -3,7 +3,7 @@ allreduce throughput while training runs.
 
 Only global rank 0 tunes; the coordinator broadcasts each new parameter set to every rank at a
 negotiation round all ranks share, so every rank switches at the same round (see
-`Coordinator._conclude`). This module has no threads and no I/O other than the CSV log:
+collective/coordinator/tuning.py). This module has no threads and no I/O other than the CSV log:
 
 * `Sampler` turns executed allreduce responses into throughput samples. A sample closes when
   some tensor name has been reduced `steps_per_sample` times since the sample began (one

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from . import runtime as _rt
+from . import _current as _rt
 from .config import warn_no_effect
 from .errors import NotInitializedError
 from .handle import Handle
 from .process_sets import ProcessSet, global_process_set
+from .runtime import Runtime
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "mpi_enabled", "mpi_built",
@@ -31,7 +32,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     """
     if _rt.current_or_none() is not None:
         return
-    rt = _rt.Runtime.create(comm=comm, process_sets=process_sets)
+    rt = Runtime.create(comm=comm, process_sets=process_sets)
     if rt.rank == 0:
         warn_no_effect(rt.config)
     _rt.set_current(rt)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import runtime as _rt
+from . import _current as _rt
 from .entry import Entry, default_allocate
 from .errors import HorovodInternalError
 from .handle import GroupHandle, Handle

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ._current import current_or_none
+
 __all__ = ["ProcessSet", "global_process_set"]
 
 
@@ -75,17 +77,14 @@ class _GlobalProcessSet(ProcessSet):
 
     # Horovod answers these for the global set once initialised (all ranks are members).
     def size(self) -> int | None:
-        from .runtime import current_or_none
         rt = current_or_none()
         return None if rt is None else rt.size
 
     def rank(self) -> int | None:
-        from .runtime import current_or_none
         rt = current_or_none()
         return None if rt is None else rt.rank
 
     def included(self) -> bool | None:
-        from .runtime import current_or_none
         return None if current_or_none() is None else True
 
 

@@ -1,78 +1,29 @@
 """`Runtime`: the object `init()` creates; it owns config, control planes, engines, process sets
-and the coordinator. Module-level functions look it up with `current()`.
-
-Tests that run N ranks as N threads of one process (loopback) give each thread its own runtime
-through `use_runtime()`; everything else uses the process-wide runtime set by `init()`.
+and the coordinator. Module-level functions look it up in `collective._current`.
 """
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
 import json
 import os
 import socket
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-from . import _log
+from . import _current, _log
 from .config import Config, read_env
-from .coordinator import _HELD, Coordinator, ProcessSetState, shutdown_error
+from .coordinator import HELD, Coordinator, ProcessSetState, shutdown_error
 from .engines import create_backend, create_engine
 from .entry import Entry
-from .errors import DuplicateNameError, NotInitializedError, ShutdownError
+from .errors import DuplicateNameError, ShutdownError
 from .handle import Handle
 from .process_sets import ProcessSet, global_process_set
 from .wire import MAX_STR_BYTES, WireError
 
-__all__ = ["Runtime", "current", "current_or_none", "set_current", "use_runtime", "detect_mode"]
+__all__ = ["Runtime", "detect_mode"]
 
 _log_ = _log.get_logger()
-
-_lock = threading.Lock()  # guards _current
-_current: "Runtime | None" = None
-
-
-class _ThreadRuntime(threading.local):
-    rt: "Runtime | None" = None  # a class default: reading an unset thread-local raises inside
-
-
-_local = _ThreadRuntime()
-
-
-def current_or_none() -> "Runtime | None":
-    rt = _local.rt
-    return rt if rt is not None else _current
-
-
-def current() -> "Runtime":
-    """The runtime of this thread (loopback) or process.
-
-    Raises:
-        NotInitializedError: `init()` has not been called (or `shutdown()` was).
-    """
-    rt = current_or_none()
-    if rt is None:
-        raise NotInitializedError()
-    return rt
-
-
-def set_current(rt: "Runtime | None") -> None:
-    global _current
-    with _lock:
-        _current = rt
-
-
-@contextlib.contextmanager
-def use_runtime(rt: "Runtime | None") -> Iterator[None]:
-    """Makes `rt` this thread's runtime (loopback tests run one rank per thread)."""
-    prev = _local.rt
-    _local.rt = rt
-    try:
-        yield
-    finally:
-        _local.rt = prev
-
 
 def detect_mode(config: Config, comm: Any = None) -> str:
     """Picks the backend: explicit controller, launcher variables, MPI launchers, torchrun, else
@@ -332,7 +283,7 @@ class Runtime:
         if self.shut_down:  # raced with the loop's exit: fail what we just queued
             state.fail_all(shutdown_error(self.cause))
         if wake:
-            self.coordinator.wake(held=all(e.request.device >= 0 and e.request.type in _HELD
+            self.coordinator.wake(held=all(e.request.device >= 0 and e.request.type in HELD
                                            for e in entries))
 
     # -- shutdown -----------------------------------------------------------------------------
@@ -412,12 +363,12 @@ def _change_of(data: bytes, rank: int, size: int) -> tuple | None:
 
 
 def _atexit_shutdown() -> None:
-    rt = _current
+    rt = _current.process_runtime()
     if rt is not None:
         try:
             rt.shutdown(timeout=10.0)
         finally:
-            set_current(None)
+            _current.set_current(None)
 
 
 # threading's hook runs before the interpreter joins threads and before atexit handlers (where

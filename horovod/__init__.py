@@ -1,4 +1,5 @@
-"""Drop-in `horovod` package: `import horovod.torch as hvd` loads ringvod.
+"""Drop-in `horovod` package: `import horovod.torch as hvd` (or `horovod.tensorflow`,
+`horovod.tensorflow.keras`, `horovod.keras`) loads ringvod.
 
 No code of its own beyond aliasing: `horovod.torch` *is* `frameworks.torch`, and every
 `horovod.torch.X` is `frameworks.torch.X` (the same module objects, so classes, globals and
@@ -26,6 +27,8 @@ __all__ = ["__version__", "run"]
 # alias prefix -> real package. Other adapters add their line here.
 _ALIASES = {
     "horovod.torch": "frameworks.torch",
+    "horovod.tensorflow": "frameworks.tensorflow",
+    "horovod.keras": "frameworks.tensorflow.keras",
     "horovod.ray": "launcher.ray",
 }
 

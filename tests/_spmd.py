@@ -21,6 +21,19 @@ the root cause and prints every rank's failures and log tail.
 
 Modes: "mpi" (`mpirun --allow-run-as-root --oversubscribe`) and "tcp" (`hvdrun --gloo`, see
 `_tcp_command`); `register_launcher` can replace either.
+
+Plain processes, for what a launcher would hide (torchrun-style variables, a rank SIGKILLed on
+purpose, a control plane driven directly)::
+
+    from tests._spmd import run_procs
+    res = run_procs(2, code=SCRIPT, env=lambda r: {"RANK": str(r)}, timeout=60)
+    res = run_procs(3, script=__file__, args=["--worker", "ops"], expect_rc={2: -9}, ...)
+
+Each process runs `python tests/_spmd.py --proc <script | -c CODE> args...`: the wrapper
+installs `faulthandler` on SIGUSR1 and runs the script (or code) as `__main__`, so exit codes
+and signals are the script's own. Its output goes to a file per rank. On timeout every live
+process dumps all threads' tracebacks (SIGUSR1), then is SIGKILLed; the report shows every
+rank's exit code and output.
 """
 from __future__ import annotations
 
@@ -39,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["run_spmd", "spmd_driver", "SpmdResult", "RankResult", "register_launcher",
            "in_spmd_rank", "spmd_rank", "required", "skip_or_fail", "mpi_available",
-           "REPO", "run_loopback", "LoopbackFailure"]
+           "REPO", "run_loopback", "LoopbackFailure", "run_procs", "ProcsResult", "clean_env"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THIS = os.path.abspath(__file__)
@@ -366,6 +379,144 @@ def spmd_driver(file: str, nps: Sequence[int] = (1, 2, 4), timeout: float = 120.
     return test_spmd
 
 
+# -- plain processes ---------------------------------------------------------------------------
+# Variables by which a launcher tells a process its place in a job; `clean_env` drops them so a
+# test sets exactly the ones it means.
+_JOB_PREFIXES = ("HOROVOD_", "OMPI_", "PMI", "RINGVOD_SPMD")
+_JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without any job variables, with the repository importable."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_JOB_PREFIXES) and k not in _JOB_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONFAULTHANDLER"] = "1"
+    return env
+
+
+@dataclass
+class ProcsResult:
+    """What `run_procs` saw: per rank, the exit code (negative: killed by that signal) and
+    the output (stdout and stderr together)."""
+
+    what: str
+    timed_out: bool
+    duration: float
+    returncodes: list[int]
+    outputs: list[str]
+    expect_rc: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def bad_ranks(self) -> list[int]:
+        return [r for r, rc in enumerate(self.returncodes) if rc != self.expect_rc.get(r, 0)]
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and not self.bad_ranks
+
+    def report(self) -> str:
+        """Verdict first, then every rank's exit code and output."""
+        if self.timed_out:
+            verdict = ("TIMED OUT: every live process was sent SIGUSR1 (faulthandler dump of "
+                       "all threads) before being killed")
+        else:
+            verdict = "OK" if self.ok else f"FAILED on ranks {self.bad_ranks}"
+        lines = [f"{self.what} on {len(self.returncodes)} processes: {verdict} after "
+                 f"{self.duration:.1f} s"]
+        for r, (rc, out) in enumerate(zip(self.returncodes, self.outputs)):
+            want = self.expect_rc.get(r, 0)
+            lines.append(f"----- rank {r} (rc {rc}" + (f", expected {want}" if rc != want else "")
+                         + ") -----")
+            lines.append(out)
+        return "\n".join(lines)
+
+
+def run_procs(n: int, *, timeout: float, script: str | None = None, code: str | None = None,
+              args: Sequence[str] = (),
+              env: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
+              expect_rc: dict[int, int] | None = None, check: bool = True) -> ProcsResult:
+    """Starts `n` processes of `script` (a path) or `code` (Python source) with a hard timeout.
+
+    Args:
+        n: number of processes (ranks 0..n-1).
+        timeout: seconds for all of them; on expiry every live one dumps its threads and dies.
+        script / code: what each process runs as `__main__` (exactly one of them).
+        args: the script's argv; "{rank}" in an argument becomes the process's rank.
+        env: variables added to `clean_env()`, the same for all ranks or `env(rank)`.
+        expect_rc: exit codes other than 0 that a rank must end with (e.g. {1: -signal.SIGKILL}).
+        check: fail the test (printing the report) on a timeout or an unexpected exit code.
+
+    Returns:
+        The `ProcsResult` (also when `check` is False and the run failed).
+
+    Raises:
+        pytest.fail.Exception: `check` and the run failed or timed out.
+    """
+    if (script is None) == (code is None):
+        raise ValueError("run_procs needs exactly one of script= and code=")
+    what = (f"script {os.path.relpath(os.path.abspath(script), REPO)}" if script is not None
+            else "code")
+    target = [os.path.abspath(script)] if script is not None else ["-c", code]
+    out_dir = tempfile.mkdtemp(prefix="ringvod-procs-")
+    procs: list[subprocess.Popen] = []
+    logs = [os.path.join(out_dir, f"rank{r}.log") for r in range(n)]
+    start = time.monotonic()
+    timed_out = False
+    try:
+        for r in range(n):
+            extra = env(r) if callable(env) else (env or {})
+            argv = [a.replace("{rank}", str(r)) for a in args]
+            with open(logs[r], "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-u", _THIS, "--proc", *target, *argv], cwd=REPO,
+                    env=dict(clean_env(), **extra), stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = start + timeout
+        for p in procs:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+    finally:
+        live = [p for p in procs if p.poll() is None]
+        if live and timed_out:
+            for p in live:
+                _signal(p.pid, signal.SIGUSR1)
+            time.sleep(_KILL_GRACE)
+        for p in live:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the process and anything it started
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+    result = ProcsResult(what=what, timed_out=timed_out, duration=time.monotonic() - start,
+                         returncodes=[p.returncode for p in procs],
+                         outputs=[_read(path) for path in logs], expect_rc=dict(expect_rc or {}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    if check and not result.ok:
+        report = result.report()
+        sys.stderr.write(report + "\n")
+        import pytest
+        pytest.fail(report, pytrace=False)
+    return result
+
+
+def _proc_main(argv: list[str]) -> None:
+    """Inside a `run_procs` process: run the script (or `-c` code) as `__main__`."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+    else:
+        import runpy
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(argv[0])
+        runpy.run_path(argv[0], run_name="__main__")
+
+
 # -- child side --------------------------------------------------------------------------------
 class _Collector:
     """pytest plugin (inside a rank): records outcomes for the JSON result."""
@@ -480,7 +631,7 @@ def run_loopback(n: int, fn: Callable[[int], Any], timeout: float = 30.0, start:
 
     Args:
         n: number of ranks (threads).
-        fn: the rank body; `collective.runtime.current()` is this rank's runtime.
+        fn: the rank body; `collective._current.current()` is this rank's runtime.
         timeout: seconds for all threads; on expiry every thread's stack is in the error.
         start: start the coordinator thread (False: the body drives `run_cycle()` itself).
         control: wraps each rank's control plane (e.g. a call counter).
@@ -498,7 +649,8 @@ def run_loopback(n: int, fn: Callable[[int], Any], timeout: float = 30.0, start:
 
     from collective.config import read_env
     from collective.engines.loopback import LoopbackWorld
-    from collective.runtime import Runtime, use_runtime
+    from collective._current import use_runtime
+    from collective.runtime import Runtime
 
     world = LoopbackWorld(n, timeout=world_timeout)
     cfg = read_env({}, **config)
@@ -558,3 +710,5 @@ def run_loopback(n: int, fn: Callable[[int], Any], timeout: float = 30.0, start:
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":
     sys.exit(_child_main(sys.argv[2:]))
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--proc":
+    _proc_main(sys.argv[2:])

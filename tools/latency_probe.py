@@ -96,7 +96,7 @@ def main() -> int:
     for _ in range(20):
         hvd.allreduce_(x, op=hvd.Sum, name="probe")
     sync()
-    from collective import runtime
+    from collective import _current as runtime
     instrument(runtime.current())
     rows = []
     for _ in range(a.iters):

@@ -23,12 +23,12 @@ _BUILTIN_BACKENDS = {
     "loopback": ("collective.engines.loopback", "create_backend"),
     "single": ("collective.engines.loopback", "create_single_backend"),
     "mpi": ("collective.engines.mpi", "create_backend"),
-    "tcp": ("collective.engines.tcp", "create_backend"),
+    "tcp": ("collective.engines.tcp.plane", "create_backend"),
 }
 _BUILTIN_ENGINES = {
     "loopback": ("collective.engines.loopback", "create_engine"),
     "mpi": ("collective.engines.mpi", "create_engine"),
-    "tcp": ("collective.engines.tcp", "create_engine"),
+    "tcp": ("collective.engines.tcp.ring", "create_engine"),
     "nccl": ("collective.engines.nccl", "create_engine"),
 }
 

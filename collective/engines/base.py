@@ -109,6 +109,15 @@ class Engine(abc.ABC):
 
     def abort(self) -> None: ...
 
+    # A cycle may run on a user thread that is about to wait for its own op (the coordinator's
+    # fast paths). A device engine that makes its device and stream current on the thread it
+    # runs on gives the thread its own back in `guest_exit`; host engines need neither.
+    def guest_enter(self) -> None:
+        """Before a cycle runs on a user thread."""
+
+    def guest_exit(self) -> None:
+        """After such a cycle."""
+
     @contextlib.contextmanager
     def activity(self, entries: Sequence[Entry], name: str) -> Iterator[None]:
         tl = self.timeline

@@ -3,7 +3,7 @@
 No CuPy here: adapters import this module to build `DeviceBuffer`s and to unwrap
 `DeviceResult`s, whether or not a GPU engine was ever created.
 
-The protocol between an adapter and the NCCL engine (`collective/engines/nccl.py`):
+The protocol between an adapter and the NCCL engine (`collective/engines/nccl/`):
 
 * a device tensor is a `DeviceBuffer` (pointer, byte count, shape, the framework's object) or
   any C-contiguous object exposing `__cuda_array_interface__` (a CuPy array);
@@ -148,7 +148,7 @@ def set_allocation_stream(stream: int) -> None:
     _tls.stream = stream
 
 
-# The NCCL engine's ready-event pool (`nccl._ReadyEvents`), installed when that module loads.
+# The NCCL engine's ready-event pool (`nccl.events._ReadyEvents`), installed when that module loads.
 _ready_events: Any = None
 
 

@@ -1,4 +1,4 @@
-"""The one place where torch tensors become `collective.enqueue` arguments and results become
+"""The one place where torch tensors become `adapter.enqueue` arguments and results become
 torch tensors again.
 
 Host (CPU) tensors travel as numpy views that share the tensor's memory, so in-place ops write
@@ -17,8 +17,9 @@ import torch
 
 import collective
 from collective import DataType, Handle, ProcessSet, ReduceOp, RequestType
-from collective.engines.device import DeviceOpError
-from collective.ops import run_one as _run_one
+from collective import adapter
+from collective.adapter import DeviceOpError
+from collective.adapter import run_one as _run_one
 
 from . import _cuda  # torch-only (no CuPy); imported here, not per call
 
@@ -37,7 +38,7 @@ _DTYPES: dict[torch.dtype, DataType] = {
 
 @dataclass(slots=True)
 class CollectiveArgs:
-    """What `collective.enqueue` needs for one tensor.
+    """What `adapter.enqueue` needs for one tensor.
 
     Attributes:
         tensor: the engine's view of the input (numpy array on the host; the CUDA engine's
@@ -142,7 +143,7 @@ def from_collective(result: Any, like: torch.Tensor) -> torch.Tensor:
 
 def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
             outputs: Sequence[torch.Tensor] | None = None, **kwargs: Any) -> Handle:
-    """`collective.enqueue` for torch tensors (all on one device).
+    """`adapter.enqueue` for torch tensors (all on one device).
 
     Raises:
         DeviceOpError (a ValueError and RuntimeError): tensors on different devices.
@@ -153,7 +154,7 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
     if len(tensors) == 1:
         a = to_collective(tensors[0], None if outputs is None else outputs[0])
         device = a.device
-        h = collective.enqueue(
+        h = adapter.enqueue(
             kind, (a.tensor,), dtypes=(a.dtype,), shapes=(a.shape,), device=device,
             ready_events=None if device == CPU_DEVICE else (a.ready_event,),
             allocate=a.allocate, outputs=None if outputs is None else (a.output,), **kwargs)
@@ -166,7 +167,7 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
     if any(a.device != device for a in args):
         raise DeviceOpError("all tensors of one grouped op must be on the same device; got "
                             + ", ".join(str(t.device) for t in tensors))
-    h = collective.enqueue(
+    h = adapter.enqueue(
         kind, [a.tensor for a in args],
         dtypes=[a.dtype for a in args], shapes=[a.shape for a in args], device=device,
         ready_events=None if device == CPU_DEVICE else [a.ready_event for a in args],
@@ -181,12 +182,12 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
 def run_one(kind: RequestType, tensor: torch.Tensor, output: torch.Tensor | None,
             name: str | None, process_set: ProcessSet, op: ReduceOp = ReduceOp.SUM,
             prescale: float = 1.0, postscale: float = 1.0, root: int = -1) -> Any:
-    """`collective.ops.run_one` for a torch tensor (the synchronous single-tensor functions):
+    """`collective.adapter.run_one` for a torch tensor (the synchronous single-tensor functions):
     runs the op and waits; for a CUDA tensor the caller's stream is ordered after the op and
     the result is a torch tensor, for a host tensor it is the engine's numpy result.
 
     Raises:
-        as `to_collective` and `collective.enqueue`; HorovodInternalError: the op failed.
+        as `to_collective` and `adapter.enqueue`; HorovodInternalError: the op failed.
     """
     a = to_collective(tensor, output)
     res = _run_one(kind, a.tensor, a.output, name, process_set, op, prescale, postscale, root,

@@ -6,10 +6,10 @@
   `DeviceBuffer` (pointer, bytes, shape, the tensor) for the input and the optional output,
   the device index, and a ready event recorded on the tensor device's current stream (the
   engine's stream waits on it, so work queued on any producer stream before the call is seen):
-  a raw event from the engine's recycled pool (`collective.engines.device.record_ready`), or a
+  a raw event from the engine's recycled pool (`collective.adapter.record_ready`), or a
   `torch.cuda.Event` before the engine is loaded. Outputs whose shape negotiation decides come
   from `allocate(shape, like)`, which allocates through torch's caching allocator on the
-  stream the engine names (`collective.engines.device.allocation_stream()`), so that memory
+  stream the engine names (`collective.adapter.allocation_stream()`), so that memory
   the allocator recycles is never written by the engine while older work still uses it.
 * `wrap_handle(handle) -> Handle`: the handle `_buffers.enqueue` returns for CUDA ops. Its
   `wait()` makes the caller's current stream wait on the op's completion event (no host
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from collective import Handle
-from collective import runtime as _runtime
-from collective.engines.device import DeviceBuffer, DeviceResult, allocation_stream, record_ready
+from collective.adapter import (DeviceBuffer, DeviceResult, allocation_stream, record_ready,
+                                waiting_hook)
 
 __all__ = ["to_collective", "from_collective", "wrap_handle", "settle"]
 
@@ -159,8 +159,7 @@ class _OrderedHandle(Handle):
             return self._settle(inner.wait())
         # Tell the coordinator someone blocks on device work, so it negotiates at once
         # instead of letting device requests collect for its fusion window.
-        rt = _runtime.current_or_none()
-        waiting = getattr(getattr(rt, "coordinator", None), "waiting", None)
+        waiting = waiting_hook()
         if waiting is None:
             return self._settle(inner.wait(timeout))
         waiting(1)
@@ -168,7 +167,7 @@ class _OrderedHandle(Handle):
             # Not `coord.drive()`: the submit already woke the coordinator thread, and two
             # threads active at once trade the GIL at every CUDA call (measured: pipelined
             # allreduces slower). Synchronous functions run their ops themselves
-            # (`collective.wait_now`).
+            # (`collective.adapter.wait_now`).
             result = inner.wait(timeout)
         finally:
             waiting(-1)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import collective
-from collective.ops import wait_now as _collective_wait_now
+from collective.adapter import wait_now as _collective_wait_now
 from collective import (Handle, HorovodInternalError, ProcessSet, ReduceOp, RequestType,
                         global_process_set, resolve_op)
 
@@ -354,7 +354,7 @@ def poll(handle: int) -> bool:
 
 
 def wait_now(start: Callable[..., Any], *args: Any) -> Any:
-    """`synchronize(start(*args))` for the synchronous functions (see `collective.wait_now`:
+    """`synchronize(start(*args))` for the synchronous functions (see `collective.adapter.wait_now`:
     no fusion-window wait, and the negotiation runs on this thread when it can)."""
     return _collective_wait_now(synchronize, start, *args)
 

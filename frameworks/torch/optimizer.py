@@ -1,9 +1,10 @@
 """`DistributedOptimizer`: averages gradients across ranks while backward is still running.
 
 Each parameter gets a `register_post_accumulate_grad_hook`; when its gradient is final for the
-step (after `backward_passes_per_step` passes), the hook enqueues an in-place allreduce of it, so
-communication overlaps the rest of backward (the runtime fuses small ones). `step()` waits for
-them (`synchronize()`), then runs the wrapped optimizer's own step.
+step (after `backward_passes_per_step` passes), its reduction starts, so communication overlaps
+the rest of backward. `step()` waits for them (`synchronize()`), then runs the wrapped
+optimizer's own step. How gradients are reduced (buckets, groups or one allreduce each,
+compression) is `_reducer.GradientReducer`'s job; this module is the public wrapper.
 
 Wrapping: the returned object's class is an explicit subclass of the optimizer's class with
 `_DistributedOptimizer` mixed in front (one class per optimizer class, created once and cached),
@@ -22,20 +23,14 @@ from typing import Any, Iterator
 import torch
 
 import collective
-from collective import ProcessSet, ReduceOp, RequestType, global_process_set
+from collective import ProcessSet, ReduceOp, adapter, global_process_set
 
-from .._common import check_named_parameters, default_parameter_name, split_list
-from ._buckets import Bucket, plan_buckets
-from ._buffers import enqueue
+from .._common import check_named_parameters, default_parameter_name
+from ._reducer import GradientReducer
 from .compression import Compression, check_compressor
-from .functions import broadcast_object
-from .ops import sparse_allreduce_async
 
 __all__ = ["DistributedOptimizer", "_DistributedOptimizer"]
 
-_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
-                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
-                    "locally.")
 _ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before "
                    "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
                    "cause a race condition.")
@@ -43,35 +38,6 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "optimizer.synchronize(). This can cause training slowdown. You may want to "
                     "consider using optimizer.skip_synchronize() context if you use "
                     "optimizer.synchronize() in your code.")
-
-
-class _Slot:
-    """One parameter's gradient and its in-flight allreduce."""
-
-    __slots__ = ("param", "name", "delay", "handle", "send", "cctx", "sparse", "group", "bucket")
-
-    def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
-        self.param = param
-        self.name = name
-        self.delay = delay  # backward passes left before this step's allreduce starts
-        self.handle: Any = None  # Handle, or a callable for sparse gradients
-        self.send: torch.Tensor | None = None  # the tensor being reduced in place
-        self.cctx: Any = None  # compression context
-        self.sparse = False  # the gradient was sparse and went through sparse_as_dense
-        self.group: _Group | None = None
-        self.bucket: Bucket | None = None
-
-
-class _Group:
-    """Parameters whose gradients are reduced as one grouped allreduce."""
-
-    __slots__ = ("slots", "name", "ready", "handle")
-
-    def __init__(self, slots: list[_Slot], name: str) -> None:
-        self.slots = slots
-        self.name = name
-        self.ready = 0  # members whose hook has fired this step
-        self.handle: Any = None
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -129,174 +95,43 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                      for gi, g in enumerate(self.param_groups)
                      for pi, p in enumerate(g["params"])}
         self._parameter_names = {p: by_id[id(p)] for p in all_params}
-        self._hvd_lock = threading.Lock()  # guards group counters (hooks may run on any thread)
-        self._hvd_dirty = False  # a hook fired since the last synchronize
+        self._hvd_reducer = GradientReducer(self._compression, op, self._hvd_scale, process_set,
+                                            sparse_as_dense, backward_passes_per_step)
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
-        self._hvd_slots: list[_Slot] = []
-        self._hvd_groups: list[_Group] = []
-        self._hvd_buckets: list[Bucket] = []
         self._hvd_hooks: list[Any] = []
         ps = process_set
         included = ps is global_process_set or ps.process_set_id == 0 or bool(ps.included())
         # Elastic jobs may grow from one rank: hooks are registered at any size there.
         self._hvd_active = included and (collective.size() > 1
-                                         or collective.runtime.current().config.elastic)
+                                         or adapter.config().elastic)
         if self._hvd_active:
             self._hvd_register(groups)
 
     def _hvd_register(self, groups: Any) -> None:
+        reducer = self._hvd_reducer
         seen: set[int] = set()
         for g in self.param_groups:
             for p in g["params"]:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
-                    self._hvd_slots.append(_Slot(p, self._parameter_names[p],
-                                                 self.backward_passes_per_step))
+                    reducer.add(p, self._parameter_names[p])
         if groups is not None:
-            self._hvd_form_groups(groups)
+            reducer.form_groups(groups)
         else:
-            self._hvd_form_buckets()
+            reducer.form_buckets(adapter.config().bucket_cap_mb)
+        for slot in reducer.slots:
+            self._hvd_hook(slot)
+
+    def _hvd_hook(self, slot: Any) -> None:
+        # A weak reference: hooks of a dropped optimizer must not keep reducing gradients.
         ref = weakref.ref(self)
-        for slot in self._hvd_slots:
-            # A weak reference: hooks of a dropped optimizer must not keep reducing gradients.
-            def hook(p: torch.Tensor, slot: _Slot = slot) -> None:
-                opt = ref()
-                if opt is not None:
-                    opt._hvd_on_grad(slot)
-            self._hvd_hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
 
-    def _hvd_form_groups(self, groups: Any) -> None:
-        # Every rank must form the same groups: order parameters as the set's first rank does.
-        slots = self._hvd_slots
-        root = 0 if self.process_set is global_process_set else self.process_set.ranks[0]
-        order = broadcast_object([s.name for s in slots], root_rank=root,
-                                 name="DistributedOptimizer.groups",
-                                 process_set=self.process_set)
-        pos = {n: i for i, n in enumerate(order)}
-        slots = sorted(slots, key=lambda s: pos.get(s.name, len(pos)))
-        if isinstance(groups, int):
-            chunks = split_list(slots, groups)
-        else:
-            by_id = {id(s.param): s for s in slots}
-            chunks, used = [], set()
-            for members in groups:
-                chunk = [by_id[id(p)] for p in members if id(p) in by_id]
-                used.update(id(s.param) for s in chunk)
-                if chunk:
-                    chunks.append(chunk)
-            chunks += [[s] for s in slots if id(s.param) not in used]
-        for chunk in chunks:
-            if len(chunk) < 2:
-                continue
-            group = _Group(chunk, chunk[0].name)
-            for s in chunk:
-                s.group = group
-            self._hvd_groups.append(group)
-
-    def _hvd_form_buckets(self) -> None:
-        cap = collective.runtime.current().config.bucket_cap_mb
-        if cap <= 0 or not self._hvd_slots:
-            return
-        slots = self._hvd_slots
-        plan = plan_buckets([s.param for s in slots], [s.name for s in slots],
-                            int(cap * 1024 * 1024))
-        for indices, name in plan:
-            bucket = Bucket([slots[i].param for i in indices], name, len(self._hvd_buckets))
-            for i in indices:
-                slots[i].bucket = bucket
-            self._hvd_buckets.append(bucket)
-
-    def _hvd_launch_bucket(self, bucket: Bucket) -> None:
-        flat = bucket.pack()
-        send, bucket.cctx = self._compression.compress(flat)
-        bucket.send = send
-        pre, post = self._hvd_scale
-        bucket.handle = enqueue(RequestType.ALLREDUCE, [send], outputs=[send], name=bucket.name,
-                                process_set=self.process_set, op=self.op, prescale=pre,
-                                postscale=post)
-
-    # -- per-gradient path (hooks) ----------------------------------------------------------------
-    def _hvd_on_grad(self, slot: _Slot) -> None:
-        # Runs once per parameter per backward pass on the autograd thread, holding the GIL
-        # while backward's kernels wait to be launched: keep it short (bucket packing checks
-        # the gradients once per bucket).
-        if slot.delay <= 0:
-            raise AssertionError(_TOO_MANY_PASSES)
-        self._hvd_dirty = True
-        slot.delay -= 1
-        if slot.delay:
-            return
-        bucket = slot.bucket
-        if bucket is not None:
-            grad = slot.param.grad
-            if grad is not None and grad.is_sparse:
-                self._hvd_launch(slot)  # its own (sparse) reduction; zeros in the bucket
-            if bucket.mark_ready():
-                self._hvd_launch_bucket(bucket)
-            return
-        grad = slot.param.grad
-        if grad is not None and grad.requires_grad:
-            raise AssertionError("DistributedOptimizer does not support gradients that require "
-                                 "grad (backward(create_graph=True))")
-        group = slot.group
-        if group is None:
-            self._hvd_launch(slot)
-            return
-        with self._hvd_lock:
-            group.ready += 1
-            complete = group.ready == len(group.slots)
-        if complete:
-            self._hvd_launch_group(group)
-
-    def _hvd_prepare(self, slot: _Slot) -> torch.Tensor | None:
-        """Returns the dense tensor to reduce in place (None: launched as sparse)."""
-        p = slot.param
-        if p.grad is None:
-            # Another rank may have a gradient for it: contribute zeros rather than hang.
-            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        grad = p.grad
-        slot.sparse = False
-        if grad.is_sparse:
-            if not self.sparse_as_dense and slot.group is None:
-                return None
-            grad, slot.sparse = grad.to_dense(), True
-        send, slot.cctx = self._compression.compress(grad)
-        if not send.is_contiguous():
-            send = send.contiguous()
-        slot.send = send
-        return send
-
-    def _hvd_launch(self, slot: _Slot) -> None:
-        send = self._hvd_prepare(slot)
-        if send is None:
-            slot.handle = sparse_allreduce_async(slot.param.grad, slot.name, self.op,
-                                                 self.process_set)
-            return
-        pre, post = self._hvd_scale
-        slot.handle = enqueue(RequestType.ALLREDUCE, [send], outputs=[send], name=slot.name,
-                              process_set=self.process_set, op=self.op, prescale=pre,
-                              postscale=post)
-
-    def _hvd_launch_group(self, group: _Group) -> None:
-        sends = [self._hvd_prepare(s) for s in group.slots]
-        pre, post = self._hvd_scale
-        group.handle = enqueue(RequestType.ALLREDUCE, sends, outputs=sends, name=group.name,
-                               process_set=self.process_set, op=self.op, prescale=pre,
-                               postscale=post, grouped=True)
-
-    def _hvd_write_back(self, slot: _Slot, sparse_result: Any = None) -> None:
-        p = slot.param
-        if sparse_result is not None:
-            p.grad = sparse_result
-            return
-        send = slot.send
-        assert send is not None
-        out = self._compression.decompress(send, slot.cctx)
-        if slot.sparse:
-            p.grad = out.to_sparse()
-        elif out is not p.grad:
-            p.grad.copy_(out)
+        def hook(_p: torch.Tensor, slot: Any = slot) -> None:
+            opt = ref()
+            if opt is not None:
+                opt._hvd_reducer.on_grad(slot)
+        self._hvd_hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
 
     # -- public API -------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -309,46 +144,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._hvd_active:
             self._hvd_synchronized = True
             return
-        try:
-            for slot in self._hvd_slots:
-                if slot.group is None and slot.bucket is None and slot.handle is None:
-                    self._hvd_launch(slot)
-            for bucket in self._hvd_buckets:
-                if bucket.handle is None:
-                    self._hvd_launch_bucket(bucket)
-            for group in self._hvd_groups:
-                if group.handle is None:
-                    self._hvd_launch_group(group)
-            for bucket in self._hvd_buckets:
-                assert bucket.send is not None
-                bucket.handle.wait()
-                bucket.unpack(self._compression.decompress(bucket.send, bucket.cctx))
-            for slot in self._hvd_slots:
-                if slot.group is not None or (slot.bucket is not None and slot.handle is None):
-                    continue
-                if isinstance(slot.handle, collective.Handle):
-                    slot.handle.wait()
-                    self._hvd_write_back(slot)
-                else:  # sparse: a function that waits and builds the summed tensor
-                    self._hvd_write_back(slot, slot.handle())
-            for group in self._hvd_groups:
-                group.handle.wait()
-                for slot in group.slots:
-                    self._hvd_write_back(slot)
-        finally:
-            self._hvd_reset()
+        self._hvd_reducer.synchronize()
         self._hvd_synchronized = True
 
     def _hvd_reset(self) -> None:
-        for slot in self._hvd_slots:
-            slot.delay = self.backward_passes_per_step
-            slot.handle = slot.send = slot.cctx = None
-        for group in self._hvd_groups:
-            group.ready = 0
-            group.handle = None
-        for bucket in self._hvd_buckets:
-            bucket.reset()
-        self._hvd_dirty = False
+        self._hvd_reducer.reset()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -377,7 +177,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Raises:
             AssertionError: gradients are still being reduced (backward ran, step did not).
         """
-        if self._hvd_dirty:
+        if self._hvd_reducer.dirty:
             raise AssertionError(_ZERO_GRAD_RACE)
         return super().zero_grad(*args, **kwargs)
 
@@ -390,6 +190,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if passes <= 0:
             raise ValueError("backward_passes_per_step must be > 0")
         self.backward_passes_per_step = passes
+        self._hvd_reducer.passes = passes
         self._hvd_reset()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -401,21 +202,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_hvd_active", False):  # during construction, or a single rank
             return
         gi = len(self.param_groups) - 1
-        known = {id(s.param) for s in self._hvd_slots}
-        ref = weakref.ref(self)
+        reducer = self._hvd_reducer
+        known = {id(s.param) for s in reducer.slots}
         for pi, p in enumerate(self.param_groups[gi]["params"]):
             if not p.requires_grad or id(p) in known:
                 continue
             name = self._parameter_names.get(p) or default_parameter_name(gi, pi)
             self._parameter_names[p] = name
-            slot = _Slot(p, name, self.backward_passes_per_step)
-            self._hvd_slots.append(slot)
-
-            def hook(_p: torch.Tensor, slot: _Slot = slot) -> None:
-                opt = ref()
-                if opt is not None:
-                    opt._hvd_on_grad(slot)
-            self._hvd_hooks.append(p.register_post_accumulate_grad_hook(hook))
+            self._hvd_hook(reducer.add(p, name))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads the wrapped optimizer's state and forgets in-flight gradient reductions."""

@@ -74,7 +74,7 @@ def reference(arrs: list[np.ndarray], dt: DataType, op: ReduceOp, pre: float = 1
 def enq(kind: RequestType, arrays: list[np.ndarray], dt: DataType, **kw) -> collective.Handle:
     fas = [FakeArray.of(a) for a in arrays]
     outs = kw.pop("inplace", False)
-    return collective.enqueue(kind, fas, device=0, dtypes=[dt] * len(fas),
+    return collective.adapter.enqueue(kind, fas, device=0, dtypes=[dt] * len(fas),
                               shapes=[a.shape for a in arrays],
                               ready_events=[4242 + i for i in range(len(fas))],
                               outputs=fas if outs else None, grouped=len(fas) > 1, **kw)
@@ -127,7 +127,7 @@ def allreduce_fused_scaled_inplace(n: int) -> None:
         for dt in (DataType.FLOAT32, DataType.BFLOAT16, DataType.INT32, DataType.FLOAT16):
             xs = [data(rank, s, dt, i) for i, s in enumerate(shapes)]
             fas = [FakeArray.of(x) for x in xs]
-            h = collective.enqueue(RequestType.ALLREDUCE, fas, device=0, dtypes=[dt] * len(fas),
+            h = collective.adapter.enqueue(RequestType.ALLREDUCE, fas, device=0, dtypes=[dt] * len(fas),
                                    shapes=shapes, outputs=fas, grouped=True, op=ReduceOp.AVERAGE,
                                    prescale=0.5, postscale=3.0, name=f"fused.{dt.name}")
             res = h.wait(10)
@@ -175,7 +175,7 @@ def broadcast_roots(n: int) -> None:
             assert np.array_equal(got, data(root, (7, 2), DataType.FLOAT64, root))
             y = data(rank, (3,), DataType.INT8, root)
             fa = FakeArray.of(y)
-            collective.enqueue(RequestType.BROADCAST, [fa], device=0, dtypes=[DataType.INT8],
+            collective.adapter.enqueue(RequestType.BROADCAST, [fa], device=0, dtypes=[DataType.INT8],
                                shapes=[(3,)], outputs=[fa], root=root,
                                name=f"bc_.{root}").wait(10)
             assert np.array_equal(fa.a, data(root, (3,), DataType.INT8, root))
@@ -267,8 +267,8 @@ def synchronous_device_ops_take_the_express_lane(n: int) -> None:
     # After the first op (which binds the GPU on the coordinator thread), a lone cached
     # synchronous device op runs inside its own enqueue; the engine keeps few ops in flight
     # (finished ones are reaped every few launches) and reuses their completion events.
-    from collective import runtime
-    from collective.engines import nccl as engine_mod
+    from collective import _current as runtime
+    from collective.engines.nccl import engine as engine_mod
     from collective.ops import wait_now
 
     def body(rank: int) -> None:
@@ -297,7 +297,7 @@ def express_ops_switch_streams_only_when_needed(n: int) -> None:
     # leaves the thread's CuPy stream alone; scaled and out-of-place ops make the engine's
     # stream current for their kernels and allocations (the fake kernels assert it) and give
     # the caller's stream back. Ready events from the engine's pool are recycled once waited on.
-    from collective import runtime
+    from collective import _current as runtime
     from collective.engines import device
     from collective.engines import nccl  # noqa: F401 - installs the ready-event pool
     from collective.ops import wait_now
@@ -320,7 +320,7 @@ def express_ops_switch_streams_only_when_needed(n: int) -> None:
             elif kind == 2:
                 kw["prescale"] = 2.0
             uses = _fakecuda.stream_uses()
-            res = wait_now(collective.synchronize, lambda: collective.enqueue(
+            res = wait_now(collective.synchronize, lambda: collective.adapter.enqueue(
                 RequestType.ALLREDUCE, [fa], device=0, dtypes=[DataType.FLOAT32],
                 shapes=[x.shape], ready_events=[ev], outputs=None if kind == 1 else [fa], **kw))
             want = np.full(5, n * (n + 1) / 2 * factor[kind], np.float32)
@@ -345,14 +345,14 @@ def ready_events_of_failed_ops_return_to_the_pool(n: int) -> None:
     def body(rank: int) -> None:
         mine = _fakecuda.Stream(non_blocking=True)
         warm = FakeArray.of(np.ones(3, np.float32))
-        collective.enqueue(RequestType.ALLREDUCE, [warm], device=0, dtypes=[DataType.FLOAT32],
+        collective.adapter.enqueue(RequestType.ALLREDUCE, [warm], device=0, dtypes=[DataType.FLOAT32],
                            shapes=[(3,)], ready_events=[device.record_ready(0, mine.ptr)],
                            name="bind", op=ReduceOp.SUM).wait(10)
         created = _fakecuda.calls.get("eventCreate", 0)
         for i in range(20):
             shape = (4 + (rank if i % 2 else 0),)  # odd rounds: shapes differ across ranks
             fa = FakeArray.of(np.ones(shape, np.float32))
-            h = collective.enqueue(RequestType.ALLREDUCE, [fa], device=0,
+            h = collective.adapter.enqueue(RequestType.ALLREDUCE, [fa], device=0,
                                    dtypes=[DataType.FLOAT32], shapes=[shape],
                                    ready_events=[device.record_ready(0, mine.ptr)],
                                    name=f"maybe_bad{i % 2}", op=ReduceOp.SUM)
@@ -386,10 +386,10 @@ def tensors_on_a_device_that_is_not_current(n: int) -> None:
             kw = dict(device=rank, dtypes=[DataType.FLOAT32], shapes=[(5,)], ready_events=[ev],
                       op=ReduceOp.SUM, name="offdev", prescale=0.5 if i % 2 else 1.0)
             if i < 3:
-                res = collective.enqueue(RequestType.ALLREDUCE, [x], **kw).wait(10)
+                res = collective.adapter.enqueue(RequestType.ALLREDUCE, [x], **kw).wait(10)
             else:  # synchronous: the express lane runs the engine on this thread
                 res = wait_now(collective.synchronize,
-                               lambda: collective.enqueue(RequestType.ALLREDUCE, [x], **kw))
+                               lambda: collective.adapter.enqueue(RequestType.ALLREDUCE, [x], **kw))
             assert _fakecuda._current_device() == 0, "an op left another device current"
             del _fakecuda.waits()[:]
             res.wait(0, rank)  # the caller's default stream of device `rank`
@@ -397,7 +397,7 @@ def tensors_on_a_device_that_is_not_current(n: int) -> None:
             assert _fakecuda._current_device() == 0
             want = sum(r + i for r in range(n)) * (0.5 if i % 2 else 1.0)
             assert np.array_equal(value(res), np.full(5, want, np.float32)), value(res)
-        eng = collective.runtime.current().member_sets()[0].device_engine
+        eng = collective._current.current().member_sets()[0].device_engine
         assert eng.device == rank
     run_loopback(n, body)
 
@@ -410,12 +410,12 @@ def an_op_on_a_second_device_names_both_devices(n: int) -> None:
     def body(rank: int) -> None:
         kw = dict(dtypes=[DataType.FLOAT32], shapes=[(3,)], op=ReduceOp.SUM)
         x = FakeArray.of(np.ones(3, np.float32))
-        res = collective.enqueue(RequestType.ALLREDUCE, [x], device=rank, name="first",
+        res = collective.adapter.enqueue(RequestType.ALLREDUCE, [x], device=rank, name="first",
                                  **kw).wait(10)
         assert np.array_equal(value(res), np.full(3, n, np.float32))
         other = rank + n
         try:
-            collective.enqueue(RequestType.ALLREDUCE, [FakeArray.of(np.ones(3, np.float32))],
+            collective.adapter.enqueue(RequestType.ALLREDUCE, [FakeArray.of(np.ones(3, np.float32))],
                                device=other, name="second", **kw).wait(10)
         except collective.HorovodInternalError as exc:
             # This rank's own error, or the first failing peer's (which aborted the group).

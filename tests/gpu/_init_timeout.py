@@ -13,16 +13,17 @@ for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"
 
 import torch  # noqa: E402
 
-import collective.engines.nccl as engine  # noqa: E402
+import collective.engines.nccl.comm as comm  # noqa: E402
+import collective.engines.nccl.engine as engine  # noqa: E402
 import frameworks.torch as hvd  # noqa: E402
 
-engine.COMM_INIT_TIMEOUT = 5.0
+comm.COMM_INIT_TIMEOUT = 5.0
 hvd.init()
 torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
 if hvd.rank() == 1:
     real = engine.exchange_unique_id
     engine.exchange_unique_id = lambda control: (real(control),
-                                                 engine._uid_bytes(engine.nccl.get_unique_id()))[1]
+                                                 comm._uid_bytes(comm.nccl.get_unique_id()))[1]
 try:
     hvd.allreduce(torch.ones(4, device="cuda"), name="never")
 except hvd.HorovodInternalError as exc:

@@ -4,7 +4,7 @@ The driver tests (`test_gpu_spmd_*`) launch this file's `spmd` tests on 2 ranks 
 the rank side checks every op and dtype against a float64 CPU reference built from every rank's
 (deterministic) input, stream ordering (a producer on a side stream, a consumer on another),
 mixed CPU/GPU work, training equality with `DistributedOptimizer` (plain, fp16 and bf16
-compression), `SyncBatchNorm`, CuPy arrays through `collective.enqueue`, and error paths.
+compression), `SyncBatchNorm`, CuPy arrays through `collective.adapter.enqueue`, and error paths.
 Skipped without CUDA (or with fewer than 2 GPUs) unless RINGVOD_TEST_REQUIRE names gpu.
 """
 from __future__ import annotations
@@ -314,7 +314,7 @@ def test_cupy_arrays_through_enqueue(hvd) -> None:
         a = cupy.full((257,), float(r + 1), dtype=cupy.float32)
         ev = cupy.cuda.Event()
         ev.record()
-        h = collective.enqueue(RequestType.ALLREDUCE, [a], device=a.device.id,
+        h = collective.adapter.enqueue(RequestType.ALLREDUCE, [a], device=a.device.id,
                                dtypes=[DataType.FLOAT32], shapes=[a.shape], ready_events=[ev],
                                op=collective.Sum, name="cupy.ar")
         res = h.wait()

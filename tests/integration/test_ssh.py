@@ -265,7 +265,7 @@ def test_horovod_run_over_ssh(sshd):
 @pytest.mark.timeout(120)
 def test_allreduce_over_ssh(sshd):
     """The runtime's tcp mode across a local and an ssh-launched rank."""
-    if not (REPO / "collective" / "engines" / "tcp.py").exists():
+    if not (REPO / "collective" / "engines" / "tcp").is_dir():
         pytest.skip("tcp engine not present in this tree")
     r = run_hvdrun("-np", "3", "-H", f"localhost:1,{REMOTE}:2", *sshd.args(), "--tcp",
                    sys.executable, "examples/hello_allreduce.py", timeout=90)

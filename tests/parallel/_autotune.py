@@ -8,12 +8,12 @@ import sys
 import numpy as np
 
 import collective as hvd
-import collective.runtime
+from collective import _current
 
 log_path = sys.argv[1]
 hvd.init()
 me, n = hvd.rank(), hvd.size()
-coord = collective.runtime.current().coordinator
+tuning = _current.current().coordinator.tuning
 sizes = [256 * (i + 1) * (1 + i % 3) * 8 for i in range(24)]  # 8 KiB .. 600 KiB of float32
 steps = 0
 while True:
@@ -25,12 +25,12 @@ while True:
         want = sum(r + 1 + i + steps for r in range(n))
         assert out.shape == (sizes[i],) and np.all(out == want), (steps, i, out[:4], want)
     # Every rank stops at the same step: once rank 0's tuning ended (a collective decision).
-    done = coord.retunes and not coord.retunes[-1][1].active
+    done = tuning.retunes and not tuning.retunes[-1][1].active
     if hvd.allreduce(np.array([1.0 if done else 0.0]), op=hvd.Min, name="done")[0] == 1.0:
         break
-    assert steps < 400, f"autotune did not finish in {steps} steps: {coord.retunes}"
+    assert steps < 400, f"autotune did not finish in {steps} steps: {tuning.retunes}"
 
-mine = np.array([[r, p.fusion_threshold, p.cycle_time_ms, p.active] for r, p in coord.retunes],
+mine = np.array([[r, p.fusion_threshold, p.cycle_time_ms, p.active] for r, p in tuning.retunes],
                 np.float64)
 counts = hvd.allgather(np.array([len(mine)]), name="count")
 assert len(set(counts.tolist())) == 1, counts
@@ -38,8 +38,8 @@ theirs = hvd.broadcast(mine, root_rank=0, name="retunes")
 assert np.array_equal(mine, theirs), (me, mine, theirs)
 thresholds = {int(x) for x in mine[:, 1]}
 assert len(thresholds) >= 4, thresholds  # the search really switched the fusion plan
-assert mine[-1, 3] == 0 and coord.tuner is None
-assert coord.fusion_threshold == int(mine[-1, 1])
+assert mine[-1, 3] == 0 and tuning.driver is None
+assert tuning.fusion_threshold == int(mine[-1, 1])
 if me == 0:
     with open(log_path) as f:
         lines = f.read().splitlines()

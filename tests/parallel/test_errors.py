@@ -15,7 +15,7 @@ import pytest
 import collective as hvd
 from collective.entry import Entry
 from collective.handle import Handle
-from collective.runtime import current
+from collective._current import current
 from collective.types import Request, RequestType, dtype_of
 from tests._spmd import spmd_driver
 from tests.parallel._util import within

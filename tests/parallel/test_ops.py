@@ -237,7 +237,7 @@ def test_named_synchronous_ops_take_the_express_lane():
     # A lone synchronous op whose name is cached runs inside its own enqueue on the caller's
     # thread (Coordinator.express); an idle round of a peer's coordinator thread can make an
     # op take the ordinary path now and then, never most of the time.
-    from collective.runtime import current
+    from collective._current import current
 
     coord = current().coordinator
     n = hvd.size()

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.parallel.test_tcp_runtime import _base_env, _report, _spawn
+from tests._spmd import run_procs
 
 pytestmark = [pytest.mark.tcp]
 
@@ -46,8 +46,8 @@ _ATTACKER = r"""
 import builtins, os, pickle, sys
 import numpy as np
 import collective as hvd
-import collective.coordinator as co
-from collective.engines import tcp
+import collective.coordinator.negotiate as co
+from collective.engines.tcp import plane as tcp
 
 class Evil:
     def __reduce__(self):
@@ -78,19 +78,19 @@ def test_pickle_from_an_unauthenticated_rank_does_not_run(where: str, tmp_path) 
     port = _free_port()
 
     def env_of(r: int) -> dict[str, str]:
-        return dict(_base_env(), RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        return dict(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port - 1), HOROVOD_GLOO_TIMEOUT_SECONDS="10",
                     PWNED=str(pwned), ATTACK_AT=where)
 
     script = (f"import os\nV = {_VICTIM!r}\nA = {_ATTACKER!r}\n"
               "exec(V if os.environ['RANK'] == '0' else A)\n")
-    res = _spawn(script, 2, env_of, timeout=45)
-    assert not pwned.exists(), "the attacker's pickle ran inside rank 0\n" + _report(res)
-    rc, out = res[0]
-    assert rc == 0 and "VICTIM: refused" in out, _report(res)
-    assert "malformed" in out and "rank 1" in out, _report(res)
+    res = run_procs(2, code=script, env=env_of, timeout=45, check=False)
+    assert not pwned.exists(), "the attacker's pickle ran inside rank 0\n" + res.report()
+    rc, out = res.returncodes[0], res.outputs[0]
+    assert rc == 0 and "VICTIM: refused" in out, res.report()
+    assert "malformed" in out and "rank 1" in out, res.report()
     # rank 0 said, once, that the job is not authenticated
-    assert out.count("without a job secret") == 1, _report(res)
+    assert out.count("without a job secret") == 1, res.report()
 
 
 # -- 4. pre-authentication limits ---------------------------------------------------------------
@@ -127,7 +127,7 @@ def _slowloris(port: int, magic_len: int, interval: float, limit: float) -> floa
 
 @pytest.mark.timeout(30)
 def test_slowloris_is_cut_at_the_handshake_deadline() -> None:
-    from collective.engines.tcp_net import Fabric
+    from collective.engines.tcp.net import Fabric
     from collective.rendezvous import KVServer
     srv = KVServer("127.0.0.1", 0, b"s" * 32)
     srv.handshake_timeout = 1.0
@@ -185,7 +185,8 @@ def _warnings(log) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_store_flood_does_not_lock_out_real_clients(log) -> None:
-    from collective.rendezvous import MAX_PENDING, KVClient, KVServer
+    from collective.auth import MAX_PENDING
+    from collective.rendezvous import KVClient, KVServer
     secret = os.urandom(32)
     srv = KVServer("127.0.0.1", 0, secret)
     srv.handshake_timeout = 2.0
@@ -216,8 +217,8 @@ def test_store_flood_does_not_lock_out_real_clients(log) -> None:
 
 @pytest.mark.timeout(60)
 def test_worker_listener_flood_does_not_stop_connections(log) -> None:
-    from collective.engines.tcp_net import Fabric
-    from collective.rendezvous import MAX_PENDING
+    from collective.engines.tcp.net import Fabric
+    from collective.auth import MAX_PENDING
     secret = os.urandom(32)
     fabs = [Fabric(r, secret, 10.0, "127.0.0.1", use_unix=False) for r in range(2)]
     infos = [f.start("localhost") for f in fabs]
@@ -250,7 +251,7 @@ def test_worker_listener_flood_does_not_stop_connections(log) -> None:
 # -- 5. a handshake that times out while dialling names the ranks and the address ---------------
 @pytest.mark.timeout(30)
 def test_dial_handshake_timeout_names_rank_peer_and_address() -> None:
-    from collective.engines.tcp_net import Fabric, PeerInfo
+    from collective.engines.tcp.net import Fabric, PeerInfo
     from collective.errors import CollectiveTimeoutError
     mute = socket.socket()
     mute.bind(("127.0.0.1", 0))
@@ -274,7 +275,7 @@ def test_dial_handshake_timeout_names_rank_peer_and_address() -> None:
 _FLOODED_JOB = r"""
 import os, sys, time, numpy as np
 import collective as hvd
-from collective.runtime import current
+from collective._current import current
 for i in range(2):  # init -> work -> shutdown -> init under the flood
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -301,7 +302,7 @@ def test_job_keeps_running_and_reinits_under_a_connection_flood(tmp_path) -> Non
     secret = os.urandom(32).hex()
 
     def env_of(r: int) -> dict[str, str]:
-        return dict(_base_env(), RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        return dict(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port - 1), HOROVOD_GLOO_TIMEOUT_SECONDS="30",
                     HOROVOD_SECRET_KEY=secret, PORT_FILE=str(port_file))
 
@@ -317,11 +318,11 @@ def test_job_keeps_running_and_reinits_under_a_connection_flood(tmp_path) -> Non
     t = threading.Thread(target=listener_flood, daemon=True)
     t.start()
     try:
-        res = _spawn(_FLOODED_JOB, 2, env_of, timeout=90)
+        res = run_procs(2, code=_FLOODED_JOB, env=env_of, timeout=90)
     finally:
         stop.set()
         t.join(5)
         for f in floods:
             f.close()
-    assert all(rc == 0 and "FLOODED JOB OK" in out for rc, out in res), _report(res)
+    assert all("FLOODED JOB OK" in out for out in res.outputs), res.report()
     assert len(floods) == 2 and floods[1].opened > 20, [f.opened for f in floods]

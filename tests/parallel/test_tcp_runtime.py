@@ -4,24 +4,21 @@
   2 and 4 (this module registers the harness's "tcp" launcher).
 * The tcp-specific rank-side tests of this file (mode, topology, init -> shutdown -> init)
   run the same way.
-* Drivers start ranks themselves for what a launcher would hide: torchrun-style variables
-  (rank 0 serves the store), and a rank SIGKILLed mid-allreduce (the survivors must raise
-  HorovodInternalError within seconds, not hang until the timeout).
+* Drivers start plain rank processes (`run_procs`) for what a launcher would hide:
+  torchrun-style variables (rank 0 serves the store), and a rank SIGKILLed mid-allreduce (the
+  survivors must raise HorovodInternalError within seconds, not hang until the timeout).
 """
 from __future__ import annotations
 
 import os
 import signal
 import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 
 import collective as hvd
-from tests._spmd import REPO, run_spmd
+from tests._spmd import run_procs, run_spmd
 
 SHARED = ["tests/parallel/test_ops.py", "tests/parallel/test_process_sets.py",
           "tests/parallel/test_errors.py", "tests/parallel/test_join.py"]
@@ -42,46 +39,8 @@ def test_shared_suites_in_tcp_mode(np_: int, request: pytest.FixtureRequest) -> 
              args=["-k", DESELECT])
 
 
-def _spawn(script: str, n: int, env_of, timeout: float) -> list[tuple[int, str]]:
-    """Starts `n` ranks of `script` (env from env_of(rank)); returns (rc, output) per rank,
-    killing every rank at the deadline."""
-    procs = [subprocess.Popen([sys.executable, "-u", "-c", script], env=env_of(r), cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(n)]
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGUSR1)  # faulthandler dump, if registered
-    time.sleep(0.5)
-    out = []
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-        out.append((p.returncode, p.stdout.read().decode(errors="replace")))
-    return out
-
-
-def _report(results: list[tuple[int, str]]) -> str:
-    return "\n".join(f"----- rank {r} (rc {rc}) -----\n{o}" for r, (rc, o) in enumerate(results))
-
-
-def _base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HOROVOD_", "OMPI_", "PMI", "RINGVOD_SPMD"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = REPO
-    return env
-
-
 _TORCHRUN_SCRIPT = r"""
-import faulthandler, signal, numpy as np
-faulthandler.register(signal.SIGUSR1)
+import numpy as np
 import collective as hvd
 for i in range(2):  # init -> shutdown -> init
     hvd.init()
@@ -105,17 +64,15 @@ def test_torchrun_style_environment() -> None:
         port = s.getsockname()[1]  # free: ringvod's store takes MASTER_PORT + 1
 
     def env_of(r: int) -> dict[str, str]:
-        return dict(_base_env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1),
+        return dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1),
                     HOROVOD_GLOO_TIMEOUT_SECONDS="20")
 
-    res = _spawn(_TORCHRUN_SCRIPT, 2, env_of, timeout=90)
-    assert all(rc == 0 for rc, _ in res), _report(res)
+    run_procs(2, code=_TORCHRUN_SCRIPT, env=env_of, timeout=90)
 
 
 _KILL_SCRIPT = r"""
-import faulthandler, os, signal, sys, threading, time, numpy as np
-faulthandler.register(signal.SIGUSR1)
+import os, signal, sys, threading, time, numpy as np
 import collective as hvd
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -153,18 +110,17 @@ def test_sigkilled_rank_fails_the_survivors_fast(n: int) -> None:
     _, port = server.start()
 
     def env_of(r: int) -> dict[str, str]:
-        return dict(_base_env(), HOROVOD_RANK=str(r), HOROVOD_SIZE=str(n),
+        return dict(HOROVOD_RANK=str(r), HOROVOD_SIZE=str(n),
                     HOROVOD_LOCAL_RANK=str(r), HOROVOD_LOCAL_SIZE=str(n),
                     HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1",
                     HOROVOD_GLOO_RENDEZVOUS_PORT=str(port), HOROVOD_SECRET_KEY=secret.hex(),
                     HOROVOD_CONTROLLER="gloo", HOROVOD_GLOO_TIMEOUT_SECONDS="60")
 
     try:
-        res = _spawn(_KILL_SCRIPT, n, env_of, timeout=60)
+        run_procs(n, code=_KILL_SCRIPT, env=env_of, timeout=60,
+                  expect_rc={n - 1: -signal.SIGKILL})
     finally:
         server.stop()
-    assert res[-1][0] == -signal.SIGKILL, _report(res)
-    assert all(rc == 0 for rc, _ in res[:-1]), _report(res)
 
 
 # -- rank side (run by test_shared_suites_in_tcp_mode) -----------------------------------------

@@ -92,7 +92,7 @@ def test_rank_static_timeline():
         assert ts == sorted(ts)
     assert any(r.get("ph") == "i" and r["name"] == "CYCLE_START" and r["s"] == "g"
                for r in recs)
-    from collective.timeline_cli import format_summary, summarize
+    from collective.timeline import format_summary, summarize
     summary = summarize(recs)
     assert summary.open_spans == 0
     assert "MPI_ALLREDUCE" in {r.name for r in summary.activities}

@@ -18,7 +18,7 @@ import pytest
 import collective as hvd
 from collective.engines.base import ControlPlane
 from collective.ops import _control_op
-from collective.runtime import current, use_runtime
+from collective._current import current, use_runtime
 from collective.types import RequestType
 from tests._spmd import LoopbackFailure, run_loopback
 

@@ -130,7 +130,7 @@ def test_setup_script_says_what_it_installs_and_skip_ssh(tmp_path):
     assert "SKIP_SSH=1: not installing OpenSSH" in r.stdout
     calls = log.read_text()
     assert "--index-url https://download.pytorch.org/whl/cpu" in calls
-    assert '-e .[mpi,torch,test,yaml,plot]' in calls
+    assert '-e .[mpi,torch,test,yaml,plot,ray,tensorflow]' in calls
 
 
 def test_mpi_output_tags_become_tcp_modes_prefix():

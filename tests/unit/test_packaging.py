@@ -37,7 +37,7 @@ def test_horovodrun_is_an_alias_of_hvdrun():
 
 def test_gpu_extras_install_the_nccl_wheel_the_engine_names():
     extras = PROJECT["optional-dependencies"]
-    text = (REPO / "collective/engines/nccl.py").read_text()
+    text = "".join(p.read_text() for p in (REPO / "collective/engines/nccl").glob("*.py"))
     for extra, wheel in (("gpu", "nvidia-nccl-cu12"), ("gpu-cu13", "nvidia-nccl-cu13")):
         assert wheel in text, f"the engine's message no longer names {wheel}"
         assert any(dep.startswith(wheel) for dep in extras[extra]), (extra, extras[extra])

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from collective.errors import CollectiveTimeoutError, HorovodInternalError
-from collective.rendezvous import (KV_MAGIC, KVClient, KVServer, handshake_client,
-                                   recv_exact)
+from collective.auth import handshake_client, recv_exact
+from collective.rendezvous import KV_MAGIC, KVClient, KVServer
 
 SECRET = os.urandom(32)
 
@@ -193,9 +193,11 @@ def test_values_are_never_unpickled(server: KVServer) -> None:
         c.put("global", "p", payload)
         assert c.get("global", "p") == payload
     assert not os.path.exists(path)
-    import collective.rendezvous as rz
-    src = open(rz.__file__).read()
-    assert "import pickle" not in src and "loads(" not in src
+    import collective.auth
+    import collective.rendezvous
+    for mod in (collective.rendezvous, collective.auth):
+        src = open(mod.__file__).read()
+        assert "import pickle" not in src and "loads(" not in src, mod.__name__
 
 
 def test_client_waits_for_a_server_that_starts_later() -> None:

@@ -1,17 +1,15 @@
 """The tcp control plane and data engine directly, in real processes over real sockets.
 
-The test process plays hvdrun: it runs a `KVServer` and starts each rank as a subprocess that
-runs a scenario of this file (`python test_tcp_plane.py --worker <scenario> <rank> <size>
-<port>`). Every run has a hard timeout; on failure or timeout every rank's output (with a
-faulthandler dump for hung ranks) is printed.
+The test process plays hvdrun: it runs a `KVServer` and starts each rank as a process (the
+harness's `run_procs`) that runs a scenario of this file (`test_tcp_plane.py --worker
+<scenario> <rank> <size> <port>`). Every run has a hard timeout; on failure or timeout every
+rank's output (with a faulthandler dump of hung ranks) is printed.
 """
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -27,57 +25,31 @@ from collective.config import read_env  # noqa: E402
 from collective.errors import CollectiveTimeoutError, HorovodInternalError  # noqa: E402
 from collective.rendezvous import KVServer  # noqa: E402
 from collective.types import ReduceOp  # noqa: E402
+from tests._spmd import run_procs  # noqa: E402
 
 SECRET = "5ec12e7" + "0" * 57
 
 
 # -- driver ------------------------------------------------------------------------------------
-def run_ranks(scenario: str, n: int, timeout: float = 60.0, gloo_timeout: float = 10.0,
-              expect_rc: dict[int, int] | None = None,
-              env: dict[str, str] | None = None) -> list[str]:
-    """Runs `scenario` on `n` ranks; returns each rank's output. Fails (printing every rank's
-    output) on a timeout or an unexpected exit code."""
+def _run_scenario(scenario: str, n: int, timeout: float = 60.0, gloo_timeout: float = 10.0,
+                  expect_rc: dict[int, int] | None = None,
+                  env: dict[str, str] | None = None) -> list[str]:
+    """Runs `scenario` on `n` ranks against a store of this process; returns each rank's
+    output. Fails (printing every rank's output) on a timeout or an unexpected exit code."""
     server = KVServer("127.0.0.1", 0, bytes.fromhex(SECRET))
     _, port = server.start()
-    procs, outs = [], []
     try:
-        for r in range(n):
-            e = dict(os.environ, PYTHONPATH=REPO, GLOO_TEST_TIMEOUT=str(gloo_timeout),
-                     WORKER_DEADLINE=str(timeout - 5), TCP_TEST_TRANSPORT="shm")
-            e.update(env or {})
-            procs.append(subprocess.Popen(
-                [sys.executable, "-u", os.path.abspath(__file__), "--worker", scenario, str(r),
-                 str(n), str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e))
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        for p in procs:
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            outs.append(p.stdout.read().decode(errors="replace"))
+        res = run_procs(n, script=__file__, timeout=timeout, expect_rc=expect_rc,
+                        args=["--worker", scenario, "{rank}", str(n), str(port)],
+                        env=dict({"GLOO_TEST_TIMEOUT": str(gloo_timeout),
+                                  "TCP_TEST_TRANSPORT": "shm"}, **(env or {})))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         server.stop()
-    want = expect_rc or {}
-    bad = [r for r, p in enumerate(procs) if p.returncode != want.get(r, 0)]
-    if timed_out or bad:
-        report = "\n".join(f"----- rank {r} (rc {p.returncode}) -----\n{outs[r]}"
-                           for r, p in enumerate(procs))
-        pytest.fail(f"scenario {scenario} at {n} ranks "
-                    f"{'timed out' if timed_out else f'failed on ranks {bad}'}:\n{report}",
-                    pytrace=False)
-    return outs
+    return res.outputs
 
 
 def _plane(rank: int, size: int, port: int, secret: str = SECRET):
-    from collective.engines import tcp, tcp_net, tcp_shm
+    from collective.engines.tcp import net as tcp_net, plane as tcp, ring as tcp_ring, shm as tcp_shm
     transport = os.environ.get("TCP_TEST_TRANSPORT", "shm")
     tcp_net.UNIX_SOCKETS = transport != "tcp"
     tcp_shm.ENABLED = tcp_shm.ENABLED and transport in ("shm", "ring")
@@ -86,7 +58,7 @@ def _plane(rank: int, size: int, port: int, secret: str = SECRET):
                    rendezvous_port=port, secret_key=secret,
                    gloo_timeout=float(os.environ["GLOO_TEST_TIMEOUT"]))
     plane = tcp.create_backend(cfg)
-    return plane, tcp.create_engine(plane, cfg)
+    return plane, tcp_ring.create_engine(plane, cfg)
 
 
 # -- scenarios (run inside the ranks) ----------------------------------------------------------
@@ -94,8 +66,8 @@ def scenario_ops(rank: int, size: int, port: int) -> None:
     plane, eng = _plane(rank, size, port)
     assert (plane.rank, plane.size) == (rank, size)
     if size > 1:
-        from collective.engines import tcp_cma
-        from collective.engines.tcp_shm import ShmLink
+        from collective.engines.tcp import cma as tcp_cma
+        from collective.engines.tcp.shm import ShmLink
         link = plane.link((rank + 1) % size)
         transport = os.environ["TCP_TEST_TRANSPORT"]
         want = socket.AF_INET if transport == "tcp" else socket.AF_UNIX
@@ -156,7 +128,7 @@ def scenario_ops(rank: int, size: int, port: int) -> None:
 
 
 def scenario_split(rank: int, size: int, port: int) -> None:
-    from collective.engines import tcp
+    from collective.engines.tcp.ring import create_engine
     plane, _ = _plane(rank, size, port)
     evens = [r for r in range(size) if r % 2 == 0]
     odds_rev = [r for r in reversed(range(size)) if r % 2 == 1]
@@ -169,7 +141,7 @@ def scenario_split(rank: int, size: int, port: int) -> None:
         assert sub.rank == ranks.index(rank)
         got = sub.allgather(str(rank).encode())
         assert got == [str(r).encode() for r in ranks], got
-        eng = tcp.create_engine(sub, _cfg_stub())
+        eng = create_engine(sub, _cfg_stub())
         a = np.full(300_000, rank, np.int64)
         eng._allreduce(a, ReduceOp.SUM)
         assert (a == sum(ranks)).all()
@@ -269,13 +241,14 @@ def scenario_reinit(rank: int, size: int, port: int) -> None:
 
 def scenario_torchrun(rank: int, size: int, port: int) -> None:
     """torchrun-style variables; rank 0 serves the store on MASTER_PORT + 1."""
-    from collective.engines import tcp
+    from collective.engines.tcp.plane import create_backend
+    from collective.engines.tcp.ring import create_engine
     cfg = read_env({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": os.environ["TORCHRUN_PORT"], "LOCAL_RANK": str(rank),
                     "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"})
     for _ in range(2):  # init -> shutdown -> init
-        plane = tcp.create_backend(cfg)
-        eng = tcp.create_engine(plane, cfg)
+        plane = create_backend(cfg)
+        eng = create_engine(plane, cfg)
         a = np.full(100_000, rank, np.int32)
         eng._allreduce(a, ReduceOp.SUM)
         assert (a == sum(range(size))).all()
@@ -289,19 +262,19 @@ def scenario_torchrun(rank: int, size: int, port: int) -> None:
 def test_primitives_match_numpy(n: int, transport: str) -> None:
     """Ranks of a host: reading each other's memory (shm: cross-memory attach), shared-memory
     rings (ring), plain Unix sockets (unix); ranks of different hosts: TCP."""
-    run_ranks("ops", n, timeout=200, env={"TCP_TEST_TRANSPORT": transport})
+    _run_scenario("ops", n, timeout=200, env={"TCP_TEST_TRANSPORT": transport})
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 4])
 def test_split(n: int) -> None:
-    run_ranks("split", n, timeout=90)
+    _run_scenario("split", n, timeout=90)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n,transport", [(2, "shm"), (4, "shm"), (3, "ring"), (3, "tcp")])
 def test_sigkill_mid_allreduce_raises_on_survivors(n: int, transport: str) -> None:
-    outs = run_ranks("kill", n, timeout=90, gloo_timeout=30.0,
+    outs = _run_scenario("kill", n, timeout=90, gloo_timeout=30.0,
                      expect_rc={n - 1: -signal.SIGKILL}, env={"TCP_TEST_TRANSPORT": transport})
     for r in range(n - 1):
         assert "HorovodInternalError" in outs[r], outs[r]
@@ -311,23 +284,23 @@ def test_sigkill_mid_allreduce_raises_on_survivors(n: int, transport: str) -> No
 
 @pytest.mark.timeout(60)
 def test_frozen_peer_times_out() -> None:
-    outs = run_ranks("stop", 2, timeout=30, gloo_timeout=2.0, expect_rc={1: -signal.SIGKILL})
+    outs = _run_scenario("stop", 2, timeout=30, gloo_timeout=2.0, expect_rc={1: -signal.SIGKILL})
     assert "timed out" in outs[0]
 
 
 @pytest.mark.timeout(60)
 def test_abort_unblocks_without_spinning() -> None:
-    run_ranks("abort_idle", 2, timeout=40, gloo_timeout=20.0)
+    _run_scenario("abort_idle", 2, timeout=40, gloo_timeout=20.0)
 
 
 @pytest.mark.timeout(60)
 def test_wrong_secret_is_refused() -> None:
-    run_ranks("wrong_secret", 2, timeout=40, gloo_timeout=3.0)
+    _run_scenario("wrong_secret", 2, timeout=40, gloo_timeout=3.0)
 
 
 @pytest.mark.timeout(90)
 def test_reinit() -> None:
-    run_ranks("reinit", 2, timeout=60)
+    _run_scenario("reinit", 2, timeout=60)
 
 
 @pytest.mark.timeout(90)
@@ -335,13 +308,13 @@ def test_torchrun_style_env() -> None:
     with socket.socket() as s:  # a free pair of ports: MASTER_PORT (unused) and +1
         s.bind(("127.0.0.1", 0))
         p = s.getsockname()[1]
-    run_ranks("torchrun", 2, timeout=60, env={"TORCHRUN_PORT": str(p - 1 if p > 1025 else p)})
+    _run_scenario("torchrun", 2, timeout=60, env={"TORCHRUN_PORT": str(p - 1 if p > 1025 else p)})
 
 
 def test_unauthenticated_peer_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     """A connection to a rank's listener without the secret is logged and dropped."""
-    from collective.engines.tcp_net import Fabric
-    from collective.rendezvous import handshake_client
+    from collective.engines.tcp.net import Fabric
+    from collective.auth import handshake_client
     import logging
     fab = Fabric(0, b"right", 5.0, "127.0.0.1", use_unix=False)
     me = fab.start("localhost")
@@ -373,8 +346,6 @@ def test_unauthenticated_peer_is_refused_and_logged(caplog: pytest.LogCaptureFix
 # -- worker entry point ------------------------------------------------------------------------
 def _worker(argv: list[str]) -> None:
     scenario, rank, size, port = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-    faulthandler.dump_traceback_later(float(os.environ.get("WORKER_DEADLINE", "60")),
-                                      exit=True)
     globals()[f"scenario_{scenario}"](rank, size, port)
     print(f"rank {rank}: scenario {scenario} passed", flush=True)
 

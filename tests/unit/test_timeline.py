@@ -406,7 +406,7 @@ def _crash_states(writes: list[tuple[int, bytes]], page: int):
 
 
 def _spy_writes(monkeypatch):
-    import collective.timeline as tlmod
+    import collective.timeline.tracefile as tlmod
     writes: list[tuple[int, bytes]] = []
     real = os.pwrite
 
@@ -420,8 +420,8 @@ def _spy_writes(monkeypatch):
 
 def test_every_kill_point_leaves_whole_records(tmp_path, monkeypatch):
     """Replays the writes and checks every state a SIGKILL could leave (deterministic)."""
-    import collective.timeline as tlmod
-    from collective.timeline_cli import load_events
+    import collective.timeline.tracefile as tlmod
+    from collective.timeline import load_events
     writes = _spy_writes(monkeypatch)
     t = Timeline(str(tmp_path / "p.json"), mark_cycles=True)
     for i in range(400):  # records of many lengths, so boundaries fall everywhere
@@ -473,7 +473,7 @@ def test_file_appears_whole(tmp_path, monkeypatch):
         assert load(dst) == []  # the old file is still in place until the rename
         return real(src, dst)
 
-    import collective.timeline as tlmod
+    import collective.timeline.tracefile as tlmod
     monkeypatch.setattr(tlmod.os, "rename", spy)
     t = Timeline(str(path))
     assert seen and seen[0][1] == "process_name"
@@ -512,7 +512,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_loadable_after_sigkill(tmp_path):
-    from collective.timeline_cli import load_events
+    from collective.timeline import load_events
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(repo=REPO))
     path = tmp_path / "killed.json"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from collective import timeline_cli as cli
+from collective.timeline import cli, summary
 from collective.timeline import Timeline
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,7 +79,7 @@ def golden(tmp_path):
 
 
 def test_golden_numbers(golden):
-    s = cli.summarize(cli.load_events(golden))
+    s = summary.summarize(summary.load_events(golden))
     assert s.start_time_since_epoch_in_micros == 1700000000000000
     assert s.duration_us == 3000 and s.cycles == 2 and s.open_spans == 1
     acts = {r.name: (r.count, r.total_us) for r in s.activities}
@@ -118,7 +118,7 @@ def test_golden_numbers(golden):
 
 
 def test_text_report(golden):
-    text = cli.format_summary(cli.summarize(cli.load_events(golden)))
+    text = summary.format_summary(summary.summarize(summary.load_events(golden)))
     assert "3.000 ms traced, 3 tensors, 4 operations, 2 cycles marked, 1 spans still open" in text
     lines = text.splitlines()
     row = next(line for line in lines if line.startswith("MPI_ALLREDUCE"))
@@ -151,20 +151,20 @@ def test_truncated_and_object_forms(tmp_path, golden):
     text = open(golden).read()
     cut = tmp_path / "cut.json"
     cut.write_text(text[: text.index('"MPI_BCAST"') - 30])  # torn mid-record, no "]"
-    s = cli.summarize(cli.load_events(str(cut)))
+    s = summary.summarize(summary.load_events(str(cut)))
     assert {r.name for r in s.operations} == {"ALLREDUCE"}  # BROADCAST never closed
     assert "NEGOTIATE_BROADCAST" in {r.name for r in s.activities}
     # Horovod's old layout: records end with ",\n" and there is no closing bracket.
     lines = tmp_path / "lines.json"
     lines.write_text("[\n" + "".join(json.dumps(e) + ",\n" for e in GOLDEN))
-    assert cli.summarize(cli.load_events(str(lines))).duration_us == 3000
+    assert summary.summarize(summary.load_events(str(lines))).duration_us == 3000
     obj = tmp_path / "obj.json"
     obj.write_text(json.dumps({"traceEvents": GOLDEN}))
-    assert cli.summarize(cli.load_events(str(obj))).duration_us == 3000
+    assert summary.summarize(summary.load_events(str(obj))).duration_us == 3000
     empty = tmp_path / "empty.json"
     empty.write_text("")
     with pytest.raises(ValueError, match="no trace events"):
-        cli.load_events(str(empty))
+        summary.load_events(str(empty))
 
 
 def test_recorded_file(tmp_path):
@@ -187,14 +187,14 @@ def test_recorded_file(tmp_path):
         for n in names:
             t.end(n, "float32", (8,))
     t.close()
-    s = cli.summarize(cli.load_events(path))
+    s = summary.summarize(summary.load_events(path))
     assert s.cycles == 3 and s.open_spans == 0
     assert {r.name: r.count for r in s.operations} == {"ALLREDUCE": 15}
     assert {r.name: r.count for r in s.activities} == {
         "NEGOTIATE_ALLREDUCE": 15, "QUEUE": 15, "MEMCPY_IN_FUSION_BUFFER": 15,
         "MPI_ALLREDUCE": 15, "MEMCPY_OUT_FUSION_BUFFER": 15}
     assert all(t.last_rank == 1 and t.last_rank_times == 3 for t in s.tensors)
-    assert set(s.phases) <= set(cli.PHASES)
+    assert set(s.phases) <= set(summary.PHASES)
 
 
 def test_png(golden, tmp_path):
@@ -211,11 +211,11 @@ def test_png_without_matplotlib(golden, tmp_path, monkeypatch):
 
 
 def test_categories():
-    assert cli.category_of("NEGOTIATE_ALLGATHER") == "negotiation"
-    assert cli.category_of("QUEUE") == "queue/wait"
-    assert cli.category_of("WAIT_FOR_DATA") == "queue/wait"
-    assert cli.category_of("MEMCPY_IN_FUSION_BUFFER") == "copies"
-    assert cli.category_of("COPY_ALLGATHER_OUTPUT") == "copies"
-    assert cli.category_of("INIT_FUSION_BUFFER") == "setup"
-    assert cli.category_of("NCCL_ALLREDUCE") == "data movement"
-    assert cli.category_of("GLOO_BCAST") == "data movement"
+    assert summary.category_of("NEGOTIATE_ALLGATHER") == "negotiation"
+    assert summary.category_of("QUEUE") == "queue/wait"
+    assert summary.category_of("WAIT_FOR_DATA") == "queue/wait"
+    assert summary.category_of("MEMCPY_IN_FUSION_BUFFER") == "copies"
+    assert summary.category_of("COPY_ALLGATHER_OUTPUT") == "copies"
+    assert summary.category_of("INIT_FUSION_BUFFER") == "setup"
+    assert summary.category_of("NCCL_ALLREDUCE") == "data movement"
+    assert summary.category_of("GLOO_BCAST") == "data movement"

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..types import DataType
+from ...types import DataType
 
 __all__ = ["CHUNK", "THREADS", "Kernels", "CopyStager", "copy_table"]
 

@@ -2,7 +2,7 @@
 
 Two kinds of bytes travel on a link: *raw* ones (headers and small messages, written straight
 to the socket) and *stream* ones (bulk payload handed to `post`: on the socket here, through
-shared memory in `tcp_shm.ShmLink`). Both leave in the order they were handed over: when
+shared memory in `shm.ShmLink`). Both leave in the order they were handed over: when
 anything is queued for the link's sender thread, raw sends queue behind it.
 
 Only the coordinator thread calls a link, plus the link's own sender thread
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveTimeoutError, HorovodInternalError
-from .tcp_net import Fabric
+from ...errors import CollectiveTimeoutError, HorovodInternalError
+from .net import Fabric
 
 __all__ = ["Link", "DIRECT_MAX", "HDR_SIZE", "SMALL_SPIN", "BULK_SPIN"]
 
@@ -48,7 +48,7 @@ class Link:
     """A connection to one peer of one plane. Only the coordinator thread calls it (plus the
     link's own sender thread)."""
 
-    zero_copy = False  # True: a post is done only when the peer has read it (tcp_shm CMA)
+    zero_copy = False  # True: a post is done only when the peer has read it (shm.py, CMA)
 
     def __init__(self, fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
                  plane: str) -> None:
@@ -97,7 +97,7 @@ class Link:
     # -- sending ----------------------------------------------------------------------------
     # Two kinds of bytes travel on a link: "raw" (headers and small messages, always on the
     # socket) and "stream" (bulk payload handed to `post`; on the socket here, through shared
-    # memory in `tcp_shm.ShmLink`). Both kinds leave in the order they were handed over.
+    # memory in `shm.ShmLink`). Both kinds leave in the order they were handed over.
     def send(self, data: bytes | bytearray | memoryview) -> None:
         """Sends raw bytes now from the calling thread (queued behind earlier posts)."""
         if self._pending:

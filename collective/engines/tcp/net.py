@@ -1,5 +1,5 @@
 """Sockets of the tcp mode: the per-process `Fabric` (listeners, accept thread, first-failure
-state). The `Link` to one peer lives in `tcp_link`.
+state). The `Link` to one peer lives in `link`.
 
 Connections:
 
@@ -29,9 +29,9 @@ import threading
 import time
 from typing import Any
 
-from .._log import get_logger
-from ..errors import CollectiveTimeoutError, HorovodInternalError
-from ..rendezvous import HANDSHAKE_TIMEOUT, MAX_PENDING, PreAuthGate, handshake_client
+from ..._log import get_logger
+from ...auth import HANDSHAKE_TIMEOUT, MAX_PENDING, PreAuthGate, handshake_client
+from ...errors import CollectiveTimeoutError, HorovodInternalError
 
 __all__ = ["Fabric", "PeerInfo", "host_id", "PEER_MAGIC"]
 
@@ -88,7 +88,7 @@ class Fabric:
 
     Attributes:
         max_pending: unauthenticated connections the listeners work on at once (one thread,
-            a selector: `collective.rendezvous.PreAuthGate`).
+            a selector: `collective.auth.PreAuthGate`).
     """
 
     max_pending = MAX_PENDING
@@ -106,7 +106,7 @@ class Fabric:
         self._lock = threading.Condition()
         self._incoming: dict[bytes, socket.socket] = {}
         self._sockets: set[socket.socket] = set()
-        self._links: set[Any] = set()  # tcp_link.Link objects
+        self._links: set[Any] = set()  # link.Link objects
         self._closing = False
         self.error: BaseException | None = None
         self._listeners: list[socket.socket] = []

@@ -17,7 +17,7 @@ Who is who comes from the `Config`:
   authenticate.
 * Otherwise the world is this process alone.
 
-Rendezvous: each rank opens its listeners (`tcp_net.Fabric`) on the job's interface
+Rendezvous: each rank opens its listeners (`net.Fabric`) on the job's interface
 (`HOROVOD_GLOO_IFACE`, else the address this host uses to reach the rendezvous server), and
 publishes where it listens as JSON under ``ringvod/tcp/<n>/addr.<rank>`` (`n` counts this
 process's inits, so `init` -> `shutdown` -> `init` never reads the previous world's keys).
@@ -45,15 +45,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._log import get_logger
-from ..errors import HorovodInternalError
-from ..rendezvous import KVClient, KVServer
-from .base import ControlPlane
-from .tcp_link import Link
-from .tcp_net import Fabric, PeerInfo
-from .tcp_shm import make_link
+from ..._log import get_logger
+from ...errors import HorovodInternalError
+from ...rendezvous import KVClient, KVServer
+from ..base import ControlPlane
+from .link import Link
+from .net import Fabric, PeerInfo
+from .shm import make_link
 
-__all__ = ["TcpControlPlane", "create_backend", "create_engine", "resolve_job"]
+__all__ = ["TcpControlPlane", "create_backend", "resolve_job"]
 
 OP_GATHER, OP_BCAST, OP_WORDS, OP_WORDS_OUT, OP_BARRIER = 1, 2, 3, 4, 5
 
@@ -447,14 +447,3 @@ def create_backend(config: Any, comm: Any = None, scope: str | None = None,
         server.stop()
     return plane
 
-
-def create_engine(control: Any, config: Any) -> Any:
-    """The host engine of the tcp mode for one group's plane.
-
-    Raises:
-        TypeError: `control` is not a tcp plane.
-    """
-    if not isinstance(control, TcpControlPlane):
-        raise TypeError(f"the tcp engine needs a tcp control plane, got {type(control).__name__}")
-    from .tcp_ring import TcpEngine
-    return TcpEngine(control, config.fusion_threshold)

@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import HorovodInternalError
-from ..rendezvous import recv_exact
-from . import tcp_cma
-from .tcp_link import Link
-from .tcp_net import Fabric
+from ...auth import recv_exact
+from ...errors import HorovodInternalError
+from . import cma
+from .link import Link
+from .net import Fabric
 
 __all__ = ["ShmLink", "make_link", "RING", "MAX_RECORD"]
 
@@ -51,7 +51,7 @@ _HELLO = struct.Struct("<cQQ16s")  # Y/N, pid, address of the token, token
 # Copy into the ring from the posting thread while space is free (see ShmLink.post).
 INLINE = True
 # Read the peer's buffers directly (process_vm_readv) where the kernel allows it.
-CMA = tcp_cma.available()
+CMA = cma.available()
 # Tests and benchmarks switch shared memory off to measure the socket path.
 ENABLED = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
@@ -87,7 +87,7 @@ def make_link(fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
             out_fd, pair, out_map = -1, None, None
     in_fds: list[int] = []
     # Our hello: Y/N, then our pid and a token in our memory, which the peer reads with
-    # process_vm_readv to find out whether it may read our buffers directly (tcp_cma).
+    # process_vm_readv to find out whether it may read our buffers directly (cma.py).
     token = ctypes.create_string_buffer(os.urandom(16), 16)
     hello = _HELLO.pack(b"Y" if out_map is not None else b"N", os.getpid(),
                         ctypes.addressof(token), token.raw)
@@ -105,7 +105,7 @@ def make_link(fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
         if len(data) < _HELLO.size:
             data += recv_exact(sock, _HELLO.size - len(data))
         flag, peer_pid, peer_addr, peer_token = _HELLO.unpack(data)
-        can = CMA and tcp_cma.probe(peer_pid, peer_addr, peer_token)
+        can = CMA and cma.probe(peer_pid, peer_addr, peer_token)
         sock.sendall(b"C" if can else b"c")  # both ends must be able to read the other
         peer_can = recv_exact(sock, 1) == b"C"
     except OSError as exc:
@@ -347,7 +347,7 @@ class ShmLink(Link):
 
     def _cma_read(self, local: int, remote: int, n: int) -> None:
         try:
-            tcp_cma.read(self._cma, local, remote, n)
+            cma.read(self._cma, local, remote, n)
         except OSError as exc:
             raise self._error(exc, "reading the memory of") from exc
 

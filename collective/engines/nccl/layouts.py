@@ -1,4 +1,4 @@
-"""Layouts of the NCCL engine's allgather, alltoall and reducescatter (`nccl.NCCLEngine`).
+"""Layouts of the NCCL engine's allgather, alltoall and reducescatter (`engine.NCCLEngine`).
 
 Each function is the body of one engine op, run inside `NCCLEngine._run` (ready events waited,
 completion recorded, errors handled there) with the engine's primitives: `_out_ptr` (outputs),
@@ -11,22 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from cupy.cuda import nccl
+from cupy.cuda import runtime as _rt
 
-from ..entry import Entry
-from ..errors import EngineUnavailableError
-from ..types import Response
-from .base import split_rows
-from .device import pointer_of
-
-try:
-    from cupy.cuda import nccl
-    from cupy.cuda import runtime as _rt
-except ImportError as exc:  # pragma: no cover - the registry reports it
-    raise EngineUnavailableError(
-        "GPU tensors need CuPy with NCCL. For CUDA 12 (torch.version.cuda 12.x): "
-        "`pip install cupy-cuda12x nvidia-nccl-cu12`; for CUDA 13: "
-        "`pip install cupy-cuda13x nvidia-nccl-cu13` "
-        "(from a ringvod clone: `pip install \".[gpu]\"` / `\".[gpu-cu13]\"`)") from exc
+from ...entry import Entry
+from ...types import Response
+from ..base import split_rows
+from ..device import pointer_of
 
 __all__ = ["allgather", "alltoall", "reducescatter", "gatherv"]
 

@@ -19,15 +19,12 @@ an optional dependency).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["load_events", "summarize", "format_summary", "render_png", "main", "category_of",
-           "Summary"]
+__all__ = ["load_events", "summarize", "format_summary", "render_png", "category_of", "Summary"]
 
 PHASES = ("negotiation", "queue/wait", "setup", "copies", "data movement", "other")
 _WAIT = {"QUEUE", "WAIT_FOR_DATA", "WAIT_FOR_OTHER_TENSOR_DATA"}
@@ -368,33 +365,3 @@ def render_png(s: Summary, out: str, max_tensors: int = 40) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m collective.timeline`."""
-    parser = argparse.ArgumentParser(prog="python -m collective.timeline",
-                                     description="Inspect a ringvod/Horovod timeline file.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("summary", help="print time tables (and optionally draw the phases)")
-    p.add_argument("file", help="timeline JSON written with HOROVOD_TIMELINE")
-    p.add_argument("--png", metavar="OUT.png", help="also draw the phases (needs matplotlib)")
-    p.add_argument("--top", type=int, default=10, help="rows in the per-tensor tables")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON instead")
-    args = parser.parse_args(argv)
-    try:
-        summary = summarize(load_events(args.file))
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(summary.to_json(), indent=1))
-    else:
-        print(format_summary(summary, top=args.top))
-    if args.png:
-        render_png(summary, args.png)
-        print(f"wrote {args.png}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

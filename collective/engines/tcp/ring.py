@@ -18,16 +18,17 @@ of step fail with a clear error instead of reading each other's data.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
 
-from ..errors import HorovodInternalError
-from ..types import ReduceOp
-from .base import HostEngine
-from .tcp import TcpControlPlane, small_allreduce
-from .tcp_link import DIRECT_MAX
+from ...errors import HorovodInternalError
+from ...types import ReduceOp
+from ..base import HostEngine
+from .link import DIRECT_MAX
+from .plane import TcpControlPlane, small_allreduce
 
-__all__ = ["TcpEngine", "CHUNK"]
+__all__ = ["TcpEngine", "CHUNK", "create_engine"]
 
 # 512 KiB: past the point where per-chunk overhead (a queue hand-off, a note, two syscalls)
 # matters, small enough for the reduce of one chunk to overlap the transfer of the next, and
@@ -295,3 +296,14 @@ class TcpEngine(HostEngine):
 
     def abort(self) -> None:
         self.plane.abort("engine aborted")
+
+
+def create_engine(control: Any, config: Any) -> Any:
+    """The host engine of the tcp mode for one group's plane.
+
+    Raises:
+        TypeError: `control` is not a tcp plane.
+    """
+    if not isinstance(control, TcpControlPlane):
+        raise TypeError(f"the tcp engine needs a tcp control plane, got {type(control).__name__}")
+    return TcpEngine(control, config.fusion_threshold)

@@ -1,28 +1,4 @@
-"""NCCL engine: collectives on GPU tensors through CuPy's NCCL binding (`cupy.cuda.nccl`).
-
-One engine per process set (the coordinator creates it on the set's first device response), one
-communicator per engine, bound to the GPU of that first op's tensors, whichever device is
-current: every CUDA call that names a device's default stream or records an event runs with
-that device current (`_on_device`), and the engine makes its own device current before its
-work. A later op of the set whose tensor is on another device fails, naming both devices.
-docs/gpu.md ("How it works") describes it; in short:
-
-* Binding: every rank reports over the control plane whether it can use its GPU before group
-  rank 0's unique id is broadcast; the init runs on a helper thread with a deadline
-  (`COMM_INIT_TIMEOUT`), since CuPy has no non-blocking init.
-* Ordering: the engine's own high-priority stream waits on each entry's ready event, runs pack,
-  scaling, the NCCL call and unpack, and records one completion event per op; the handle
-  completes on the host at once and its `DeviceResult` orders the caller's stream. Nothing
-  blocks the host except a staging slot still in use (`CopyStager`) and `close()`.
-* Memory: outputs and the fusion buffer come from the entry's allocator with the engine stream
-  as allocation stream; an op's entries stay referenced until its completion event fired.
-* Fusion: one batched-copy launch packs a fused response, one NCCL call reduces it, one more
-  launch unpacks it (`_cuda_kernels.py`).
-* Failures: a dtype NCCL cannot reduce fails that op on every rank; a CUDA/NCCL error fails the
-  op's handles with `HorovodInternalError`, aborts the communicator and ends the coordinator
-  loop; `abort()` (ncclCommAbort) frees kernels stuck on a dead peer; `close()` destroys the
-  communicator once the stream drained, else aborts it after `CLOSE_TIMEOUT`.
-"""
+"""`NCCLEngine`: GPU collectives for one process set (see the package docstring)."""
 from __future__ import annotations
 
 import collections
@@ -30,42 +6,32 @@ import json
 import socket
 import sys
 import threading
-import time
 from typing import Any, Callable
 
-from .. import _log
-from ..entry import Entry, default_allocate
-from ..errors import CollectiveTimeoutError, EngineUnavailableError, HorovodInternalError
-from ..types import DataType, ReduceOp, Response, numpy_dtype
-from . import _nccl_layouts as _layouts
-from ._cuda_kernels import CopyStager, Kernels
-from ._nccl_layouts import _pad16
-from .base import ControlPlane, Engine
-from .device import (DeviceOpError, DeviceResult, pointer_of, set_allocation_stream,
-                     set_ready_events)
+import cupy
+from cupy.cuda import nccl
 
-try:
-    import cupy
-    from cupy.cuda import nccl
-except ImportError as exc:  # pragma: no cover - the registry reports it
-    raise EngineUnavailableError(
-        "GPU tensors need CuPy with NCCL. For CUDA 12 (torch.version.cuda 12.x): "
-        "`pip install cupy-cuda12x nvidia-nccl-cu12`; for CUDA 13: "
-        "`pip install cupy-cuda13x nvidia-nccl-cu13` "
-        "(from a ringvod clone: `pip install \".[gpu]\"` / `\".[gpu-cu13]\"`)") from exc
+from ... import _log
+from ...entry import Entry, default_allocate
+from ...errors import EngineUnavailableError, HorovodInternalError
+from ...types import DataType, ReduceOp, Response, numpy_dtype
+from ..base import ControlPlane, Engine
+from ..device import DeviceOpError, DeviceResult, pointer_of, set_allocation_stream
+from . import layouts as _layouts
+from .comm import _abort_comm, _drain, exchange_unique_id, init_communicator, versions
+from .events import _Completion, _event_ptr, _ready
+from .kernels import CopyStager, Kernels
+from .layouts import _pad16
 
-__all__ = ["NCCLEngine", "UnsupportedOnGPUError", "create_engine", "versions", "guest_enter",
-           "guest_exit", "init_communicator", "COMM_INIT_TIMEOUT", "CLOSE_TIMEOUT"]
+__all__ = ["NCCLEngine", "UnsupportedOnGPUError", "create_engine", "guest_enter", "guest_exit"]
 
 _log_ = _log.get_logger()
 
-COMM_INIT_TIMEOUT = 120.0  # seconds for ncclCommInitRank; tests shorten it
 STREAM_PRIORITY = -64  # the engine stream's priority (CUDA clamps; lower = higher priority)
 # GIL switch interval to set when the first GPU communicator is made, if the interpreter still
 # has Python's default (5 ms); None (the default) leaves the interpreter alone. Measured on
 # 2x H200 (ResNet-50): 1e-4 shortened gradient hooks but did not raise throughput beyond noise.
 GIL_SWITCH_INTERVAL: float | None = None
-CLOSE_TIMEOUT = 10.0  # seconds for the stream to drain at close() before ncclCommAbort
 
 # ncclDataType_t and ncclRedOp_t values (stable across NCCL 2.x).
 _INT8, _UINT8, _INT32, _INT64, _FLOAT16, _FLOAT32, _FLOAT64, _BFLOAT16 = 0, 1, 2, 4, 6, 7, 8, 9
@@ -109,153 +75,6 @@ class _OpError(Exception):
         super().__init__(str(error))
         self.error = error
 
-
-class _Completion:
-    """The completion event of one op, shared by the results of its entries."""
-
-    __slots__ = ("event", "_waited")
-
-    def __init__(self, event: Any) -> None:
-        self.event = event
-        self._waited: int | None = None  # the last stream made to wait (waiting twice is moot)
-
-    def wait_on(self, stream: int, device: int = -1) -> None:
-        # Handle 0 is the legacy default stream of the *current* device, so it is one stream
-        # per device: remembered as ~device.
-        key = stream if stream else ~device
-        if key == self._waited:
-            return
-        if stream == 0 and device >= 0:
-            # Make the waiting stream's device current (a stream may wait on another
-            # device's event).
-            _on_device(device, _rt.streamWaitEvent, stream, self.event.ptr, 0)
-        else:
-            _rt.streamWaitEvent(stream, self.event.ptr, 0)
-        self._waited = key
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
-
-    def query(self) -> bool:
-        return bool(self.event.done)
-
-
-def _on_device(device: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` with `device` current on this thread (restored after): event records and
-    stream handle 0 refer to the current device, and the caller's tensor may live elsewhere
-    (a rank that places tensors with `t.cuda(local_rank)` without `set_device`)."""
-    prev = int(_rt.getDevice())
-    if prev == device:
-        return fn(*args)
-    _rt.setDevice(device)
-    try:
-        return fn(*args)
-    finally:
-        _rt.setDevice(prev)
-
-
-_DISABLE_TIMING = 2  # cudaEventDisableTiming
-_READY_KEEP = 1024  # free ready events kept per device
-
-
-class _ReadyEvents:
-    """Ready events for adapters (`collective.engines.device.record_ready`): raw CUDA events
-    recorded on the producer's stream at enqueue, from a free list per device. The engine
-    hands one back (`release`) as soon as its stream waits on it: a later record cannot change
-    a wait already enqueued. Recording a recycled raw event costs a fraction of creating and
-    recording a torch.cuda.Event (one CUDA call instead of object set-up). Events of
-    ops that fail before the engine runs them (a mismatch, shutdown) come back through
-    `device.release_ready`, except a grouped op's shared one."""
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[int]] = {}
-        self._device_of: dict[int, int] = {}  # events made here -> their device
-
-    def record(self, device: int, stream: int) -> int:
-        try:
-            ev = self._free[device].pop()  # list.pop is atomic: enqueueing threads share this
-        except (KeyError, IndexError):
-            ev = self._create(device)
-        # The event and the stream must be on one device, and `stream` may be 0 (the current
-        # device's default stream): record with `device` current.
-        _on_device(device, _rt.eventRecord, ev, stream)
-        return ev
-
-    def _create(self, device: int) -> int:
-        ev = int(_on_device(device, _rt.eventCreateWithFlags, _DISABLE_TIMING))
-        self._free.setdefault(device, [])
-        self._device_of[ev] = device
-        return ev
-
-    def release(self, ev: int) -> None:
-        dev = self._device_of.get(ev)
-        if dev is None:  # not ours (a caller's own event)
-            return
-        free = self._free[dev]
-        if len(free) < _READY_KEEP:
-            free.append(ev)
-        else:
-            del self._device_of[ev]
-            _rt.eventDestroy(ev)
-
-
-_ready = _ReadyEvents()
-set_ready_events(_ready)
-
-
-def _event_ptr(ev: Any) -> int:
-    if type(ev) is int:
-        return ev
-    h = getattr(ev, "cuda_event", None)
-    if h is None:
-        h = ev.ptr
-    return int(h)
-
-
-def _nccl_version_text(v: int) -> str:
-    if v >= 20900:
-        return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
-    return f"{v // 1000}.{v // 100 % 10}.{v % 100}"
-
-
-def versions() -> dict[str, str]:
-    """CuPy's version and the NCCL versions of CuPy (runtime and build) and of torch, if loaded."""
-    out = {"cupy": cupy.__version__}
-    try:
-        out["nccl"] = _nccl_version_text(int(nccl.get_version()))
-        out["nccl_build"] = _nccl_version_text(int(nccl.get_build_version()))
-    except Exception as exc:  # noqa: BLE001 - reported, not fatal
-        out["nccl"] = f"unknown ({exc})"
-    torch = sys.modules.get("torch")  # never imported here: only reported when loaded
-    if torch is not None:
-        try:
-            tv = torch.cuda.nccl.version()
-            out["torch_nccl"] = (".".join(str(x) for x in tv) if isinstance(tv, tuple)
-                                 else _nccl_version_text(int(tv)))
-        except Exception:  # noqa: BLE001 - torch without NCCL
-            pass
-    return out
-
-
-def _uid_bytes(uid: Any) -> bytes:
-    """The 128-byte wire form of a unique id: CuPy 14 gives bytes, CuPy 13 a tuple of chars."""
-    if isinstance(uid, (bytes, bytearray)):
-        return bytes(uid)
-    return bytes((int(x) + 256) % 256 for x in uid)
-
-
-def _new_communicator(size: int, raw: bytes, rank: int) -> Any:
-    last: BaseException | None = None
-    # CuPy 14 takes the bytes form; CuPy 13 the tuple of signed chars.
-    for uid in (raw, tuple(b - 256 if b > 127 else b for b in raw)):
-        try:
-            return nccl.NcclCommunicator(size, uid, rank)
-        except (TypeError, OverflowError, ValueError) as exc:
-            last = exc
-    assert last is not None
-    raise last
-
-
 def guest_enter() -> None:
     """Before a coordinator cycle runs on a user thread (`Coordinator.drive`, the express lane).
     Engines make their device and stream current there only for work that needs them (kernels,
@@ -273,71 +92,6 @@ def guest_exit() -> None:
         if int(_rt.getDevice()) != dev:
             _rt.setDevice(dev)
         stream.use()
-
-
-def exchange_unique_id(control: ControlPlane) -> bytes:
-    """Group rank 0 makes the NCCL unique id; every rank gets its bytes (tests wrap this)."""
-    return control.bcast(_uid_bytes(nccl.get_unique_id()) if control.rank == 0 else None)
-
-
-def _abort_comm(comm: Any, device: int) -> None:
-    """ncclCommAbort, best effort (kernels waiting on a dead peer return)."""
-    try:
-        with cupy.cuda.Device(device):
-            comm.abort()
-    except Exception as exc:  # noqa: BLE001 - best effort
-        _log_.warning("ncclCommAbort failed on cuda:%d: %s", device, exc)
-
-
-def _drain(stream: Any, device: int, what: str) -> bool:
-    """Waits up to CLOSE_TIMEOUT for `stream` to finish its work; False (logged) if it did not
-    (a kernel waits on a dead peer): the caller then aborts the communicator."""
-    with cupy.cuda.Device(device):
-        ev = cupy.cuda.Event(block=False, disable_timing=True)
-        ev.record(stream)
-        deadline = time.monotonic() + CLOSE_TIMEOUT
-        while not ev.done:
-            if time.monotonic() > deadline:
-                _log_.error("the NCCL stream of %s did not drain within %.0f s at shutdown (a "
-                            "peer died?); aborting the communicator", what, CLOSE_TIMEOUT)
-                return False
-            time.sleep(0.001)
-    return True
-
-
-def init_communicator(raw: bytes, device: int, size: int, rank: int, group: list[int]) -> Any:
-    """ncclCommInitRank on `device`, on a helper thread with a deadline (`COMM_INIT_TIMEOUT`):
-    CuPy has no non-blocking init, and a peer that never joins would block forever.
-
-    Raises:
-        CollectiveTimeoutError: the init did not complete in time.
-        HorovodInternalError: NCCL refused it.
-    """
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            _rt.setDevice(device)
-            box["comm"] = _new_communicator(size, raw, rank)
-        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
-            box["error"] = exc
-
-    t = threading.Thread(target=run, name="hvd-nccl-init", daemon=True)
-    t.start()
-    t.join(COMM_INIT_TIMEOUT)
-    if t.is_alive():
-        raise CollectiveTimeoutError(
-            f"NCCL communicator init did not complete within {COMM_INIT_TIMEOUT:.0f} s on "
-            f"rank {rank} of group {group} (cuda:{device}). "
-            "A peer failed before joining or NCCL cannot connect the GPUs; rerun with "
-            "NCCL_DEBUG=INFO to see which.")
-    if "error" in box:
-        exc = box["error"]
-        raise HorovodInternalError(
-            f"NCCL communicator init failed on rank {rank} (cuda:{device}): "
-            f"{type(exc).__name__}: {exc}") from exc
-    return box["comm"]
-
 
 class NCCLEngine(Engine):
     """GPU collectives for one process set. See the module docstring."""
@@ -732,6 +486,12 @@ class NCCLEngine(Engine):
 
     def supports(self, dtype: DataType, op: ReduceOp | None = None) -> bool:
         return op is None or dtype in _NCCL_TYPE
+
+    def guest_enter(self) -> None:
+        guest_enter()
+
+    def guest_exit(self) -> None:
+        guest_exit()
 
     def abort(self) -> None:
         """ncclCommAbort: kernels waiting on a dead peer return; the engine is unusable after."""

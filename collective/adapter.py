@@ -1,0 +1,56 @@
+"""The seam framework adapters build on (torch today; TensorFlow, JAX and others the same way).
+
+An adapter turns its tensors into what the runtime moves and back, and supplies the
+framework-shaped API on top. It imports only:
+
+* `collective` (the user API: `init`, `rank`, `ProcessSet`, `ReduceOp`, errors, ...);
+* this module, for everything an adapter needs beyond the user API;
+* the public modules `collective.errors`, `collective.types` and `collective.elastic` (the
+  worker side of elastic training: `State`, `ObjectState`, `run_fn`, `reset`).
+
+Nothing else in `collective` is an adapter's to import (tests/unit/test_layering.py checks it).
+
+Ops:
+    `enqueue(kind, tensors, ...) -> Handle`: queue one op (or a grouped op) without waiting.
+    `run_one(kind, tensor, output, name, ...)`: one single-tensor op, run and waited for (the
+        synchronous functions; the calling thread runs the cycle when it can).
+    `wait_now(sync, start, *args)`: `sync(start(*args))` for other synchronous functions, with
+        the same fast paths.
+    `waiting_hook()`: the runtime's `waiting(+1/-1)`, to call around a blocking wait on a
+        device op's handle (device requests are then negotiated at once).
+
+Device seam (no CuPy here; the NCCL engine owns every CUDA call):
+    `DeviceBuffer`, `DeviceResult`, `DeviceOpError`, `record_ready`, `allocation_stream`;
+    see `collective.engines.device`.
+
+Configuration:
+    `config()`: the running job's `Config` (the `HOROVOD_*` settings read at `init()`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ._current import current, current_or_none
+from .config import Config
+from .engines.device import (DeviceBuffer, DeviceOpError, DeviceResult, allocation_stream,
+                             record_ready)
+from .ops import enqueue, run_one, wait_now
+
+__all__ = ["enqueue", "run_one", "wait_now", "waiting_hook", "config", "DeviceBuffer",
+           "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]
+
+
+def config() -> Config:
+    """The running job's configuration.
+
+    Raises:
+        NotInitializedError: `init()` has not been called.
+    """
+    return current().config
+
+
+def waiting_hook() -> Callable[[int], None] | None:
+    """The coordinator's `waiting(delta)` (+1 before blocking on a device op's handle, -1
+    after), or None before `init()`."""
+    rt: Any = current_or_none()
+    return getattr(getattr(rt, "coordinator", None), "waiting", None)

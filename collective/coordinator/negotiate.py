@@ -1,0 +1,190 @@
+"""Negotiation rounds: which requests are ready on every rank of a process set.
+
+A round drains the set's queue, looks each request up in the response cache and contributes one
+word vector to a bitwise-AND allreduce: four inverted status bits (shutdown, uncached work,
+invalid entry, autotune parameters to switch to: tuning.py) and one bit per cached response this
+rank has a request for. Bits set everywhere
+are ready on every rank. If any rank has uncached work, the slow path gathers the uncached
+requests at the set's rank 0, whose message table validates and orders them, fuses the ready
+responses (`fusion.plan_fusion`) and broadcasts the list; every rank then updates its cache the
+same way. The message encoding is `collective.negotiation`'s.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import _log
+from ..fusion import plan_fusion
+from ..negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, decode_gathered,
+                           decode_responses, encode_requests, encode_responses)
+from ..types import Request, RequestType, Response, ResponseType
+from .state import ProcessSetState
+from .tuning import Tuning
+
+__all__ = ["Negotiator", "check_stall", "ALL_CLEAR", "NOT_RETUNE"]
+
+_log_ = _log.get_logger()
+
+# Status bits of the fast-path vector, stored inverted (set = condition false), as Horovod.
+# NOT_RETUNE: cleared by global rank 0 when autotune has new parameters to broadcast.
+_NOT_SHUTDOWN, _NOT_UNCACHED, _NOT_INVALID, NOT_RETUNE = 1, 2, 4, 8
+ALL_CLEAR = _NOT_SHUTDOWN | _NOT_UNCACHED | _NOT_INVALID | NOT_RETUNE
+
+
+class Negotiator:
+    """Runs negotiation rounds for the coordinator (whichever thread runs the cycle). `tl` is
+    the timeline on the global rank 0 of set 0, else None; `tuning` the fusion threshold in
+    force and autotune's switches."""
+
+    def __init__(self, config: Any, tuning: Tuning) -> None:
+        self.config = config
+        self.tuning = tuning
+        self._warned_eviction = False
+
+    def round(self, ps: ProcessSetState, tl: Any,
+              want_shutdown: bool) -> tuple[list[Response], bool]:
+        """One round for `ps`: (responses to execute in order, whether the job shuts down)."""
+        now = time.monotonic()
+        new = ps.drain()
+        cache_on = ps.cache.capacity > 0 and not ps.join_active
+        uncached: list[Request] = ps.carry
+        ps.carry = []
+        invalid: set[int] = set()
+        hits = ps.hits
+        if not cache_on and hits:  # cache suspended by a join: re-route waiting hits
+            uncached.extend(hits.drain())
+        for req in new:
+            if req.type in (RequestType.JOIN, RequestType.BARRIER) or not cache_on:
+                uncached.append(req)
+                continue
+            state, bit = ps.cache.lookup(req)
+            if state is CacheState.HIT:
+                hits.add(bit, req, now)
+                if tl is not None:
+                    tl.negotiate_start(req.name, req.type.name)
+            else:
+                if state is CacheState.INVALID:
+                    invalid.add(bit)
+                uncached.append(req)
+        limit = self.config.stall_check_time
+        if hits and not self.config.stall_check_disable and limit > 0:
+            # Hits waiting for other ranks go to the slow path, where rank 0's stall inspector
+            # sees them, after a tenth of the warning time (at most 1 s): the warning then comes
+            # at most that much after the setting.
+            for bit in hits.older_than(now - min(limit / 10, 1.0)):
+                uncached.append(hits.pop(bit))
+                invalid.add(bit)
+        words = hits.vector(ps.cache.num_bits if cache_on else 0)
+        status = 0
+        if not want_shutdown:
+            status |= _NOT_SHUTDOWN
+        if not uncached:
+            status |= _NOT_UNCACHED
+        if not invalid:
+            status |= _NOT_INVALID
+        if not self.tuning.wants_retune(ps):
+            status |= NOT_RETUNE
+        words[0] = status
+        res = ps.control.allreduce_words(words, "and")
+        return self.conclude(ps, res, uncached, invalid, want_shutdown, tl)
+
+    def conclude(self, ps: ProcessSetState, res: np.ndarray, uncached: list[Request],
+                 invalid: set[int], want_shutdown: bool,
+                 tl: Any) -> tuple[list[Response], bool]:
+        """The rest of a negotiation round once the AND of the status words (`res`) is known:
+        the agreed cache hits, and the slow path if any rank sent uncached requests."""
+        hits = ps.hits
+        flags = int(res[0])
+        any_shutdown = not flags & _NOT_SHUTDOWN
+        any_uncached = not flags & _NOT_UNCACHED
+        if not flags & _NOT_INVALID:
+            inv = np.zeros_like(res)
+            for bit in invalid:
+                inv[1 + bit // 64] |= np.uint64(1 << (bit % 64))
+            inv = ps.control.allreduce_words(inv, "or")
+            for bit in _bits(inv):
+                ps.cache.erase(bit)
+                if bit in hits:
+                    uncached.append(hits.pop(bit))
+        if not flags & NOT_RETUNE:  # autotune: every rank switches before this round's plan
+            self.tuning.retune(ps)
+        common = hits.take_common(res)
+        if tl is not None:
+            for b in common:
+                tl.negotiate_end(ps.cache.name_of(b))
+        threshold = self.tuning.fusion_threshold
+        if not any_uncached:
+            cached = [ps.cache.get(b) for b in common]
+            return self.fuse(ps, cached, threshold), any_shutdown
+        return self._slow_path(ps, uncached, common, want_shutdown, any_shutdown, threshold, tl)
+
+    def _slow_path(self, ps: ProcessSetState, uncached: list[Request], common: list[int],
+                   want_shutdown: bool, any_shutdown: bool, threshold: int,
+                   tl: Any) -> tuple[list[Response], bool]:
+        gathered = ps.control.gather(encode_requests(uncached, want_shutdown))
+        payload = None
+        if ps.is_root:
+            assert gathered is not None and ps.messages is not None
+            lists = decode_gathered(gathered, ps.ranks)
+            constructed = ps.messages.process(
+                lists,
+                on_first=(lambda n, t: tl.negotiate_start(n, t.name)) if tl else None,
+                on_rank=(lambda n, r: tl.negotiate_rank_ready(n, r)) if tl else None)
+            if tl is not None:
+                for r in constructed:
+                    for n in r.names:
+                        tl.negotiate_end(n)
+            responses = [ps.cache.peek(b) for b in common] + constructed
+            fused = self.fuse(ps, responses, threshold)
+            # Keep the cache suspended through the cycle that completes a join: its responses
+            # ran with zeros on joined ranks, which have no entries to cache.
+            join_flag = ps.messages.join_active or any(
+                r.type == ResponseType.JOIN for r in constructed)
+            payload = encode_responses(fused, any_shutdown, join_flag)
+        fused, shutdown, join_active = decode_responses(ps.control.bcast(payload))
+        ps.join_active = join_active
+        if ps.cache.capacity > 0 and not join_active:
+            for resp in fused:
+                if resp.type not in CACHEABLE:
+                    continue
+                for single in resp.split():
+                    entry = ps.table.get(single.names[0])
+                    if entry is not None and ps.cache.put(single, entry.request) and (
+                            not self._warned_eviction):
+                        self._warned_eviction = True
+                        _log_.warning(EVICTION_WARNING)
+            ps.cache.renumber()
+            ps.carry.extend(ps.hits.remap(ps.cache))  # bit numbers changed
+        return fused, shutdown
+
+    def fuse(self, ps: ProcessSetState, responses: list[Response],
+             threshold: int) -> list[Response]:
+        if len(responses) <= 1:
+            return responses
+        return plan_fusion(responses, threshold, ps.size,
+                           disable_group_fusion=self.config.disable_group_fusion)
+
+
+def check_stall(ps: ProcessSetState) -> bool:
+    """On a set's rank 0 when its stall check is due: reports requests that some ranks have
+    not submitted; True when the job should shut down (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."""
+    if ps.stall is None or not ps.stall.due() or ps.messages is None:
+        return False
+    report, stop = ps.stall.check(ps.messages.pending(), ps.size, ps.ranks,
+                                  ps.messages.joined)
+    if report:
+        (_log_.error if stop else _log_.warning)(report)
+    return stop
+
+
+def _bits(words: np.ndarray) -> list[int]:
+    out = []
+    for i, w in enumerate(words[1:].tolist()):
+        while w:
+            low = w & -w
+            out.append(i * 64 + low.bit_length() - 1)
+            w ^= low
+    return out

@@ -1,0 +1,77 @@
+"""`ProcessSetState`: one process set as this rank sees it (tensor table, queue, response
+cache, message table and stall inspector), and `shutdown_error`, what its handles get when
+the job ends."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .. import _log
+from ..engines.device import release_ready
+from ..entry import Entry
+from ..errors import HorovodInternalError, ShutdownError
+from ..negotiation import MessageTable, PendingHits, ResponseCache
+from ..stall import StallInspector
+from ..types import Request
+
+__all__ = ["ProcessSetState", "shutdown_error"]
+
+_log_ = _log.get_logger()
+
+
+class ProcessSetState:
+    """One process set as this rank sees it. Fields marked (lock) are shared with user threads."""
+
+    def __init__(self, ps_id: int, ranks: list[int], control: Any, host_engine: Any,
+                 config: Any, is_global_root: bool) -> None:
+        self.id = ps_id
+        self.ranks = ranks
+        self.control = control
+        self.rank = control.rank
+        self.size = control.size
+        self.is_root = control.rank == 0
+        self.host_engine = host_engine
+        self.device_engine: Any = None  # created on the first device response (collectively)
+        self.config = config
+        self.lock = threading.Lock()
+        self.table: dict[str, Entry] = {}  # (lock) pending entries by name
+        self.queue: list[Request] = []  # (lock) requests not yet negotiated
+        # coordinator thread only:
+        self.cache = ResponseCache(config.cache_capacity)
+        self.hits = PendingHits()  # cached requests waiting for the other ranks
+        self.carry: list[Request] = []  # requests that lost their cache entry; sent next cycle
+        self.join_active = False  # some rank of the set has joined (cache suspended)
+        self.messages = MessageTable(self.size, ranks) if self.is_root else None
+        self.stall = StallInspector(config.stall_check_time, config.stall_shutdown_time,
+                                    not config.stall_check_disable,
+                                    warn=_log_.warning) if self.is_root else None
+        self.is_global_root = is_global_root
+
+    def pending(self) -> bool:
+        return bool(self.table)
+
+    def pop(self, name: str) -> Entry | None:
+        with self.lock:
+            return self.table.pop(name, None)
+
+    def drain(self) -> list[Request]:
+        with self.lock:
+            q, self.queue = self.queue, []
+        return q
+
+    def fail_all(self, exc: BaseException) -> None:
+        with self.lock:
+            entries, self.table, self.queue = list(self.table.values()), {}, []
+        for e in entries:
+            e.handle._set_exception(exc)
+        release_ready(entries)
+
+
+def shutdown_error(cause: BaseException | None) -> BaseException:
+    """What pending and later ops raise once the job ended because of `cause` (None: a clean
+    shutdown)."""
+    if isinstance(cause, HorovodInternalError):
+        return cause
+    err = ShutdownError()
+    err.__cause__ = cause
+    return err

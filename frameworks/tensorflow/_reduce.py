@@ -1,0 +1,152 @@
+"""Gradient reduction shared by `DistributedGradientTape` and the `DistributedOptimizer`s.
+
+All dense gradients of one step are reduced by ONE call into the engines (one `tf.py_function`
+inside a `tf.function`): each group is a grouped allreduce, all groups are started, then all
+are waited for. With no `groups`, all dense gradients form one group (negotiated once, fused
+by the engine). `tf.IndexedSlices` are allgathered unless `sparse_as_dense`; gradients of
+local sources are not reduced (scaled by 1/size when `scale_local_gradients`); None stays None.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from collective import ProcessSet, ReduceOp, RequestType, global_process_set
+
+from .._common import split_list
+from ._buffers import enqueue, finish
+from collective.adapter import wait_now
+from .compression import Compression, check_compressor
+from .mpi_ops import _check, _no_effect, _run, _sparse_allreduce, process_set_size
+
+__all__ = ["GradientReducer"]
+
+
+def _k_groups(ts: list[tf.Tensor], groups: list[list[int]], name: str, op: ReduceOp,
+              pre: float, post: float, ps: ProcessSet) -> list[tf.Tensor]:
+    def start() -> list[Any]:
+        return [enqueue(RequestType.ALLREDUCE, [ts[i] for i in g], grouped=True,
+                        name=f"{name}.{k}", process_set=ps, op=op, prescale=pre,
+                        postscale=post) for k, g in enumerate(groups)]
+
+    def wait(handles: list[Any]) -> list[tf.Tensor]:
+        out: list[Any] = [None] * len(ts)
+        for g, h in zip(groups, handles):
+            for i, r in zip(g, h.wait()):
+                out[i] = finish(r, ts[i])
+        return out
+    return wait_now(wait, start)
+
+
+class GradientReducer:
+    """Horovod's gradient options, applied to one step's gradients at a time.
+
+    Raises (at construction):
+        ValueError: `gradient_predivide_factor` with an op other than Average, bad groups.
+        NotImplementedError: Adasum.
+    """
+
+    def __init__(self, name: str, compression: Any = Compression.none,
+                 sparse_as_dense: bool = False, op: ReduceOp = ReduceOp.AVERAGE,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups: Any = None, process_set: ProcessSet = global_process_set,
+                 scale_local_gradients: bool = True, device_dense: str = "",
+                 device_sparse: str = "") -> None:
+        _no_effect(device_dense=device_dense, device_sparse=device_sparse)
+        op = ReduceOp(int(op))
+        if op == ReduceOp.ADASUM:
+            raise NotImplementedError("Adasum is not supported by ringvod; use op=hvd.Average "
+                                      "or hvd.Sum")
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if num_groups and groups is None:
+            groups = num_groups
+        if groups is not None and not (isinstance(groups, int) and groups > 0) and not (
+                isinstance(groups, (list, tuple))
+                and all(isinstance(g, (list, tuple)) for g in groups)):
+            raise ValueError("groups should be a positive int or a list of lists of variables, "
+                             f"got {groups!r}")
+        self.name = name
+        self.compression = check_compressor(compression)
+        self.sparse_as_dense = sparse_as_dense
+        self.op = op
+        self.prescale = 1.0 / gradient_predivide_factor
+        self.postscale = gradient_predivide_factor
+        self.groups = groups
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self._local: set[Any] = set()
+
+    def register_local_source(self, var: Any) -> None:
+        """Marks a variable whose gradient stays local (not reduced)."""
+        self._local.add(_ref(var))
+
+    def is_local(self, var: Any) -> bool:
+        return _ref(var) in self._local
+
+    def _group_indices(self, dense: list[int], variables: Sequence[Any]) -> list[list[int]]:
+        if self.groups is None or not dense:
+            return [dense] if dense else []
+        if isinstance(self.groups, int):
+            return [g for g in split_list(dense, self.groups) if g]
+        where = {_ref(variables[i]): i for i in dense}
+        out, taken = [], set()
+        for g in self.groups:
+            idx = [where[_ref(v)] for v in g if _ref(v) in where]
+            if idx:
+                out.append(idx)
+                taken.update(idx)
+        out.extend([i] for i in dense if i not in taken)
+        return out
+
+    def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+        """The reduced gradients, in order (see the module docstring)."""
+        grads = list(grads)
+        ps = self.process_set
+        if ps is not global_process_set and not ps.included():
+            return grads
+        n = process_set_size(ps)
+        if n == 1:
+            return grads
+        out: list[Any] = list(grads)
+        dense: list[int] = []
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if variables and self.is_local(variables[i]):
+                if self.scale_local_gradients:
+                    out[i] = g / tf.cast(n, g.dtype) if not isinstance(g, tf.IndexedSlices) \
+                        else tf.IndexedSlices(g.values / tf.cast(n, g.dtype), g.indices,
+                                              g.dense_shape)
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if self.sparse_as_dense:
+                    out[i] = g = tf.convert_to_tensor(g)
+                else:
+                    out[i] = _sparse_allreduce(g, f"{self.name}.sparse.{i}", self.op,
+                                               self.prescale, self.postscale, ps)
+                    continue
+            dense.append(i)
+        if not dense:
+            return out
+        pairs = {i: self.compression.compress(tf.convert_to_tensor(out[i])) for i in dense}
+        order = sorted(dense)
+        wire = [pairs[i][0] for i in order]
+        _check(wire)
+        pos = {i: k for k, i in enumerate(order)}
+        groups = [[pos[i] for i in g] for g in self._group_indices(order, variables)]
+        name, op, pre, post = self.name, self.op, self.prescale, self.postscale
+        reduced = _run(lambda e: _k_groups(e, groups, name, op, pre, post, ps), wire,
+                       [w.dtype for w in wire], [w.shape for w in wire])
+        for i, r in zip(order, reduced):
+            out[i] = self.compression.decompress(r, pairs[i][1])
+        return out
+
+
+def _ref(var: Any) -> Any:
+    """A hashable key for a tf.Variable or a Keras variable."""
+    inner = getattr(var, "value", None)
+    if isinstance(inner, tf.Variable):
+        var = inner
+    return var.ref() if hasattr(var, "ref") else id(var)

@@ -1,0 +1,109 @@
+"""Helpers that make ranks agree: `broadcast_variables`, `broadcast_object`,
+`broadcast_object_fn`, `allgather_object`.
+
+Objects travel cloudpickled as uint8 tensors: the size first (`<name>.sz`), then the bytes
+(`<name>.t`). These run eagerly (they return Python objects); `session` is accepted for Horovod
+compatibility and must be None (TF1 sessions are not supported).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+import collective
+from collective import ProcessSet, RequestType, global_process_set
+
+from .._common import dumps, loads
+from ._buffers import enqueue, finish, to_tf
+from collective.adapter import wait_now
+from .mpi_ops import _check, _k_broadcast, _run, process_set_size
+
+__all__ = ["broadcast_variables", "broadcast_object", "broadcast_object_fn", "allgather_object"]
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int,
+                        process_set: ProcessSet = global_process_set,
+                        inplace: bool = False) -> Any:
+    """Assigns rank `root_rank`'s values to `variables` (tf.Variable or Keras variables) on every
+    rank. All broadcasts are started at once, then waited for. Eagerly the assignment happens at
+    once; inside a `tf.function` the returned op (a `tf.group`) does it. `inplace` is accepted for
+    Horovod compatibility (ringvod always assigns).
+
+    Raises:
+        HorovodInternalError: ranks passed different shapes or dtypes for a variable.
+    """
+    vs = list(variables)
+    if not vs:
+        return tf.no_op() if not tf.executing_eagerly() else None
+    values = [tf.convert_to_tensor(v) for v in vs]
+    _check(values)
+    outs = _run(lambda e: _k_broadcast(e, root_rank, "broadcast_variables", process_set),
+                values, [v.dtype for v in values], [v.shape for v in values])
+    assigns = [v.assign(o) for v, o in zip(vs, outs)]
+    if tf.executing_eagerly():
+        return None
+    return tf.group(*assigns)
+
+
+def _session(session: Any) -> None:
+    if session is not None:
+        raise ValueError("session= is for TF1 graphs, which ringvod does not support; call "
+                         "this eagerly (TF2) with session=None")
+
+
+def _bcast_np(arr: np.ndarray, root_rank: int, name: str, ps: ProcessSet) -> tf.Tensor:
+    t = to_tf(arr, tf.as_dtype(arr.dtype))
+    return wait_now(lambda h: finish(h.wait(), t),
+                    lambda: enqueue(RequestType.BROADCAST, [t], name=name, process_set=ps,
+                                    root=root_rank))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Returns rank `root_rank`'s `obj` (cloudpickled) on every rank of the process set.
+
+    `name` defaults to "broadcast_object" (Horovod used the type's name, which differs between
+    the root's object and the placeholders other ranks pass).
+    """
+    _session(session)
+    name = name or "broadcast_object"
+    is_root = collective.rank() == root_rank
+    data = dumps(obj) if is_root else b""
+    sz = _bcast_np(np.array([len(data)], dtype=np.int64), root_rank, f"{name}.sz", process_set)
+    n = int(sz.numpy()[0])
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if is_root else np.zeros(n, np.uint8)
+    out = _bcast_np(buf, root_rank, f"{name}.t", process_set)
+    return obj if is_root else loads(out.numpy().tobytes())
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
+                        process_set: ProcessSet = global_process_set) -> Callable[[Any], Any]:
+    """Returns `fn(obj)` that broadcasts `obj` from `root_rank` (Horovod's reusable form)."""
+    _session(session)
+
+    def fn(obj: Any) -> Any:
+        return broadcast_object(obj, root_rank, None, name, process_set)
+    return fn
+
+
+def allgather_object(obj: Any, session: Any = None, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Returns the list of every rank's `obj`, indexed by rank in the process set."""
+    _session(session)
+    name = name or "allgather_object"
+    data = np.frombuffer(dumps(obj), dtype=np.uint8).copy()
+
+    def gather(arr: np.ndarray, nm: str) -> np.ndarray:
+        t = to_tf(arr, tf.as_dtype(arr.dtype))
+        return wait_now(lambda h: finish(h.wait(), t),
+                        lambda: enqueue(RequestType.ALLGATHER, [t], name=nm,
+                                        process_set=process_set)).numpy()
+    sizes = gather(np.array([data.size], dtype=np.int64), f"{name}.sz")
+    raw = gather(data, f"{name}.t").tobytes()
+    out, off = [], 0
+    for n in sizes.tolist()[:process_set_size(process_set)]:
+        out.append(loads(raw[off:off + n]))
+        off += n
+    return out

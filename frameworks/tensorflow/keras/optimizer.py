@@ -1,0 +1,243 @@
+"""`DistributedOptimizer` for Keras 3 optimizers, `PartialDistributedOptimizer` and `load_model`.
+
+The wrapper is an instance of a subclass of the optimizer's own class (same name, so
+`isinstance(opt, keras.optimizers.SGD)` holds), built from the optimizer's config. Gradients are
+reduced once per update step, right before Keras clips them (Keras 3 calls `_clip_gradients`
+exactly once per update step), so clipping and weight decay see the averaged gradients, as in
+Horovod. `backward_passes_per_step=N` uses Keras' own gradient accumulation
+(`gradient_accumulation_steps=N`): gradients are summed locally for N steps and reduced on the
+N-th (divided by N when `average_aggregated_gradients`).
+
+The class saves under the wrapped optimizer's own name, so `keras.models.load_model` gives back
+the plain optimizer and `hvd.load_model` wraps it again.
+
+A `momentum` option becomes live: it reads a TF variable inside the compiled step, so that the
+learning-rate callbacks' momentum correction takes effect in `model.fit`.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+from collective import ProcessSet, ReduceOp, global_process_set
+
+from .._reduce import GradientReducer
+from ..compression import Compression
+
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "LiveMomentum"]
+
+
+class LiveMomentum:
+    """A momentum value that compiled steps read from a variable (`assign` changes it live).
+
+    Comparisons (`momentum != 0`, which Keras makes while building) use the configured value.
+    """
+
+    def __init__(self, value: float) -> None:
+        self.base = float(value)
+        self.var = tf.Variable(self.base, trainable=False, dtype=tf.float64,
+                               name="hvd_momentum")
+
+    def assign(self, value: float) -> None:
+        self.var.assign(float(value))
+
+    def get(self) -> float:
+        return float(self.var.numpy())
+
+    def __float__(self) -> float:
+        return self.base
+
+    def __eq__(self, other: Any) -> bool:
+        return self.base == other
+
+    def __ne__(self, other: Any) -> bool:
+        return self.base != other
+
+    def __lt__(self, other: Any) -> bool:
+        return self.base < other
+
+    def __gt__(self, other: Any) -> bool:
+        return self.base > other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LiveMomentum({self.get()})"
+
+
+tf.register_tensor_conversion_function(
+    LiveMomentum, lambda v, dtype=None, name=None, as_ref=False:
+    tf.cast(v.var.read_value(), dtype or tf.float64))
+
+
+class _StepVariables:
+    """The variables of the update being applied (a plain holder: a list attribute of the
+    optimizer itself would be tracked as the optimizer's own variables)."""
+
+    def __init__(self) -> None:
+        self.variables: list = []
+
+
+class _DistributedOptimizerMixin:
+    """Overrides of the wrapped optimizer's class (see the module docstring)."""
+
+    _hvd_reducer: GradientReducer
+    _hvd_step: "_StepVariables"
+    _hvd_sum_steps: int = 1
+    _hvd_user_accumulation: Any = None
+
+    def register_local_source(self, var: Any) -> None:
+        """Keeps `var`'s gradient local (not reduced; scaled by 1/size when
+        `scale_local_gradients`)."""
+        self._hvd_reducer.register_local_source(var)
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Any = None) -> Any:
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            # A missing gradient is a zero one (another rank may have a gradient there), so
+            # every rank reduces the same list.
+            grads = [tf.zeros_like(v) if g is None else g
+                     for g, v in zip(grads, trainable_variables)]
+        return super().apply(grads, trainable_variables)
+
+    def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
+        self._hvd_step.variables = list(trainable_variables)
+        try:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        finally:
+            self._hvd_step.variables = []
+
+    def _clip_gradients(self, grads: Any) -> Any:
+        grads = list(grads)
+        if self._hvd_sum_steps > 1:  # Keras averaged the accumulated gradients; Horovod sums
+            grads = [g * tf.cast(self._hvd_sum_steps, g.dtype) for g in grads]
+        grads = self._hvd_reducer.reduce(grads, self._hvd_step.variables)
+        return super()._clip_gradients(grads)
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        if "gradient_accumulation_steps" in config:
+            config["gradient_accumulation_steps"] = self._hvd_user_accumulation
+        m = config.get("momentum")
+        if isinstance(m, LiveMomentum):
+            config["momentum"] = m.base
+        return config
+
+
+_classes: dict[type, type] = {}
+
+
+def _wrapped_class(base: type) -> type:
+    cls = _classes.get(base)
+    if cls is None:
+        exported = getattr(keras.optimizers, base.__name__, None) is base
+        cls = type(base.__name__, (_DistributedOptimizerMixin, base),
+                   {"__module__": "keras.optimizers" if exported else base.__module__,
+                    "__qualname__": base.__qualname__,
+                    "__doc__": base.__doc__})
+        _classes[base] = cls
+    return cls
+
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",
+                         device_sparse: str = "", compression: Any = Compression.none,
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: ReduceOp = ReduceOp.AVERAGE, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Any = None, process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
+    """Wraps a `keras.optimizers.Optimizer` so that gradients are averaged (by `op`) across
+    the process set before they are applied. Returns a new optimizer of a subclass of the
+    optimizer's class, built from its config (its variables are created on first use).
+
+    Raises:
+        ValueError: not a Keras optimizer, already wrapped, `backward_passes_per_step` < 1 or
+            combined with the optimizer's own `gradient_accumulation_steps`, or bad groups.
+        NotImplementedError: Adasum.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError("DistributedOptimizer wraps a keras.optimizers.Optimizer (Keras 3), "
+                         f"got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizerMixin):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be > 0")
+    reducer = GradientReducer("DistributedOptimizer", compression, sparse_as_dense, op,
+                              gradient_predivide_factor, num_groups, groups, process_set,
+                              scale_local_gradients, device_dense, device_sparse)
+    config = optimizer.get_config()
+    user_accumulation = config.get("gradient_accumulation_steps")
+    if backward_passes_per_step > 1:
+        if user_accumulation:
+            raise ValueError("pass either backward_passes_per_step to DistributedOptimizer or "
+                             "gradient_accumulation_steps to the optimizer, not both")
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    if name:
+        config["name"] = name
+    cls = _wrapped_class(type(optimizer))
+    new = cls.from_config(config)
+    new._hvd_reducer = reducer
+    new._hvd_step = _StepVariables()
+    new._hvd_user_accumulation = user_accumulation
+    new._hvd_sum_steps = (backward_passes_per_step if backward_passes_per_step > 1
+                          and not average_aggregated_gradients else 1)
+    m = getattr(new, "momentum", None)
+    if isinstance(m, (int, float)) and not isinstance(m, bool):
+        new.momentum = LiveMomentum(m)
+    return new
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",
+                                device_sparse: str = "", compression: Any = Compression.none,
+                                sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0,
+                                op: ReduceOp = ReduceOp.AVERAGE,
+                                backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False,
+                                num_groups: int = 0, groups: Any = None,
+                                process_set: ProcessSet = global_process_set,
+                                local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> Any:
+    """A `DistributedOptimizer` whose `local_layers`' variables keep local gradients."""
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression,
+                               sparse_as_dense, gradient_predivide_factor, op,
+                               backward_passes_per_step, average_aggregated_gradients,
+                               num_groups, groups, process_set, scale_local_gradients)
+    layers = [] if local_layers is None else (
+        list(local_layers) if isinstance(local_layers, (list, tuple)) else [local_layers])
+    for layer in layers:
+        if not hasattr(layer, "trainable_weights"):
+            raise ValueError(f"local_layers must be Keras layers, got {type(layer).__name__}")
+        for var in layer.trainable_weights:
+            opt.register_local_source(var)
+    return opt
+
+
+def _rewrapper(base: type, kwargs: dict) -> type:
+    """A stand-in class for `custom_objects`: its `from_config` builds `base` and wraps it."""
+    def from_config(cls: type, config: dict, custom_objects: Any = None) -> Any:
+        return DistributedOptimizer(base.from_config(config), **kwargs)
+    return type(base.__name__, (), {"from_config": classmethod(from_config)})
+
+
+def load_model(filepath: Any, custom_optimizers: Sequence[type] | None = None,
+               custom_objects: dict | None = None, compression: Any = Compression.none,
+               legacy_opts: bool = False, **kwargs: Any) -> Any:
+    """`keras.models.load_model` whose optimizer comes back wrapped in `DistributedOptimizer`.
+
+    Args:
+        custom_optimizers: optimizer classes beyond `keras.optimizers`' own to re-wrap.
+        custom_objects: as for `keras.models.load_model`.
+        compression: the re-wrapped optimizer's compression.
+        legacy_opts: accepted for Horovod compatibility (Keras 3 has no legacy optimizers).
+    """
+    bases = [c for c in vars(keras.optimizers).values()
+             if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)
+             and c is not keras.optimizers.Optimizer]
+    bases += list(custom_optimizers or [])
+    objects = {b.__name__: _rewrapper(b, {"compression": compression}) for b in bases}
+    objects.update(custom_objects or {})
+    return keras.models.load_model(filepath, custom_objects=objects, **kwargs)

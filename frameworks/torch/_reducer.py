@@ -1,0 +1,280 @@
+"""`GradientReducer`: how `DistributedOptimizer` reduces its gradients across ranks.
+
+Every parameter with `requires_grad` gets a `_Slot`. When its gradient is final for the step
+(after `passes` backward passes, counted by the optimizer's hooks through `on_grad`), it is
+reduced in one of three ways, decided once at wrap time:
+
+* **bucket** (the default, `HOROVOD_BUCKET_CAP_MB` > 0): the last gradient of a ~25 MB bucket
+  packs the bucket into one flat buffer and enqueues one allreduce (`_buckets.Bucket`);
+* **group** (`groups=`): the last gradient of a group enqueues one grouped allreduce of all of
+  its members;
+* **per gradient** (`HOROVOD_BUCKET_CAP_MB=0`, parameters added later, sparse gradients): one
+  in-place allreduce (or a sparse allgather) per gradient.
+
+Compression applies to what is sent in every mode. `synchronize()` starts whatever has not
+started (zeros for parameters without a gradient, so no rank hangs), waits for everything and
+writes the results into `p.grad`.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+import collective
+from collective import ProcessSet, ReduceOp, RequestType, global_process_set
+
+from .._common import split_list
+from ._buckets import Bucket, plan_buckets
+from ._buffers import enqueue
+from .functions import broadcast_object
+from .ops import sparse_allreduce_async
+
+__all__ = ["GradientReducer", "TOO_MANY_PASSES"]
+
+TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
+                   "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                   "locally.")
+
+
+class _Slot:
+    """One parameter's gradient and its in-flight allreduce."""
+
+    __slots__ = ("param", "name", "delay", "handle", "send", "cctx", "sparse", "group", "bucket")
+
+    def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
+        self.param = param
+        self.name = name
+        self.delay = delay  # backward passes left before this step's allreduce starts
+        self.handle: Any = None  # Handle, or a callable for sparse gradients
+        self.send: torch.Tensor | None = None  # the tensor being reduced in place
+        self.cctx: Any = None  # compression context
+        self.sparse = False  # the gradient was sparse and went through sparse_as_dense
+        self.group: _Group | None = None
+        self.bucket: Bucket | None = None
+
+
+class _Group:
+    """Parameters whose gradients are reduced as one grouped allreduce."""
+
+    __slots__ = ("slots", "name", "ready", "handle")
+
+    def __init__(self, slots: list[_Slot], name: str) -> None:
+        self.slots = slots
+        self.name = name
+        self.ready = 0  # members whose hook has fired this step
+        self.handle: Any = None
+
+
+class GradientReducer:
+    """The gradient reductions of one optimizer (see the module docstring).
+
+    Args:
+        compression: a checked compressor (`compression.check_compressor`).
+        op: Average or Sum.
+        scale: (prescale, postscale) factors of every allreduce.
+        process_set: the ranks that reduce.
+        sparse_as_dense: densify sparse gradients instead of allgathering them.
+        passes: backward passes accumulated locally before each reduction.
+    """
+
+    def __init__(self, compression: Any, op: ReduceOp, scale: tuple[float, float],
+                 process_set: ProcessSet, sparse_as_dense: bool, passes: int) -> None:
+        self.compression = compression
+        self.op = op
+        self.scale = scale
+        self.process_set = process_set
+        self.sparse_as_dense = sparse_as_dense
+        self.passes = passes
+        self.lock = threading.Lock()  # guards group counters (hooks may run on any thread)
+        self.dirty = False  # a hook fired since the last synchronize
+        self.slots: list[_Slot] = []
+        self.groups: list[_Group] = []
+        self.buckets: list[Bucket] = []
+
+    # -- setup ----------------------------------------------------------------------------------
+    def add(self, param: torch.Tensor, name: str) -> _Slot:
+        slot = _Slot(param, name, self.passes)
+        self.slots.append(slot)
+        return slot
+
+    def form_groups(self, groups: Any) -> None:
+        # Every rank must form the same groups: order parameters as the set's first rank does.
+        slots = self.slots
+        root = 0 if self.process_set is global_process_set else self.process_set.ranks[0]
+        order = broadcast_object([s.name for s in slots], root_rank=root,
+                                 name="DistributedOptimizer.groups",
+                                 process_set=self.process_set)
+        pos = {n: i for i, n in enumerate(order)}
+        slots = sorted(slots, key=lambda s: pos.get(s.name, len(pos)))
+        if isinstance(groups, int):
+            chunks = split_list(slots, groups)
+        else:
+            by_id = {id(s.param): s for s in slots}
+            chunks, used = [], set()
+            for members in groups:
+                chunk = [by_id[id(p)] for p in members if id(p) in by_id]
+                used.update(id(s.param) for s in chunk)
+                if chunk:
+                    chunks.append(chunk)
+            chunks += [[s] for s in slots if id(s.param) not in used]
+        for chunk in chunks:
+            if len(chunk) < 2:
+                continue
+            group = _Group(chunk, chunk[0].name)
+            for s in chunk:
+                s.group = group
+            self.groups.append(group)
+
+    def form_buckets(self, cap_mb: float) -> None:
+        if cap_mb <= 0 or not self.slots:
+            return
+        slots = self.slots
+        plan = plan_buckets([s.param for s in slots], [s.name for s in slots],
+                            int(cap_mb * 1024 * 1024))
+        for indices, name in plan:
+            bucket = Bucket([slots[i].param for i in indices], name, len(self.buckets))
+            for i in indices:
+                slots[i].bucket = bucket
+            self.buckets.append(bucket)
+
+    # -- per-gradient path (hooks) ----------------------------------------------------------------
+    def on_grad(self, slot: _Slot) -> None:
+        # Runs once per parameter per backward pass on the autograd thread, holding the GIL
+        # while backward's kernels wait to be launched: keep it short (bucket packing checks
+        # the gradients once per bucket).
+        if slot.delay <= 0:
+            raise AssertionError(TOO_MANY_PASSES)
+        self.dirty = True
+        slot.delay -= 1
+        if slot.delay:
+            return
+        bucket = slot.bucket
+        if bucket is not None:
+            grad = slot.param.grad
+            if grad is not None and grad.is_sparse:
+                self._launch(slot)  # its own (sparse) reduction; zeros in the bucket
+            if bucket.mark_ready():
+                self._launch_bucket(bucket)
+            return
+        grad = slot.param.grad
+        if grad is not None and grad.requires_grad:
+            raise AssertionError("DistributedOptimizer does not support gradients that require "
+                                 "grad (backward(create_graph=True))")
+        group = slot.group
+        if group is None:
+            self._launch(slot)
+            return
+        with self.lock:
+            group.ready += 1
+            complete = group.ready == len(group.slots)
+        if complete:
+            self._launch_group(group)
+
+    def _launch_bucket(self, bucket: Bucket) -> None:
+        flat = bucket.pack()
+        send, bucket.cctx = self.compression.compress(flat)
+        bucket.send = send
+        pre, post = self.scale
+        bucket.handle = enqueue(RequestType.ALLREDUCE, [send], outputs=[send], name=bucket.name,
+                                process_set=self.process_set, op=self.op, prescale=pre,
+                                postscale=post)
+
+    def _prepare(self, slot: _Slot) -> torch.Tensor | None:
+        """Returns the dense tensor to reduce in place (None: launched as sparse)."""
+        p = slot.param
+        if p.grad is None:
+            # Another rank may have a gradient for it: contribute zeros rather than hang.
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        grad = p.grad
+        slot.sparse = False
+        if grad.is_sparse:
+            if not self.sparse_as_dense and slot.group is None:
+                return None
+            grad, slot.sparse = grad.to_dense(), True
+        send, slot.cctx = self.compression.compress(grad)
+        if not send.is_contiguous():
+            send = send.contiguous()
+        slot.send = send
+        return send
+
+    def _launch(self, slot: _Slot) -> None:
+        send = self._prepare(slot)
+        if send is None:
+            slot.handle = sparse_allreduce_async(slot.param.grad, slot.name, self.op,
+                                                 self.process_set)
+            return
+        pre, post = self.scale
+        slot.handle = enqueue(RequestType.ALLREDUCE, [send], outputs=[send], name=slot.name,
+                              process_set=self.process_set, op=self.op, prescale=pre,
+                              postscale=post)
+
+    def _launch_group(self, group: _Group) -> None:
+        sends = [self._prepare(s) for s in group.slots]
+        pre, post = self.scale
+        group.handle = enqueue(RequestType.ALLREDUCE, sends, outputs=sends, name=group.name,
+                               process_set=self.process_set, op=self.op, prescale=pre,
+                               postscale=post, grouped=True)
+
+    def _write_back(self, slot: _Slot, sparse_result: Any = None) -> None:
+        p = slot.param
+        if sparse_result is not None:
+            p.grad = sparse_result
+            return
+        send = slot.send
+        assert send is not None
+        out = self.compression.decompress(send, slot.cctx)
+        if slot.sparse:
+            p.grad = out.to_sparse()
+        elif out is not p.grad:
+            p.grad.copy_(out)
+
+    # -- step -----------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Starts every reduction not started yet, waits for all of them and writes the results
+        into `p.grad`; the next step starts afresh whatever happens.
+
+        Raises:
+            HorovodInternalError: an allreduce failed (e.g. a rank died or shapes differ).
+        """
+        try:
+            for slot in self.slots:
+                if slot.group is None and slot.bucket is None and slot.handle is None:
+                    self._launch(slot)
+            for bucket in self.buckets:
+                if bucket.handle is None:
+                    self._launch_bucket(bucket)
+            for group in self.groups:
+                if group.handle is None:
+                    self._launch_group(group)
+            for bucket in self.buckets:
+                assert bucket.send is not None
+                bucket.handle.wait()
+                bucket.unpack(self.compression.decompress(bucket.send, bucket.cctx))
+            for slot in self.slots:
+                if slot.group is not None or (slot.bucket is not None and slot.handle is None):
+                    continue
+                if isinstance(slot.handle, collective.Handle):
+                    slot.handle.wait()
+                    self._write_back(slot)
+                else:  # sparse: a function that waits and builds the summed tensor
+                    self._write_back(slot, slot.handle())
+            for group in self.groups:
+                group.handle.wait()
+                for slot in group.slots:
+                    self._write_back(slot)
+        finally:
+            self.reset()
+
+    def reset(self) -> None:
+        """Forgets in-flight reductions and restarts the pass count."""
+        for slot in self.slots:
+            slot.delay = self.passes
+            slot.handle = slot.send = slot.cctx = None
+        for group in self.groups:
+            group.ready = 0
+            group.handle = None
+        for bucket in self.buckets:
+            bucket.reset()
+        self.dirty = False
