@@ -3,7 +3,7 @@
 Each worker must see the GPUs of its node in local-rank order (`CUDA_VISIBLE_DEVICES`), so that
 `torch.cuda.set_device(hvd.local_rank())` is the GPU Ray gave it, and a CUDA allreduce runs
 through the NCCL engine. Skipped without Ray, CUDA or 2 GPUs (failed instead when
-RINGVOD_TEST_REQUIRE names gpu).
+RINGVOD_TEST_REQUIRE names ray, or gpu for CUDA).
 
     python -m pytest -q tests/gpu/test_ray_gpu.py      # or: benchmarks/run_gpu_suite.sh tests
 """
@@ -28,9 +28,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 def ray_gpus():
     try:
         import ray
+    except ImportError as exc:
+        skip_or_fail(f"needs Ray: {exc}", "ray")
+    try:
         import torch
     except ImportError as exc:
-        skip_or_fail(f"needs ray and torch: {exc}", "gpu")
+        skip_or_fail(f"needs torch: {exc}", "gpu")
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         skip_or_fail("needs 2 CUDA GPUs", "gpu")
     from ray import cloudpickle

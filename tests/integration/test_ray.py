@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from tests._spmd import skip_or_fail
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 try:
@@ -43,7 +45,7 @@ def test_missing_ray_gives_an_import_error_naming_the_extra():
 @pytest.fixture(scope="module")
 def cluster():
     if not HAVE_RAY:
-        pytest.skip('Ray is not installed (pip install ".[ray]")')
+        skip_or_fail('Ray is not installed (pip install ".[ray]")', "ray")
     import ray
     from ray import cloudpickle
     from ray.cluster_utils import Cluster
@@ -221,7 +223,7 @@ def test_executor_argument_errors(cluster):
 
 def test_plan_matches_hvdrun_slot_assignment():
     if not HAVE_RAY:
-        pytest.skip('Ray is not installed (pip install ".[ray]")')
+        skip_or_fail('Ray is not installed (pip install ".[ray]")', "ray")
     from launcher.hosts import HostInfo, get_host_assignments
     from launcher.ray.plan import group_by_node, rank_env, slots_for_nodes
     nodes = ["a", "b", "a", "c", "b", "a"]

@@ -11,9 +11,7 @@ import re
 
 import pytest
 
-from tests._spmd import run_spmd
-
-pytest.importorskip("tensorflow")
+from tests._spmd import run_spmd, skip_or_fail
 
 FILE = "tests/parallel/spmd_tensorflow.py"
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
@@ -62,3 +60,10 @@ def test_tensorflow_examples_run_as_written() -> None:
     log = res.ranks[0].log
     accs = [float(x) for x in re.findall(r"Final accuracy .*: ([0-9.]+)%", log)]
     assert accs and accs[-1] > 50.0, f"custom-loop example did not learn:\n{log}"
+
+
+@pytest.fixture(autouse=True)
+def _tensorflow_installed() -> None:
+    import importlib.util
+    if importlib.util.find_spec("tensorflow") is None:
+        skip_or_fail('TensorFlow is not installed (pip install ".[tensorflow]")', "tensorflow")
