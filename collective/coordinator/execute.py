@@ -29,9 +29,11 @@ _R_BROADCAST, _R_ALLTOALL, _R_REDUCESCATTER = (ResponseType.BROADCAST, ResponseT
 
 
 def perform(ps: ProcessSetState, resp: Response, tl: Any, device_engine: str,
-            config: Any) -> None:
+            config: Any, tuner: Any = None) -> None:
     """Runs `resp` on this rank and completes its handles. `tl`: the timeline (global rank 0
-    of set 0) or None; `device_engine`: the registered name of the device engine.
+    of set 0) or None; `device_engine`: the registered name of the device engine; `tuner`:
+    autotune's `Driver` on global rank 0 while tuning runs, else None (it records the global
+    set's allreduces).
 
     Raises:
         whatever the engine raises, after failing the response's handles with it.
@@ -73,6 +75,8 @@ def perform(ps: ProcessSetState, resp: Response, tl: Any, device_engine: str,
     try:
         if t == _R_ALLREDUCE or t == _R_ADASUM:
             engine.allreduce(entries, resp)
+            if tuner is not None and t == _R_ALLREDUCE and ps.id == 0:
+                tuner.record(resp.names, sum(resp.sizes) * resp.dtype.itemsize)
         elif t == _R_ALLGATHER:
             engine.allgather(entries, resp)
         elif t == _R_BROADCAST:

@@ -33,7 +33,7 @@ import numpy as np
 from ..entry import Entry
 from ..negotiation import CacheState
 from ..types import CPU_DEVICE, Request
-from .negotiate import ALL_CLEAR
+from .negotiate import ALL_CLEAR, NOT_RETUNE
 from .state import ProcessSetState
 
 __all__ = ["FastPaths"]
@@ -126,7 +126,9 @@ class FastPaths:
 
     def _express_round(self, ps: ProcessSetState, req: Request, bit: int) -> bool:
         words = np.zeros(1 + (ps.cache.num_bits + 63) // 64, dtype=np.uint64)
-        words[0] = ALL_CLEAR
+        # A round like any: global rank 0 with new autotune parameters clears the retune bit,
+        # and the round then ends through `conclude`, which switches them.
+        words[0] = ALL_CLEAR ^ NOT_RETUNE if self.tuning.wants_retune(ps) else ALL_CLEAR
         word = 1 + bit // 64
         words[word] = 1 << (bit % 64)
         res = ps.control.allreduce_words(words, "and")

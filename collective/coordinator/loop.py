@@ -21,6 +21,7 @@ from .execute import perform
 from .fastpath import FastPaths
 from .negotiate import Negotiator, check_stall
 from .state import ProcessSetState
+from .tuning import Tuning
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -50,7 +51,9 @@ class Coordinator(FastPaths):
     def __init__(self, runtime: "Runtime") -> None:
         self.rt = runtime
         self.config = runtime.config
-        self.negotiator = Negotiator(runtime.config)
+        # The fusion threshold and cycle time in force (autotune changes them: tuning.py).
+        self.tuning = Tuning(runtime.config)
+        self.negotiator = Negotiator(runtime.config, self.tuning)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.shutdown_requested = False  # set by user threads; read each cycle
@@ -73,6 +76,7 @@ class Coordinator(FastPaths):
         # cache, and one fixed process set (its round covers one set).
         self._express_ok = (not rt.dynamic_process_sets and len(rt.member_sets()) == 1
                             and all(ps.cache.capacity > 0 for ps in rt.member_sets()))
+        self.tuning.start(rt.rank)
         self._thread = threading.Thread(target=self._loop, name="hvd-coordinator", daemon=True)
         self._thread.start()
         self._thread_id = self._thread.ident
@@ -113,8 +117,8 @@ class Coordinator(FastPaths):
         cycle does, unless they already fill a bucket, other work is queued, a shutdown is
         requested, or a thread is blocked on a device handle (a synchronize wants them now).
         """
-        window = self.config.cycle_time
-        bucket = min(self.config.fusion_threshold, _DEVICE_BUCKET)
+        window = self.tuning.cycle_time
+        bucket = min(self.tuning.fusion_threshold, _DEVICE_BUCKET)
         sets = self.rt.member_sets()
         if (window <= 0 or bucket <= 0 or self._waiters > 0 or self.shutdown_requested
                 or not any(ps.queue for ps in sets)):  # a list's truth needs no lock
@@ -163,9 +167,9 @@ class Coordinator(FastPaths):
         self.rt._pin_thread()
         cause: BaseException | None = None
         try:
-            cycle = self.config.cycle_time
             timed_out = True  # the first cycle always runs
             while True:
+                cycle = self.tuning.cycle_time  # autotune may change it between cycles
                 start = time.monotonic()
                 self._wake.clear()
                 if self._handoff is not None or self._ended_by_driver:
@@ -246,4 +250,4 @@ class Coordinator(FastPaths):
     # -- execution ----------------------------------------------------------------------------
     def _perform(self, ps: ProcessSetState, resp: Response) -> None:
         perform(ps, resp, self.timeline if ps.is_global_root else None,
-                self.rt.device_engine_name, self.config)
+                self.rt.device_engine_name, self.config, self.tuning.driver)

@@ -1,8 +1,9 @@
 """Negotiation rounds: which requests are ready on every rank of a process set.
 
 A round drains the set's queue, looks each request up in the response cache and contributes one
-word vector to a bitwise-AND allreduce: three inverted status bits (shutdown, uncached work,
-invalid entry) and one bit per cached response this rank has a request for. Bits set everywhere
+word vector to a bitwise-AND allreduce: four inverted status bits (shutdown, uncached work,
+invalid entry, autotune parameters to switch to: tuning.py) and one bit per cached response this
+rank has a request for. Bits set everywhere
 are ready on every rank. If any rank has uncached work, the slow path gathers the uncached
 requests at the set's rank 0, whose message table validates and orders them, fuses the ready
 responses (`fusion.plan_fusion`) and broadcasts the list; every rank then updates its cache the
@@ -21,22 +22,26 @@ from ..negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, decode_gathe
                            decode_responses, encode_requests, encode_responses)
 from ..types import Request, RequestType, Response, ResponseType
 from .state import ProcessSetState
+from .tuning import Tuning
 
-__all__ = ["Negotiator", "check_stall", "ALL_CLEAR"]
+__all__ = ["Negotiator", "check_stall", "ALL_CLEAR", "NOT_RETUNE"]
 
 _log_ = _log.get_logger()
 
 # Status bits of the fast-path vector, stored inverted (set = condition false), as Horovod.
-_NOT_SHUTDOWN, _NOT_UNCACHED, _NOT_INVALID = 1, 2, 4
-ALL_CLEAR = _NOT_SHUTDOWN | _NOT_UNCACHED | _NOT_INVALID
+# NOT_RETUNE: cleared by global rank 0 when autotune has new parameters to broadcast.
+_NOT_SHUTDOWN, _NOT_UNCACHED, _NOT_INVALID, NOT_RETUNE = 1, 2, 4, 8
+ALL_CLEAR = _NOT_SHUTDOWN | _NOT_UNCACHED | _NOT_INVALID | NOT_RETUNE
 
 
 class Negotiator:
     """Runs negotiation rounds for the coordinator (whichever thread runs the cycle). `tl` is
-    the timeline on the global rank 0 of set 0, else None."""
+    the timeline on the global rank 0 of set 0, else None; `tuning` the fusion threshold in
+    force and autotune's switches."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tuning: Tuning) -> None:
         self.config = config
+        self.tuning = tuning
         self._warned_eviction = False
 
     def round(self, ps: ProcessSetState, tl: Any,
@@ -80,6 +85,8 @@ class Negotiator:
             status |= _NOT_UNCACHED
         if not invalid:
             status |= _NOT_INVALID
+        if not self.tuning.wants_retune(ps):
+            status |= NOT_RETUNE
         words[0] = status
         res = ps.control.allreduce_words(words, "and")
         return self.conclude(ps, res, uncached, invalid, want_shutdown, tl)
@@ -102,11 +109,13 @@ class Negotiator:
                 ps.cache.erase(bit)
                 if bit in hits:
                     uncached.append(hits.pop(bit))
+        if not flags & NOT_RETUNE:  # autotune: every rank switches before this round's plan
+            self.tuning.retune(ps)
         common = hits.take_common(res)
         if tl is not None:
             for b in common:
                 tl.negotiate_end(ps.cache.name_of(b))
-        threshold = self.config.fusion_threshold
+        threshold = self.tuning.fusion_threshold
         if not any_uncached:
             cached = [ps.cache.get(b) for b in common]
             return self.fuse(ps, cached, threshold), any_shutdown

@@ -16,6 +16,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_switches.py"
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["disabled", "default"])
 def test_mpi_threads_disable_and_no_effect_warning(case):
-    env = ({"HOROVOD_MPI_THREADS_DISABLE": "1", "HOROVOD_AUTOTUNE": "1"} if case == "disabled"
-           else {"HOROVOD_MPI_THREADS_DISABLE": "", "HOROVOD_AUTOTUNE": ""})
+    env = ({"HOROVOD_MPI_THREADS_DISABLE": "1", "HOROVOD_TORUS_ALLREDUCE": "1"}
+           if case == "disabled"
+           else {"HOROVOD_MPI_THREADS_DISABLE": "", "HOROVOD_TORUS_ALLREDUCE": ""})
     run_spmd(SCRIPT, np=2, timeout=90, env=env, args=[case])

@@ -247,7 +247,8 @@ def test_engines_do_not_import_negotiation_side():
 
 
 def test_negotiation_and_fusion_are_pure():
-    for m in ("collective.negotiation", "collective.fusion", "collective.stall"):
+    for m in ("collective.negotiation", "collective.fusion", "collective.stall",
+              "collective.autotune"):
         names = {i for i, _ in imports_of(m)}
         assert not names & {"threading", "socket", "subprocess", "os"}, (m, names)
         assert not any(_under(i, ["collective.engines", "collective.coordinator",
