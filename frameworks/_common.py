@@ -1,5 +1,6 @@
-"""Framework-agnostic helpers shared by the adapters: parameter naming rules, list splitting and
-object (de)serialisation for `broadcast_object` / `allgather_object`.
+"""Framework-agnostic helpers shared by the adapters: parameter naming rules, list splitting,
+object (de)serialisation for `broadcast_object` / `allgather_object`, and the process-set
+queries (`process_set_size`, `process_set_rank`).
 
 Nothing here imports a framework; adapters pass plain Python values in.
 """
@@ -9,8 +10,11 @@ import io
 import pickle
 from typing import Any, Hashable, Iterable, Sequence, TypeVar
 
+import collective
+from collective import ProcessSet, global_process_set
+
 __all__ = ["find_duplicates", "check_named_parameters", "default_parameter_name", "split_list",
-           "dumps", "loads"]
+           "dumps", "loads", "process_set_size", "process_set_rank"]
 
 T = TypeVar("T")
 
@@ -90,3 +94,32 @@ def dumps(obj: Any) -> bytes:
 def loads(data: bytes | memoryview) -> Any:
     """Inverse of `dumps`. Only call on bytes received from members of this job."""
     return pickle.loads(data)
+
+
+def process_set_size(process_set: ProcessSet = global_process_set) -> int:
+    """Size of a process set this rank belongs to (the global set's size is `size()`).
+
+    Raises:
+        ValueError: the set is not registered.
+    """
+    if process_set is global_process_set or process_set.process_set_id == 0:
+        return collective.size()
+    n = process_set.size()
+    if n is None:
+        raise ValueError(f"{process_set} is not registered; pass it to hvd.init(process_sets=...) "
+                         "or hvd.add_process_set()")
+    return n
+
+
+def process_set_rank(process_set: ProcessSet = global_process_set) -> int:
+    """This rank's index inside a process set it belongs to.
+
+    Raises:
+        ValueError: the set is unregistered or this rank is not a member.
+    """
+    if process_set is global_process_set or process_set.process_set_id == 0:
+        return collective.rank()
+    r = process_set.rank()
+    if r is None:
+        raise ValueError(f"rank {collective.rank()} is not a member of {process_set}")
+    return r

@@ -32,6 +32,7 @@ import collective
 from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet,
                         ReduceOp, RequestType, Sum, global_process_set, resolve_op)
 
+from .._common import process_set_rank, process_set_size
 from ._buffers import dtype_of, eager, enqueue, finish, run_one
 from collective.adapter import wait_now
 from .compression import Compression, check_compressor
@@ -86,33 +87,6 @@ def _grad_name(name: str | None, suffix: str = "grad") -> str | None:
     return None if name is None else f"{name}.{suffix}"
 
 
-def process_set_size(process_set: ProcessSet = global_process_set) -> int:
-    """Size of a process set this rank belongs to.
-
-    Raises:
-        ValueError: the set is not registered.
-    """
-    if process_set is global_process_set or process_set.process_set_id == 0:
-        return collective.size()
-    n = process_set.size()
-    if n is None:
-        raise ValueError(f"{process_set} is not registered; pass it to hvd.init(process_sets=...) "
-                         "or hvd.add_process_set()")
-    return n
-
-
-def process_set_rank(process_set: ProcessSet = global_process_set) -> int:
-    """This rank's index inside a process set.
-
-    Raises:
-        ValueError: the set is unregistered or this rank is not a member.
-    """
-    if process_set is global_process_set or process_set.process_set_id == 0:
-        return collective.rank()
-    r = process_set.rank()
-    if r is None:
-        raise ValueError(f"rank {collective.rank()} is not a member of {process_set}")
-    return r
 
 
 # -- graph-side basics ----------------------------------------------------------------------------

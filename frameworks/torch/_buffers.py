@@ -15,7 +15,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-import collective
 from collective import DataType, Handle, ProcessSet, ReduceOp, RequestType
 from collective import adapter
 from collective.adapter import DeviceOpError

@@ -19,6 +19,7 @@ from collective.adapter import wait_now as _collective_wait_now
 from collective import (Handle, HorovodInternalError, ProcessSet, ReduceOp, RequestType,
                         global_process_set, resolve_op)
 
+from .._common import process_set_rank, process_set_size
 from ._buffers import enqueue, from_collective, run_one
 from ._handles import handles
 
@@ -56,29 +57,6 @@ def shutdown() -> None:
     handles.clear()
 
 
-def process_set_size(process_set: ProcessSet = global_process_set) -> int:
-    """Size of a process set this rank belongs to (the global set's size is `size()`)."""
-    if process_set is global_process_set or process_set.process_set_id == 0:
-        return collective.size()
-    n = process_set.size()
-    if n is None:
-        raise ValueError(f"{process_set} is not registered; pass it to hvd.init(process_sets=...) "
-                         "or hvd.add_process_set()")
-    return n
-
-
-def process_set_rank(process_set: ProcessSet = global_process_set) -> int:
-    """This rank's index inside a process set it belongs to.
-
-    Raises:
-        ValueError: the set is unregistered or this rank is not a member.
-    """
-    if process_set is global_process_set or process_set.process_set_id == 0:
-        return collective.rank()
-    r = process_set.rank()
-    if r is None:
-        raise ValueError(f"rank {collective.rank()} is not a member of {process_set}")
-    return r
 
 
 def _add(handle: Handle, finish: Callable[[Any], Any], *keep: Any) -> int:
