@@ -12,9 +12,13 @@ The retry loop, `State`, `ObjectState` and the rendezvous with the driver are fr
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
+import tensorflow as tf
+
 import collective
+from collective.errors import HorovodInternalError
 from collective.elastic import HostUpdateResult, ObjectState, State, run_fn
 from collective.elastic import reset as _reset
 
@@ -30,8 +34,28 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     On a failed collective the state is restored to the last commit; on a host update it is
     kept. Either way the job resets (`shutdown()`, rendezvous with the driver, `init()`), the
     state is synced from the new rank 0, the reset callbacks run, and `func` is called again.
+
+    A collective that fails inside a `tf.function` (e.g. the gradient allreduce of Keras'
+    `fit`) reaches Python as a `tf.errors.OpError` whose text carries the
+    `HorovodInternalError`; it is turned back into a `HorovodInternalError`, so that it
+    restores the last commit like a failure in eager code.
     """
-    return run_fn(func, _reset)
+    return run_fn(_raise_internal_errors(func), _reset)
+
+
+def _raise_internal_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except tf.errors.OpError as exc:
+            text = str(exc)
+            marker = "HorovodInternalError: "
+            if marker not in text:
+                raise
+            detail = text.split(marker, 1)[1].splitlines()[0]
+            raise HorovodInternalError(detail) from exc
+    return wrapper
 
 
 def _bcast(obj: Any) -> Any:
