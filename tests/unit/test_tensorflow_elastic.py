@@ -151,3 +151,39 @@ def test_run_restores_last_commit_after_failed_collective(hvd) -> None:
     for a, b in zip(final, _values(ref.variables)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     del keras
+
+
+def test_run_turns_graph_errors_back_into_internal_errors(hvd) -> None:
+    """A HorovodInternalError raised inside a tf.function reaches Python as a tf OpError;
+    `run` restores the last commit for it as for an eager one, and lets other errors through."""
+    import tensorflow as tf
+
+    import horovod.tensorflow as hvd_tf
+    v = tf.Variable(1.0)
+    state = hvd_tf.elastic.TensorFlowState([v], steps=0)
+    calls: list[int] = []
+
+    def fail(x):
+        raise hvd.HorovodInternalError("peer 3 died")
+
+    @tf.function
+    def step():
+        v.assign_add(1.0)
+        return tf.py_function(fail, [v], tf.float32)
+
+    @hvd_tf.elastic.run
+    def train(state):
+        calls.append(state.steps)
+        state.steps += 1
+        if len(calls) == 1:
+            step()
+        return float(v.numpy())
+
+    assert train(state) == 1.0 and calls == [0, 0]  # restored: the variable and the counter
+
+    @hvd_tf.elastic.run
+    def other(state):
+        tf.debugging.assert_equal(tf.constant(1), tf.constant(2))
+
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        other(state)
