@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 import collective
-from collective.errors import HorovodInternalError
 from collective.elastic import HostUpdateResult, ObjectState, State, run_fn
 from collective.elastic import reset as _reset
+from collective.errors import HorovodInternalError
 
 from .functions import broadcast_object, broadcast_variables
 
