@@ -17,6 +17,8 @@ ET_DATASET, ET_BATCH  torch: dataset size (60) and batch size per rank (2)
 ET_BPPS     torch: backward_passes_per_step (default 1); the averaged gradient is then
             ET_BPPS * base(step) (passes add up, as in Horovod)
 ET_CUDA     1: torch on CUDA (NCCL), the worker of host "localhost" on GPU 0, others on GPU 1
+ET_KERAS    1: Keras `fit` instead (KerasState and the elastic callbacks; see main_keras), with
+            ET_BATCHES batches per epoch (default 4) and ET_STEPS // ET_BATCHES epochs
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ SLEEP = float(os.environ.get("ET_SLEEP", "0.05"))
 HOST = os.environ.get("HOROVOD_HOSTNAME", "")
 WID = os.environ.get("HOROVOD_ELASTIC_WORKER_ID", "?")
 TORCH = os.environ.get("ET_TORCH") == "1"
+KERAS = os.environ.get("ET_KERAS") == "1"
 
 with open(os.path.join(OUT, f"pid.{WID}"), "w") as _f:
     _f.write(str(os.getpid()))
@@ -169,6 +172,58 @@ def main_torch() -> None:
     write(hvd, model.weight.detach().cpu().numpy().reshape(-1), state, resets)
 
 
+def main_keras() -> None:
+    """Keras `fit` of a 4-weight linear model (zeros, no bias) with SGD(0.5), one sample per
+    batch: the loss `y_pred * y_true` makes the averaged gradient of batch b (of every epoch)
+    exactly b + 1 at any size, so each epoch changes every weight by -0.5 * sum(b + 1). One
+    `fit(epochs=1)` per epoch; after a reset mid-epoch the epoch resumes at `state.batch`."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    import horovod.tensorflow.keras as hvd
+    from collective import elastic
+
+    hvd.init()
+    batches = int(os.environ.get("ET_BATCHES", "4"))
+    epochs = STEPS // batches
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.5)),
+                  loss=lambda y_true, y_pred: y_pred * y_true)
+    state = hvd.elastic.KerasState(model, epoch=0, batch=0, step=0, log=[], sizes=[])
+    resets = []
+    state.register_reset_callbacks(
+        [lambda: resets.append((hvd.size(), dict(elastic.last_reset_timings)))])
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            maybe_die(state.step)
+
+        def on_train_batch_end(self, batch, logs=None):
+            state.log = state.log + [state.step]
+            state.sizes = state.sizes + [hvd.size()]
+            state.step += 1
+            progress(hvd, state.step)
+            time.sleep(SLEEP)
+
+    callbacks = [Steps(), hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state),
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=COMMIT)]
+
+    @hvd.elastic.run
+    def train(state):
+        while state.epoch < epochs:
+            offset = hvd.rank() - (hvd.size() - 1) / 2
+            todo = range(state.batch, batches)
+            x = np.ones((len(todo), 4), np.float32)
+            y = np.array([[b + 1 + offset] for b in todo], np.float32)
+            model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0,
+                      callbacks=callbacks)
+
+    train(state)
+    write(hvd, model.get_weights()[0].reshape(-1), state, resets)
+
+
 def write(hvd, w, state, resets) -> None:
     res = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "w": [float(x) for x in w],
            "log": list(state.log), "sizes": list(state.sizes), "resets": resets,
@@ -180,4 +235,4 @@ def write(hvd, w, state, resets) -> None:
 
 
 if __name__ == "__main__":
-    main_torch() if TORCH else main_numpy()
+    main_torch() if TORCH else main_keras() if KERAS else main_numpy()

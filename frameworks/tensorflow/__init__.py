@@ -3,7 +3,9 @@
 Re-exports only: `mpi_ops` (collectives, eager and inside `tf.function`, with gradients),
 `compression`, `functions` (broadcast helpers), `gradient_tape` (`DistributedGradientTape`),
 `optimizer` (`DistributedOptimizer`), `sync_batch_norm`; the basics come from `collective`.
-`hvd.callbacks` (the Keras callbacks) and `SyncBatchNormalization` load Keras on first use.
+`hvd.callbacks` (the Keras callbacks) and `SyncBatchNormalization` load Keras on first use;
+`hvd.elastic` (elastic training: `run`, `TensorFlowKerasState`, `TensorFlowState`) loads on
+first use.
 """
 from __future__ import annotations
 
@@ -40,10 +42,10 @@ __all__ = [
     "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join",
     "broadcast_variables", "broadcast_object", "broadcast_object_fn", "allgather_object",
     "broadcast_global_variables", "DistributedGradientTape", "PartialDistributedGradientTape",
-    "DistributedOptimizer", "SyncBatchNormalization", "callbacks", "keras",
+    "DistributedOptimizer", "SyncBatchNormalization", "callbacks", "keras", "elastic",
 ]
 
-_LAZY = {"callbacks": ".keras.callbacks", "keras": ".keras",
+_LAZY = {"callbacks": ".keras.callbacks", "keras": ".keras", "elastic": ".elastic",
          "SyncBatchNormalization": ".sync_batch_norm"}
 
 
@@ -52,7 +54,7 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module = importlib.import_module(target, __name__)
-    value = module if name in ("callbacks", "keras") else getattr(module, name)
+    value = module if name in ("callbacks", "keras", "elastic") else getattr(module, name)
     globals()[name] = value
     return value
 

@@ -3,10 +3,13 @@ module): `import horovod.tensorflow.keras as hvd`.
 
 Re-exports: the basics (from `collective`), `DistributedOptimizer`,
 `PartialDistributedOptimizer`, `load_model` (`optimizer`), the callbacks (`callbacks`), and
-`allreduce` / `allgather` / `broadcast` / `reducescatter` on values (eager tensors back).
+`allreduce` / `allgather` / `broadcast` / `reducescatter` on values (eager tensors back), and
+`elastic` (elastic training: `run`, `KerasState`, the commit/update callbacks), loaded on first
+use.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet,
@@ -32,8 +35,16 @@ __all__ = [
     "add_process_set", "remove_process_set", "Compression", "DistributedOptimizer",
     "PartialDistributedOptimizer", "load_model", "callbacks", "broadcast_global_variables",
     "allreduce", "allgather", "broadcast", "reducescatter", "broadcast_object",
-    "broadcast_variables",
+    "broadcast_variables", "elastic",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "elastic":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(".elastic", __name__)
+    globals()[name] = module
+    return module
 
 
 def broadcast_global_variables(root_rank: int) -> None:

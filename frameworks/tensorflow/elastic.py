@@ -1,0 +1,166 @@
+"""`hvd.elastic` for TensorFlow 2 (`horovod.tensorflow.elastic`): `run`, `TensorFlowKerasState`,
+`TensorFlowState`.
+
+The retry loop, `State`, `ObjectState` and the rendezvous with the driver are framework-neutral
+(`collective/elastic.py`); this module adds states that hold TensorFlow variables:
+
+| state | save / restore | sync (from rank 0) |
+|---|---|---|
+| `TensorFlowKerasState(model, optimizer)` | numpy copies of the model's and optimizer's variables / `assign` | `broadcast_variables` |
+| `TensorFlowState(variables)` | numpy copies of the variables / `assign` | `broadcast_variables` |
+| other keyword arguments | `ObjectState` attributes | `broadcast_object` |
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+import collective
+from collective.elastic import HostUpdateResult, ObjectState, State, run_fn
+from collective.elastic import reset as _reset
+from collective.errors import HorovodInternalError
+
+from .functions import broadcast_object, broadcast_variables
+
+__all__ = ["run", "State", "ObjectState", "TensorFlowKerasState", "TensorFlowState",
+           "HostUpdateResult"]
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator of an elastic training function `func(state, *args, **kwargs)`.
+
+    On a failed collective the state is restored to the last commit; on a host update it is
+    kept. Either way the job resets (`shutdown()`, rendezvous with the driver, `init()`), the
+    state is synced from the new rank 0, the reset callbacks run, and `func` is called again.
+
+    A collective that fails inside a `tf.function` (e.g. the gradient allreduce of Keras'
+    `fit`) reaches Python as a `tf.errors.OpError` whose text carries the
+    `HorovodInternalError`; it is turned back into a `HorovodInternalError`, so that it
+    restores the last commit like a failure in eager code.
+    """
+    return run_fn(_raise_internal_errors(func), _reset)
+
+
+def _raise_internal_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except tf.errors.OpError as exc:
+            text = str(exc)
+            marker = "HorovodInternalError: "
+            if marker not in text:
+                raise
+            detail = text.split(marker, 1)[1].splitlines()[0]
+            raise HorovodInternalError(detail) from exc
+    return wrapper
+
+
+def _bcast(obj: Any) -> Any:
+    return broadcast_object(obj, 0, name="elastic.state")
+
+
+class _VariablesState(ObjectState):
+    """An `ObjectState` that also saves, restores and syncs a list of TensorFlow variables,
+    returned by `_variables()` (read at every call, so variables created later count)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._saved_vars: list[Any] = []
+        super().__init__(bcast_object=_bcast, get_rank=collective.rank, **kwargs)
+        self._save_vars()
+
+    def _variables(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _save_vars(self) -> None:
+        self._saved_vars = [v.numpy().copy() for v in self._variables()]
+
+    def save(self) -> None:
+        self._save_vars()
+        super().save()
+
+    def restore(self) -> None:
+        variables = self._variables()
+        if len(variables) != len(self._saved_vars):
+            raise RuntimeError(f"elastic restore: the state has {len(variables)} variables but "
+                               f"{len(self._saved_vars)} were committed; create every variable "
+                               "(e.g. build the model and optimizer) before the first commit")
+        for v, saved in zip(variables, self._saved_vars):
+            v.assign(saved)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_variables(self._variables(), root_rank=0)
+        self._save_vars()
+        super().sync()
+
+
+class TensorFlowKerasState(_VariablesState):
+    """Elastic state of a Keras model and its optimizer, plus plain values.
+
+    `commit()` keeps numpy copies of `model.variables` and `optimizer.variables` in memory,
+    `restore()` assigns them back, `sync()` broadcasts them from rank 0. The optimizer of a
+    built model is built (its slots created) before any of these if it is not yet, so that a
+    worker that joins later has the same variables as the survivors. `backend` is accepted for Horovod compatibility (unused).
+
+    Example:
+        >>> state = hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0)
+        >>> state.model, state.optimizer, state.epoch
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, backend: Any = None,
+                 **kwargs: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
+                                                                         None)
+        self.backend = backend
+        super().__init__(**kwargs)
+
+    def _variables(self) -> list[Any]:
+        out = list(self.model.variables)
+        opt = self.optimizer
+        if opt is not None:
+            opt_vars = opt.variables
+            out += list(opt_vars() if callable(opt_vars) else opt_vars)
+        return out
+
+    def _build_optimizer(self) -> None:
+        opt = self.optimizer
+        if (opt is not None and getattr(self.model, "built", False)
+                and getattr(opt, "built", True) is False and hasattr(opt, "build")):
+            opt.build(self.model.trainable_variables)
+
+    def _save_vars(self) -> None:
+        self._build_optimizer()
+        super()._save_vars()
+
+    def restore(self) -> None:
+        self._build_optimizer()
+        super().restore()
+
+    def sync(self) -> None:
+        self._build_optimizer()
+        super().sync()
+
+
+class TensorFlowState(_VariablesState):
+    """Elastic state of a list of `tf.Variable`s, plus plain values. `session` is for TF1
+    graphs and must be None.
+
+    Example:
+        >>> state = hvd.elastic.TensorFlowState([w, b], step=0)
+    """
+
+    def __init__(self, variables: Sequence[Any] | None = None, session: Any = None,
+                 **kwargs: Any) -> None:
+        if session is not None:
+            raise ValueError("session= is for TF1 graphs, which ringvod does not support; "
+                             "pass session=None (TF2, eager)")
+        self.variables = list(variables or [])
+        self.session = None
+        super().__init__(**kwargs)
+
+    def _variables(self) -> list[Any]:
+        return self.variables
