@@ -1,8 +1,9 @@
 """Shared-memory streams between ranks of one host (an accelerated `Link`).
 
-Why: on the 2-core CI box, streaming through a Unix socket reaches about 3 GB/s at 16 MiB and
-loopback TCP about 2 GB/s, while Open MPI (shared memory) reaches about 5 GB/s; copying through
-a shared ring instead of the kernel halves the copies and matches MPI (issue 4's target is 70%).
+Why: between ranks of one host, streaming through a Unix socket or loopback TCP copies every
+byte twice through the kernel and falls well behind Open MPI's shared memory; copying through a
+shared ring instead halves the copies and matches MPI (`benchmarks/tcp_allreduce.py` measures
+tcp mode against MPI mode).
 
 Set-up, right after the authenticated Unix-socket connection is made: each end creates a
 `memfd` ring of `RING` bytes that it alone writes, and passes the descriptor to the other end
