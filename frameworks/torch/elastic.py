@@ -136,32 +136,26 @@ class StateHandler:
         self.save()
 
 
-class ModelStateHandler(StateHandler):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
+class _StateDictHandler(StateHandler):
+    """A value with `state_dict()` / `load_state_dict()`: commits keep a deep copy of it."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
         self.save()
 
     def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        self.value.load_state_dict(self._saved)  # an optimizer's also drops in-flight reductions
 
+
+class ModelStateHandler(_StateDictHandler):
     def sync(self) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class OptimizerStateHandler(StateHandler):
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(optimizer)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)  # also drops in-flight gradient reductions
-
+class OptimizerStateHandler(_StateDictHandler):
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
 
@@ -173,17 +167,7 @@ class OptimizerStateHandler(StateHandler):
             drop()
 
 
-class SamplerStateHandler(StateHandler):
-    def __init__(self, sampler: ElasticSampler) -> None:
-        super().__init__(sampler)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
+class SamplerStateHandler(_StateDictHandler):
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict(), 0,
                                                     name="elastic.sampler"))
