@@ -1,16 +1,25 @@
-"""Synthetic ResNet-50 training throughput with ringvod (the PyTorch adapter on GPUs).
+"""Synthetic training throughput with ringvod (the PyTorch adapter): ResNet-50 or a transformer.
 
-The model, data and step are those of `ddp_resnet.py` (PyTorch DDP), with
-`hvd.DistributedOptimizer` instead of DDP, so the two compare like with like. One process per
-GPU; at 1 process the optimizer is the plain one (ringvod adds nothing). Launch::
+The models, data and step are those of `ddp_resnet.py` (PyTorch DDP), built by `_models.py`,
+with `hvd.DistributedOptimizer` instead of DDP, so the two compare like with like. `--model
+resnet50` (default; batch 64, images/s) or `--model transformer` (a BERT-base-shaped encoder of
+154 parameter tensors; batch 32 x `--seq` 128, samples/s; `--layers` to shrink it). One
+process per GPU; at 1 process the optimizer is the plain one (ringvod adds nothing).
+`HOROVOD_BUCKET_CAP_MB=0` in the ranks' environment selects Horovod's per-gradient mode (one
+allreduce per gradient, fused by the runtime) instead of gradient buckets. Launch::
 
     mpirun --allow-run-as-root --bind-to none -np 2 -x NCCL_NVLS_ENABLE=0 \
-        python benchmarks/gpu_resnet.py [--amp] [--compression fp16|bf16]
+        python benchmarks/gpu_resnet.py [--model transformer] [--amp] [--compression fp16|bf16]
 
-Prints `RESULT impl=ringvod world=.. amp=.. compression=.. img_per_sec_total=..`.
+Prints `MODEL ...` (parameter tensors and count), then `RESULT impl=ringvod world=.. amp=..
+compression=.. batch=.. img_per_sec_total=.. model=.. unit=..` (the key says img but the
+number is in `unit`: img/s or samples/s), then `MEMORY impl=ringvod ...`: the peak of torch's
+allocator after warm-up, the device's used memory and what ringvod holds (CuPy pool, the NCCL
+engine's fusion buffer, the gradient buckets; see `_models.ringvod_memory`).
 `--profile DIR` also records one training step with torch.profiler on rank 0 and writes
 `DIR/timeline_step.json` (Chrome trace: kernels per stream, NCCL on ringvod's own stream) and
 `DIR/timeline_step.png` (compute vs communication kernels on a time axis).
+`--device cpu` runs the same on CPU tensors (MPI or tcp engines; a smoke test, not a benchmark).
 """
 from __future__ import annotations
 
@@ -25,11 +34,13 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
                ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
-import torchvision  # noqa: E402
 
+import _models  # noqa: E402
 import frameworks.torch as hvd  # noqa: E402
 
 
@@ -74,9 +85,9 @@ def plot_trace(trace_path: str, png: str, title: str) -> str:
     return png
 
 
-def phases(step_parts, a, show, label):
+def phases(step_parts, a, sync, show, label):
     """Host time of forward, backward and step (plus the GPU tail after step) per step."""
-    torch.cuda.synchronize()
+    sync()
     parts = [step_parts() for _ in range(20)]
     med = [statistics.median(p[i] for p in parts) * 1e3 for i in range(4)]
     if show:
@@ -87,22 +98,43 @@ def phases(step_parts, a, show, label):
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--model", default="resnet50", choices=_models.MODELS)
+    p.add_argument("--batch", type=int, default=0,
+                   help="per process (default: 64 for resnet50, 32 for transformer)")
+    p.add_argument("--seq", type=int, default=128, help="transformer: tokens per sample")
+    p.add_argument("--layers", type=int, default=12, help="transformer: encoder layers")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--amp", action="store_true")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--phases", action="store_true", help="print host time per step phase")
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     p.add_argument("--profile", default="", help="directory for a one-step timeline")
     p.add_argument("--tag", default="", help="label printed with the result")
     p.add_argument("--groups", type=int, default=0, help="DistributedOptimizer(groups=N)")
     a = p.parse_args()
+    a.batch = a.batch or _models.DEFAULT_BATCH[a.model]
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
-    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-    torch.backends.cudnn.benchmark = True
-    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        torch.backends.cudnn.benchmark = True
+        device = torch.device("cuda", torch.cuda.current_device())
+
+        def sync():
+            torch.cuda.synchronize()
+    else:
+        torch.set_num_threads(1)  # one process per core, as one per GPU
+        device = torch.device("cpu")
+
+        def sync():
+            pass
+    w = _models.build(a.model, device, a.batch, seq=a.seq, layers=a.layers)
+    if rank == 0:
+        print(w.describe(a.model), flush=True)
+    model = w.model
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if world > 1:
         comp = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
@@ -110,41 +142,42 @@ def main() -> int:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=comp, groups=a.groups or None)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    x = torch.randn(a.batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (a.batch,), device="cuda")
+    x, y = w.x, w.y
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.amp):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.amp):
+            loss = w.loss(model(x), y)
         loss.backward()
         opt.step()
 
     def step_parts():
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.amp):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.amp):
+            loss = w.loss(model(x), y)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
-        torch.cuda.synchronize()
+        sync()
         t4 = time.perf_counter()
         return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
     for _ in range(a.warmup):
         step()
+    _models.reset_peak(device)
     per = max(a.iters // a.repeats, 1)
-    windows = []
+    windows, used = [], []
     for _ in range(a.repeats):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         for _ in range(per):
             step()
-        torch.cuda.synchronize()
+        sync()
         windows.append(a.batch * per / (time.perf_counter() - t))
+        used.append(_models.device_used(device))
     ips = torch.tensor(windows)
     if world > 1:
         ips = hvd.allreduce(ips, op=hvd.Sum, name="bench.ips")
@@ -152,24 +185,32 @@ def main() -> int:
     if rank == 0:
         print(f"RESULT impl=ringvod{a.tag} world={world} amp={a.amp} "
               f"compression={a.compression} batch={a.batch} img_per_sec_total={total:.1f} "
-              f"windows={','.join(f'{w:.0f}' for w in ips.tolist())}", flush=True)
+              f"windows={','.join(f'{v:.0f}' for v in ips.tolist())} model={a.model} "
+              f"unit={w.unit} bucket_cap_mb={os.environ.get('HOROVOD_BUCKET_CAP_MB', 'default')}",
+              flush=True)
+        seen = [u for u in used if u is not None]
+        extra = _models.ringvod_memory(opt, device)
+        print(_models.memory_line(f"impl=ringvod{a.tag} world={world} model={a.model}", device,
+                                  max(seen) if seen else None, extra), flush=True)
     if a.phases:
-        phases(step_parts, a, rank == 0, "ringvod" + a.tag)
+        phases(step_parts, a, sync, rank == 0, "ringvod" + a.tag)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
             step()
-            torch.cuda.synchronize()
+            sync()
         if rank == 0:
             os.makedirs(a.profile, exist_ok=True)
             trace = os.path.join(a.profile, "timeline_step.json")
             prof.export_chrome_trace(trace)
             try:
+                name = torch.cuda.get_device_name() if cuda else "CPU"
                 plot_trace(trace, os.path.join(a.profile, "timeline_step.png"),
-                           f"one ResNet-50 step, ringvod, {world}x {torch.cuda.get_device_name()}"
+                           f"one {a.model} step, ringvod, {world}x {name}"
                            f", amp={a.amp}, batch {a.batch}")
             except Exception as exc:  # noqa: BLE001 - the trace is still there
                 print(f"timeline plot failed: {exc}")

@@ -1,0 +1,214 @@
+"""The models of the training benchmarks (`gpu_resnet.py`, `ddp_resnet.py`), built alike for both.
+
+`build(name, device, batch)` returns a `Workload`: the model on `device`, one synthetic batch
+(inputs and targets, made once) and the loss. A training step is::
+
+    loss = w.loss(w.model(w.x), w.y)
+
+* `resnet50`: torchvision's ResNet-50 in channels_last, images 3x224x224, 1000 classes; the
+  unit is images/s.
+* `transformer`: a BERT-base-shaped encoder from plain `torch.nn` (nothing downloaded): token
+  embedding (vocabulary 30522, width 768) + learned position embedding (512) + LayerNorm, 12
+  `nn.TransformerEncoderLayer` (12 heads, feed-forward 3072, GELU, post-norm as BERT), and a
+  masked-LM-like head on every token (Linear 768x768, GELU, LayerNorm, Linear to the
+  vocabulary). 154 parameter tensors (12 per layer), ~133 M parameters (the output layer is
+  not tied to the embedding): many small gradients, which is what bucketing is for. Batches
+  are `batch` sequences of `seq` tokens; the unit is samples (sequences)/s.
+
+The memory helpers make the `MEMORY ...` line both scripts print after their timed windows:
+the peak of torch's allocator (allocated and reserved, reset after warm-up so it is the
+steady-state training peak) and the device's used memory (total - free, which includes what
+torch's allocator does not see: the CUDA context, NCCL's buffers, CuPy's pool); for ringvod
+also what ringvod itself holds (`ringvod_memory`). Every reading that fails prints `?` and
+on CPU `n/a`: a benchmark never dies for its memory report.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import sys
+import torch
+from torch import nn
+
+__all__ = ["MODELS", "DEFAULT_BATCH", "Workload", "build", "reset_peak", "device_used",
+           "memory_line", "ringvod_memory"]
+
+MODELS = ("resnet50", "transformer")
+DEFAULT_BATCH = {"resnet50": 64, "transformer": 32}
+VOCAB = 30522
+
+
+@dataclass
+class Workload:
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    unit: str  # what one sample is: "img/s" or "samples/s"
+
+    @property
+    def tensors(self) -> int:
+        return sum(1 for p in self.model.parameters() if p.requires_grad)
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def describe(self, name: str) -> str:
+        return (f"MODEL model={name} param_tensors={self.tensors} "
+                f"params={self.params / 1e6:.1f}M batch={self.x.shape[0]} unit={self.unit}")
+
+
+class Encoder(nn.Module):
+    """BERT-base-shaped encoder with a masked-LM-like head (see the module docstring)."""
+
+    def __init__(self, layers: int = 12, dim: int = 768, heads: int = 12, ff: int = 3072,
+                 vocab: int = VOCAB, max_len: int = 512) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.norm = nn.LayerNorm(dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, ff, activation="gelu",
+                                           batch_first=True, norm_first=False)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.LayerNorm(dim),
+                                  nn.Linear(dim, vocab))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.norm(self.tok(tokens) + self.pos(pos))
+        return self.head(self.encoder(h))
+
+
+def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def build(name: str, device: Any, batch: int, seq: int = 128, layers: int = 12) -> Workload:
+    """The model `name` on `device` with one synthetic batch of `batch` samples.
+
+    `seq` and `layers` apply to `transformer` only.
+
+    Raises:
+        ValueError: unknown `name`, or `seq` above the 512 positions.
+    """
+    device = torch.device(device)
+    if name == "resnet50":
+        import torchvision
+        model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
+        x = torch.randn(batch, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (batch,), device=device)
+        return Workload(model, x, y, nn.functional.cross_entropy, "img/s")
+    if name == "transformer":
+        if not 0 < seq <= 512:
+            raise ValueError(f"--seq must be 1..512, got {seq}")
+        model = Encoder(layers=layers).to(device)
+        x = torch.randint(0, VOCAB, (batch, seq), device=device)
+        y = torch.randint(0, VOCAB, (batch, seq), device=device)
+        return Workload(model, x, y, _lm_loss, "samples/s")
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+# -- memory -------------------------------------------------------------------------------------
+_MIB = 1024.0 * 1024.0
+
+
+def _mib(nbytes: Any) -> str:
+    try:
+        return f"{float(nbytes) / _MIB:.1f}"
+    except (TypeError, ValueError):
+        return "?"
+
+
+def reset_peak(device: torch.device) -> None:
+    """Starts the allocator's peak statistics afresh (after warm-up); nothing on CPU."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    except Exception:  # noqa: BLE001 - the report is optional
+        pass
+
+
+def device_used(device: torch.device) -> float | None:
+    """Bytes in use on the device (total - free, every allocator and the context); None on CPU
+    or where the driver does not say."""
+    if device.type != "cuda":
+        return None
+    try:
+        free, total = torch.cuda.mem_get_info()
+        return float(total - free)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def memory_line(label: str, device: torch.device, used_max: float | None,
+                extra: dict[str, str] | None = None) -> str:
+    """`MEMORY <label> peak_alloc_mib=.. peak_reserved_mib=.. device_used_mib=.. [extra]`.
+
+    `used_max`: the largest `device_used` seen during the timed windows."""
+    fields: dict[str, str] = {}
+    if device.type != "cuda":
+        fields = {"peak_alloc_mib": "n/a", "peak_reserved_mib": "n/a", "device_used_mib": "n/a"}
+    else:
+        for key, fn in (("peak_alloc_mib", torch.cuda.max_memory_allocated),
+                        ("peak_reserved_mib", torch.cuda.max_memory_reserved)):
+            try:
+                fields[key] = _mib(fn())
+            except Exception:  # noqa: BLE001
+                fields[key] = "?"
+        fields["device_used_mib"] = _mib(used_max) if used_max is not None else "?"
+    fields.update(extra or {})
+    return f"MEMORY {label} " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def ringvod_memory(opt: Any, device: torch.device) -> dict[str, str]:
+    """What ringvod holds besides the model: CuPy's pool (NCCL engine staging and outputs it
+    allocates itself; outside torch's allocator), the NCCL engine's fusion buffer (allocated
+    through torch for torch tensors, so inside `peak_alloc`), and the `DistributedOptimizer`'s
+    gradient bucket buffers (torch tensors). `?` where a reading fails, `n/a` on CPU."""
+    if device.type != "cuda":
+        return {k: "n/a" for k in ("cupy_pool_mib", "cupy_used_mib", "fusion_mib",
+                                   "buckets_mib")}
+    out: dict[str, str] = {}
+    cupy = sys.modules.get("cupy")
+    try:
+        pool = cupy.get_default_memory_pool()  # type: ignore[union-attr]
+        out["cupy_pool_mib"] = _mib(pool.total_bytes())
+        out["cupy_used_mib"] = _mib(pool.used_bytes())
+    except Exception:  # noqa: BLE001 - CuPy not imported, or another API
+        out["cupy_pool_mib"] = out["cupy_used_mib"] = "?"
+    try:
+        from collective import _current
+        rt = _current.current_or_none()
+        total, seen = 0, False
+        for ps in (rt.member_sets() if rt is not None else []):
+            eng = getattr(ps, "device_engine", None)
+            if eng is None:
+                continue
+            n = getattr(eng, "_fusion_bytes", None)
+            if n is not None:
+                total += int(n)
+                seen = True
+        # No device engine yet (one process) holds nothing; an engine without the attribute: ?
+        engines = [getattr(ps, "device_engine", None) for ps in
+                   (rt.member_sets() if rt is not None else [])]
+        out["fusion_mib"] = _mib(total) if seen or not any(engines) else "?"
+    except Exception:  # noqa: BLE001
+        out["fusion_mib"] = "?"
+    try:
+        reducer = getattr(opt, "_hvd_reducer", None)
+        if reducer is None:
+            out["buckets_mib"] = "0.0"  # the plain optimizer (one process)
+        else:
+            total = 0
+            for b in getattr(reducer, "buckets"):
+                flat = getattr(b, "flat", None)
+                if flat is not None:
+                    total += flat.numel() * flat.element_size()
+            out["buckets_mib"] = _mib(total)
+    except Exception:  # noqa: BLE001
+        out["buckets_mib"] = "?"
+    return out
