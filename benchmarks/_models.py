@@ -24,15 +24,26 @@ on CPU `n/a`: a benchmark never dies for its memory report.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
+import contextlib
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "DEFAULT_BATCH", "Workload", "build", "reset_peak", "device_used",
-           "memory_line", "ringvod_memory"]
+__all__ = [
+    "DEFAULT_BATCH",
+    "MODELS",
+    "VOCAB",
+    "Workload",
+    "build",
+    "device_used",
+    "memory_line",
+    "reset_peak",
+    "ringvod_memory",
+]
 
 MODELS = ("resnet50", "transformer")
 DEFAULT_BATCH = {"resnet50": 64, "transformer": 32}
@@ -85,10 +96,11 @@ def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def build(name: str, device: Any, batch: int, seq: int = 128, layers: int = 12) -> Workload:
+def build(name: str, device: Any, batch: int, seq: int = 128, layers: int = 12,
+          vocab: int = VOCAB) -> Workload:
     """The model `name` on `device` with one synthetic batch of `batch` samples.
 
-    `seq` and `layers` apply to `transformer` only.
+    `seq`, `layers` and `vocab` apply to `transformer` only (smaller ones for smoke tests).
 
     Raises:
         ValueError: unknown `name`, or `seq` above the 512 positions.
@@ -103,9 +115,9 @@ def build(name: str, device: Any, batch: int, seq: int = 128, layers: int = 12) 
     if name == "transformer":
         if not 0 < seq <= 512:
             raise ValueError(f"--seq must be 1..512, got {seq}")
-        model = Encoder(layers=layers).to(device)
-        x = torch.randint(0, VOCAB, (batch, seq), device=device)
-        y = torch.randint(0, VOCAB, (batch, seq), device=device)
+        model = Encoder(layers=layers, vocab=vocab).to(device)
+        x = torch.randint(0, vocab, (batch, seq), device=device)
+        y = torch.randint(0, vocab, (batch, seq), device=device)
         return Workload(model, x, y, _lm_loss, "samples/s")
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
@@ -125,11 +137,9 @@ def reset_peak(device: torch.device) -> None:
     """Starts the allocator's peak statistics afresh (after warm-up); nothing on CPU."""
     if device.type != "cuda":
         return
-    try:
+    with contextlib.suppress(Exception):  # the report is optional
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    except Exception:  # noqa: BLE001 - the report is optional
-        pass
 
 
 def device_used(device: torch.device) -> float | None:
@@ -168,10 +178,14 @@ def ringvod_memory(opt: Any, device: torch.device) -> dict[str, str]:
     """What ringvod holds besides the model: CuPy's pool (NCCL engine staging and outputs it
     allocates itself; outside torch's allocator), the NCCL engine's fusion buffer (allocated
     through torch for torch tensors, so inside `peak_alloc`), and the `DistributedOptimizer`'s
-    gradient bucket buffers (torch tensors). `?` where a reading fails, `n/a` on CPU."""
+    gradient bucket buffers (torch tensors) and their number (`buckets_n`; 0 in per-gradient
+    mode). `?` where a reading fails, `n/a` on CPU."""
     if device.type != "cuda":
-        return {k: "n/a" for k in ("cupy_pool_mib", "cupy_used_mib", "fusion_mib",
-                                   "buckets_mib")}
+        out = {k: "n/a" for k in ("cupy_pool_mib", "cupy_used_mib", "fusion_mib",
+                                  "buckets_mib")}
+        reducer = getattr(opt, "_hvd_reducer", None)
+        out["buckets_n"] = str(len(getattr(reducer, "buckets", ()) or ()))
+        return out
     out: dict[str, str] = {}
     cupy = sys.modules.get("cupy")
     try:
@@ -201,14 +215,14 @@ def ringvod_memory(opt: Any, device: torch.device) -> dict[str, str]:
     try:
         reducer = getattr(opt, "_hvd_reducer", None)
         if reducer is None:
-            out["buckets_mib"] = "0.0"  # the plain optimizer (one process)
+            out["buckets_mib"], out["buckets_n"] = "0.0", "0"  # the plain optimizer (1 process)
         else:
             total = 0
-            for b in getattr(reducer, "buckets"):
+            for b in reducer.buckets:
                 flat = getattr(b, "flat", None)
                 if flat is not None:
                     total += flat.numel() * flat.element_size()
-            out["buckets_mib"] = _mib(total)
+            out["buckets_mib"], out["buckets_n"] = _mib(total), str(len(reducer.buckets))
     except Exception:  # noqa: BLE001
-        out["buckets_mib"] = "?"
+        out["buckets_mib"] = out["buckets_n"] = "?"
     return out

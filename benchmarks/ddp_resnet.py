@@ -23,10 +23,9 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import _models  # noqa: E402
+import _models
+import torch
+import torch.distributed as dist
 
 
 def phases(step_parts, a, sync, show, label):
@@ -47,6 +46,7 @@ def main():
                    help="per process (default: 64 for resnet50, 32 for transformer)")
     p.add_argument("--seq", type=int, default=128, help="transformer: tokens per sample")
     p.add_argument("--layers", type=int, default=12, help="transformer: encoder layers")
+    p.add_argument("--vocab", type=int, default=_models.VOCAB, help="transformer: vocabulary")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
@@ -56,9 +56,9 @@ def main():
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     a = p.parse_args()
     a.batch = a.batch or _models.DEFAULT_BATCH[a.model]
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = a.device == "cuda"
     if cuda:
         torch.cuda.set_device(local)
@@ -75,7 +75,8 @@ def main():
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
     torch.backends.cudnn.benchmark = True
-    w = _models.build(a.model, device, a.batch, seq=a.seq, layers=a.layers)
+    w = _models.build(a.model, device, a.batch, seq=a.seq, layers=a.layers,
+                      vocab=a.vocab)
     if rank == 0:
         print(w.describe(a.model), flush=True)
     model = w.model

