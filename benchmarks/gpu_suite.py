@@ -330,7 +330,7 @@ def main() -> int:
         timeline(s)
     else:
         configs = [c for c in a.configs.split(",") if c]
-        unknown = [c for c in configs if (c.removesuffix(PG)) not in CONFIGS]
+        unknown = [c for c in configs if c.removesuffix(PG) not in CONFIGS]
         if unknown:
             p.error(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}, each "
                     f"optionally with {PG}")
