@@ -6,8 +6,8 @@
 * `inflight`: `--depth` ops on distinct tensors submitted, then all synchronized.
 
 Each loop is timed without the profiler first (median µs per op), then profiled; rank 0 prints
-the top functions by own time on the calling thread and, separately, inside the cycles the
-coordinator thread runs (its `run_cycle` is wrapped in a second profiler).
+the top functions by own time. From Python 3.12 cProfile sees every thread (the coordinator's
+cycles included); before, only the calling thread.
 
     mpirun -np 2 python tools/profile_ops.py [--bytes 65536] [--iters 2000] [--top 25]
 """
@@ -73,18 +73,6 @@ def main() -> int:
                 hvd.synchronize(h)
         sync()
 
-    from collective import _current
-    coord = _current.current().coordinator
-    cycle_prof = cProfile.Profile()
-    real_cycle = coord.run_cycle
-
-    def profiled_cycle():
-        cycle_prof.enable()
-        try:
-            return real_cycle()
-        finally:
-            cycle_prof.disable()
-
     rows = []
     for label in a.loops.split(","):
         fn = {"lone": lone, "dependent": dependent, "inflight": inflight}[label]
@@ -98,24 +86,18 @@ def main() -> int:
             sync()
             per.append((time.perf_counter() - t) / (a.iters // 5) * 1e6)
         rows.append((label, statistics.median(per)))
+        if rank == 0:
+            print(f"PROFILE_OPS {label} bytes={a.bytes} us_per_op={rows[-1][1]:.1f}", flush=True)
         hvd.barrier()
         prof = cProfile.Profile()
-        cycle_prof.__init__()
-        coord.run_cycle = profiled_cycle  # the coordinator thread's cycles (dependent, inflight)
         prof.enable()
         fn(a.iters)
         prof.disable()
-        coord.run_cycle = real_cycle
         hvd.barrier()
         if rank == 0:
-            for who, pr in (("caller thread", prof), ("coordinator cycles", cycle_prof)):
-                s = io.StringIO()
-                st = pstats.Stats(pr, stream=s)
-                if not st.stats:
-                    continue
-                st.sort_stats("tottime").print_stats(a.top)
-                print(f"==== {label}: {who}, {a.iters} ops of {a.bytes} B\n{s.getvalue()}",
-                      flush=True)
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+            print(f"==== {label}: {a.iters} ops of {a.bytes} B\n{s.getvalue()}", flush=True)
     if a.device == "cuda":  # the same loops with torch.distributed, for scale
         import torch.distributed as dist
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank,
