@@ -10,7 +10,7 @@ installed from carried wheels) and then runs one of these parts::
 
 * `sweep`: float32 allreduce 1 KiB – 1 GiB at N GPUs (`gpu_allreduce.py` under
   `mpirun -np N`): ringvod vs raw CuPy NCCL vs torch.distributed in the same processes, then a
-  lone synchronous op of 1 and 4 KiB; `allreduce_<N>gpu.json` and `.png`.
+  lone synchronous op of 1 KiB, 64 KiB and 1 MiB; `allreduce_<N>gpu.json` and `.png`.
 * `resnet`: ResNet-50 synthetic training, batch 64/GPU, ringvod (`gpu_resnet.py`) vs PyTorch
   DDP (`ddp_resnet.py` under `torch.distributed.run`) at N GPUs, the two alternating (the first
   of each round alternates) for `--rounds` rounds per configuration: fp32, bf16 (autocast),
@@ -111,7 +111,7 @@ def parse(text: str) -> list[dict]:
 # -- allreduce sweep ---------------------------------------------------------------------------
 def sweep(s: Suite, n: int, quick: bool = False) -> None:
     s.say(f"== allreduce sweep, {n} GPUs: ringvod vs CuPy NCCL vs torch.distributed")
-    args = [os.path.join(HERE, "gpu_allreduce.py"), "--lone-sizes", "1024,4096",
+    args = [os.path.join(HERE, "gpu_allreduce.py"), "--lone-sizes", "1024,65536,1048576",
             "--json", os.path.join(s.out, f"allreduce_{n}gpu.json"),
             "--png", os.path.join(s.out, f"allreduce_{n}gpu.png")]
     if quick:
