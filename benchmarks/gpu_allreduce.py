@@ -8,11 +8,18 @@ compare like with like. Launch one process per GPU, e.g.::
 
 Measures, per size (float32, Sum, in place):
 
-* pipelined: `iters` back-to-back ops, then one device synchronize (nccl-tests' method; for
-  ringvod each op is `allreduce_async_` + `synchronize`, which only orders the stream);
+* in flight: a pool of up to 64 distinct tensors (at most 1 GiB in all, at least 2) is reduced
+  op after op without waiting, then every op is waited for, and the pool again until the block
+  has `iters` ops; then one device synchronize (nccl-tests' method). For ringvod each op is
+  `allreduce_async_` with its own name and the waits are `synchronize(handle)` (which only
+  orders the stream), so the ops in flight are negotiated together and fused, as gradients
+  are; torch.distributed and raw CuPy NCCL launch them one by one.
   busbw = bytes / time × 2(n−1)/n. Each timed block lasts ≥ ~20 ms of GPU time (at least 20
   ops), so the first op's host latency is not counted as bandwidth;
   the three series alternate for `--rounds` rounds and each reports its median block;
+* dependent (ringvod only): `synchronize(allreduce_async_(x))` on one tensor, op after op,
+  each waited for before the next is submitted: one negotiation and thread hand-off per op,
+  the per-op host cost without fusion or overlap;
 * lone: one synchronous op (`hvd.allreduce_`, `dist.all_reduce`) followed by a host wait for
   the GPU, repeated; the median (what a program that needs the value at once sees).
 """
@@ -66,7 +73,7 @@ def main() -> int:
     p.add_argument("--json", default="")
     p.add_argument("--png", default="")
     p.add_argument("--max-bytes", type=int, default=1 << 30)
-    p.add_argument("--lone-sizes", default="1024,4096,65536")
+    p.add_argument("--lone-sizes", default="1024,65536,1048576")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--quick", action="store_true", help="fewer iterations")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per size")
@@ -86,9 +93,20 @@ def main() -> int:
     cstream = cupy.cuda.Stream(non_blocking=True)
     rows, lone_rows = [], []
 
-    def ringvod(x):
+    def ringvod_dependent(x):
         # One name per size, as a training loop reuses its names (the negotiation cache path).
         hvd.synchronize(hvd.allreduce_async_(x, op=hvd.Sum, name=f"bw.{x.numel()}"))
+
+    def ringvod_block(pool, names):
+        hs = [hvd.allreduce_async_(t, op=hvd.Sum, name=nm) for t, nm in zip(pool, names)]
+        for h in hs:
+            hvd.synchronize(h)
+
+    def each(fn):
+        def block(pool, _names):
+            for t in pool:
+                fn(t)
+        return block
 
     def ringvod_sync(x):  # the synchronous API: hvd.allreduce_ returns when x can be used
         hvd.allreduce_(x, op=hvd.Sum, name=f"bw.{x.numel()}")
@@ -104,28 +122,38 @@ def main() -> int:
         raw(x)
         cstream.synchronize()
 
-    impls = [("ringvod", ringvod), ("CuPy NCCL", raw), ("torch.distributed", torchdist)]
+    impls = [("ringvod", ringvod_block), ("CuPy NCCL", each(raw)),
+             ("torch.distributed", each(torchdist))]
     for nb in [s for s in SIZES if s <= a.max_bytes]:
-        x = torch.ones(nb // 4, device="cuda")
         # ~20 ms of GPU time per block at ~300 GB/s (at least 20 ops, at most 200).
         iters = min(max(20, int(20e-3 * 300e9 / 2 / max(nb, 1))), 200)
         if a.quick:
             iters = max(iters // 4, 5)
+        depth = max(2, min(64, (1 << 30) // nb, iters))
+        pool = [torch.ones(nb // 4, device="cuda") for _ in range(depth)]
+        names = [f"bw.{nb}.{i}" for i in range(depth)]
+        reps = -(-iters // depth)  # blocks of the pool per timed block
+        ops = reps * depth
         times: dict[str, list[float]] = {label: [] for label, _ in impls}
+        dep: list[float] = []
         for _ in range(max(a.rounds, 1)):
             for label, fn in impls:
                 if label == "CuPy NCCL":
                     torch.cuda.synchronize()
-                    times[label].append(timed(lambda: raw(x), iters, 5))
+                times[label].append(timed(lambda: fn(pool, names), reps, 2) / depth)
+                if label == "CuPy NCCL":
                     cstream.synchronize()
-                else:
-                    times[label].append(timed(lambda: fn(x), iters, 5))
+            dep.append(timed(lambda: ringvod_dependent(pool[0]), iters, 5))
+        rows.append({"series": "ringvod dependent", "bytes": nb, "time_us":
+                     statistics.median(dep) * 1e6, "iters": iters,
+                     "rounds_us": [v * 1e6 for v in dep],
+                     "busbw_gbs": busbw(nb, statistics.median(dep), n)})
         for label, _ in impls:
             t = statistics.median(times[label])
-            rows.append({"series": label, "bytes": nb, "time_us": t * 1e6, "iters": iters,
-                         "rounds_us": [v * 1e6 for v in times[label]],
+            rows.append({"series": label, "bytes": nb, "time_us": t * 1e6, "iters": ops,
+                         "depth": depth, "rounds_us": [v * 1e6 for v in times[label]],
                          "busbw_gbs": busbw(nb, t, n)})
-        del x
+        pool.clear()
     for nb in [int(s) for s in a.lone_sizes.split(",") if s]:
         x = torch.ones(nb // 4, device="cuda")
         iters = 100 if a.quick else 300
@@ -138,13 +166,18 @@ def main() -> int:
         for nb in sorted({r["bytes"] for r in rows}):
             by = {r["series"]: r for r in rows if r["bytes"] == nb}
             rv, cp, td = by["ringvod"], by["CuPy NCCL"], by["torch.distributed"]
-            table.append([human_bytes(nb), f"{rv['time_us']:.1f}", f"{rv['busbw_gbs']:.1f}",
-                          f"{cp['time_us']:.1f}", f"{cp['busbw_gbs']:.1f}",
-                          f"{td['time_us']:.1f}", f"{td['busbw_gbs']:.1f}",
-                          f"{rv['busbw_gbs'] / cp['busbw_gbs'] * 100:.0f}%"])
+            dp = by["ringvod dependent"]
+            table.append([human_bytes(nb), rv["depth"], f"{rv['time_us']:.1f}",
+                          f"{rv['busbw_gbs']:.1f}", f"{cp['time_us']:.1f}",
+                          f"{cp['busbw_gbs']:.1f}", f"{td['time_us']:.1f}",
+                          f"{td['busbw_gbs']:.1f}",
+                          f"{rv['busbw_gbs'] / cp['busbw_gbs'] * 100:.0f}%",
+                          f"{rv['busbw_gbs'] / td['busbw_gbs']:.2f}x", f"{dp['time_us']:.1f}"])
         print(f"allreduce float32, {n} GPUs ({torch.cuda.get_device_name()}), {versions()}")
-        print(format_table(["size", "ringvod us", "busbw", "cupy us", "busbw", "torch us",
-                            "busbw", "rv/raw"], table))
+        print("ops in flight (us per op, median block; ringvod fuses the ops in flight), and "
+              "ringvod's dependent ops (each waited for before the next):")
+        print(format_table(["size", "in flight", "ringvod us", "busbw", "cupy us", "busbw",
+                            "torch us", "busbw", "rv/raw", "rv/torch", "dependent us"], table))
         lt = []
         for nb in sorted({r["bytes"] for r in lone_rows}):
             by = {r["series"]: r["lone_us"] for r in lone_rows if r["bytes"] == nb}

@@ -10,7 +10,7 @@ installed from carried wheels) and then runs one of these parts::
 
 * `sweep`: float32 allreduce 1 KiB – 1 GiB at N GPUs (`gpu_allreduce.py` under
   `mpirun -np N`): ringvod vs raw CuPy NCCL vs torch.distributed in the same processes, then a
-  lone synchronous op of 1 and 4 KiB; `allreduce_<N>gpu.json` and `.png`.
+  lone synchronous op of 1 KiB, 64 KiB and 1 MiB; `allreduce_<N>gpu.json` and `.png`.
 * `resnet`: synthetic training of `--model resnet50` (batch 64/GPU, img/s) or `transformer`
   (BERT-base-shaped encoder of 154 parameter tensors, batch 32 x 128 tokens/GPU, samples/s;
   `_models.py`), ringvod (`gpu_resnet.py`) vs PyTorch DDP (`ddp_resnet.py` under
@@ -156,7 +156,7 @@ def parse_memory(text: str) -> dict:
 # -- allreduce sweep ---------------------------------------------------------------------------
 def sweep(s: Suite, n: int, quick: bool = False) -> None:
     s.say(f"== allreduce sweep, {n} GPUs: ringvod vs CuPy NCCL vs torch.distributed")
-    args = [os.path.join(HERE, "gpu_allreduce.py"), "--lone-sizes", "1024,4096",
+    args = [os.path.join(HERE, "gpu_allreduce.py"), "--lone-sizes", "1024,65536,1048576",
             "--json", os.path.join(s.out, f"allreduce_{n}gpu.json"),
             "--png", os.path.join(s.out, f"allreduce_{n}gpu.png")]
     if quick:
