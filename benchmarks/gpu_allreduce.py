@@ -77,7 +77,12 @@ def main() -> int:
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--quick", action="store_true", help="fewer iterations")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per size")
+    p.add_argument("--fuse-all", action="store_true", help="A/B: fuse large device allreduces "
+                   "too (collective.fusion.ALONE_BYTES = 0)")
     a = p.parse_args()
+    if a.fuse_all:
+        import collective.fusion
+        collective.fusion.ALONE_BYTES = 0
     hvd.init()
     rank, n = hvd.rank(), hvd.size()
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
@@ -173,7 +178,8 @@ def main() -> int:
                           f"{td['busbw_gbs']:.1f}",
                           f"{rv['busbw_gbs'] / cp['busbw_gbs'] * 100:.0f}%",
                           f"{rv['busbw_gbs'] / td['busbw_gbs']:.2f}x", f"{dp['time_us']:.1f}"])
-        print(f"allreduce float32, {n} GPUs ({torch.cuda.get_device_name()}), {versions()}")
+        print(f"allreduce float32, {n} GPUs ({torch.cuda.get_device_name()}), {versions()}"
+              + (", --fuse-all (large device allreduces fused too)" if a.fuse_all else ""))
         print("ops in flight (us per op, median block; ringvod fuses the ops in flight), and "
               "ringvod's dependent ops (each waited for before the next):")
         print(format_table(["size", "in flight", "ringvod us", "busbw", "cupy us", "busbw",

@@ -8,6 +8,11 @@ device, dtype, scale factors and reduce op while the bytes fit under the thresho
 fuses by per-rank byte sums. A non-matching response is skipped (kept for later, in order) only
 while the accumulated plus skipped bytes still fit. BROADCAST, ALLTOALL, JOIN, BARRIER and ERROR
 never fuse; JOIN, BARRIER and ERROR also stop the look-ahead.
+
+One rule of ringvod's own: a device allreduce of `ALONE_BYTES` or more is never fused. It
+reaches NCCL's full bandwidth on its own, in place, whereas in a fusion buffer it costs two
+extra copies of its bytes (`benchmarks/gpu_allreduce.py`: large ops in flight ran a quarter
+slower fused than alone). Host buffers fuse as before.
 """
 from __future__ import annotations
 
@@ -20,6 +25,13 @@ from .types import Response, ResponseType
 __all__ = ["plan_fusion", "response_bytes"]
 
 _REDUCTIONS = (ResponseType.ALLREDUCE, ResponseType.ADASUM, ResponseType.REDUCESCATTER)
+# A device allreduce this large runs alone (see the module docstring); 0 = fuse everything.
+ALONE_BYTES = 8 * 1024 * 1024
+
+
+def _alone(r: Response, nbytes: int) -> bool:
+    return (r.type == ResponseType.ALLREDUCE and r.device >= 0 and ALONE_BYTES > 0
+            and nbytes >= ALONE_BYTES)
 _BARRIERS = (ResponseType.JOIN, ResponseType.BARRIER, ResponseType.ERROR)
 
 
@@ -100,6 +112,9 @@ def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
         # Allgather fits when every rank's summed share fits (as in Horovod).
         ranks_used = _per_rank(head, group_size, align) if gather else []
         used = response_bytes(head, group_size, align)
+        if _alone(head, used):
+            out.append(head)
+            continue
         skipped: list[Response] = []
         skipped_bytes = 0
         while queue:
@@ -107,7 +122,7 @@ def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
             if nxt.type in _BARRIERS:
                 break
             nb = response_bytes(nxt, group_size, align)
-            if _compatible(head, nxt, disable_group_fusion):
+            if _compatible(head, nxt, disable_group_fusion) and not _alone(nxt, nb):
                 if gather:
                     summed = [a + b for a, b in zip(ranks_used, _per_rank(nxt, group_size,
                                                                           align))]

@@ -157,3 +157,17 @@ def test_planning_is_pure():
 def test_empty_and_single():
     assert plan_fusion([], 100, 2) == []
     assert names(plan_fusion([ar("x")], 100, 2)) == [["x"]]
+
+
+def test_large_device_allreduces_run_alone():
+    big = 8 * 1024 * 1024 // 4  # float32 elements of ALONE_BYTES
+    gpu = [ar("s0", device=0), ar("b1", big, device=0), ar("s2", device=0),
+           ar("b3", big, device=0), ar("s4", device=0)]
+    # Small ones fuse past the large ones (look-ahead); each large one runs by itself.
+    assert names(plan_fusion(gpu, threshold=1 << 30, group_size=2)) == [
+        ["s0", "s2", "s4"], ["b1"], ["b3"]]
+    # Just under the limit they fuse as usual; host buffers fuse whatever their size.
+    under = [ar("u0", big - 1, device=0), ar("u1", big - 1, device=0)]
+    assert names(plan_fusion(under, threshold=1 << 30, group_size=2)) == [["u0", "u1"]]
+    host = [ar("h0", big), ar("h1", big)]
+    assert names(plan_fusion(host, threshold=1 << 30, group_size=2)) == [["h0", "h1"]]
