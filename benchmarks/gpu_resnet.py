@@ -114,7 +114,11 @@ def main() -> int:
     p.add_argument("--profile", default="", help="directory for a one-step timeline")
     p.add_argument("--tag", default="", help="label printed with the result")
     p.add_argument("--groups", type=int, default=0, help="DistributedOptimizer(groups=N)")
+    p.add_argument("--switch-interval", type=float, default=0.0,
+                   help="sys.setswitchinterval(SECONDS) before training (0: Python's default)")
     a = p.parse_args()
+    if a.switch_interval > 0:
+        sys.setswitchinterval(a.switch_interval)
     a.batch = a.batch or _models.DEFAULT_BATCH[a.model]
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
