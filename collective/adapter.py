@@ -16,9 +16,6 @@ Ops:
         synchronous functions; the calling thread runs the cycle when it can).
     `wait_now(sync, start, *args)`: `sync(start(*args))` for other synchronous functions, with
         the same fast paths.
-    `prepare(kind, name, dtype, shape, ...) -> PreparedOp`: one named allreduce or
-        reducescatter checked once and then submitted again and again (`.submit(tensor,
-        output, ready_event) -> Handle`): a gradient hook's op in per-gradient mode.
     `waiting_hook()`: the runtime's `waiting(+1/-1)`, to call around a blocking wait on a
         device op's handle (device requests are then negotiated at once).
 
@@ -37,10 +34,10 @@ from ._current import current, current_or_none
 from .config import Config
 from .engines.device import (DeviceBuffer, DeviceOpError, DeviceResult, allocation_stream,
                              record_ready)
-from .ops import PreparedOp, enqueue, prepare, run_one, wait_now
+from .ops import enqueue, run_one, wait_now
 
-__all__ = ["enqueue", "run_one", "wait_now", "prepare", "PreparedOp", "waiting_hook", "config",
-           "DeviceBuffer", "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]
+__all__ = ["enqueue", "run_one", "wait_now", "waiting_hook", "config", "DeviceBuffer",
+           "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]
 
 
 def config() -> Config:

@@ -16,7 +16,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _current as _rt
-from .coordinator import HELD
 from .entry import Entry, default_allocate
 from .errors import HorovodInternalError
 from .handle import GroupHandle, Handle
@@ -31,7 +30,7 @@ __all__ = [
     "grouped_allgather_async", "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "poll",
-    "synchronize", "wait_now", "run_one", "prepare", "PreparedOp",
+    "synchronize", "wait_now", "run_one",
 ]
 
 Average, Sum, Adasum = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
@@ -156,86 +155,6 @@ def run_one(kind: RequestType, tensor: Any, output: Any, name: str | None,
     rt.submit(state, [e], wake=False)
     coord.drive()
     return _wait_blocking(coord, h, Handle.wait)
-
-
-class PreparedOp:
-    """One single-tensor op submitted again and again with the same name, type, dtype, shape,
-    device and reduction: a gradient's allreduce in Horovod's per-gradient mode, once per step
-    from its hook while backward runs. `prepare` checks the arguments and builds the request
-    once; `submit` makes only the entry and its handle and queues them, about a third of
-    `enqueue`'s Python (the hook holds the GIL that backward and the coordinator need).
-
-    It follows the runtime: after an elastic reset or a re-`init` (a new runtime) or when its
-    process set is gone, the next `submit` prepares again (and raises as `enqueue` would).
-    """
-
-    __slots__ = ("_kind", "_name", "_dtype", "_shape", "_device", "_process_set", "_op",
-                 "_prescale", "_postscale", "_allocate", "_rt", "_state", "_request", "_held")
-
-    def __init__(self, kind: RequestType, name: str, dtype: DataType, shape: tuple[int, ...],
-                 device: int, process_set: ProcessSet, op: ReduceOp, prescale: float,
-                 postscale: float, allocate: Callable[[tuple, Any], Any] | None) -> None:
-        self._kind, self._name, self._dtype = kind, name, dtype
-        self._shape, self._device, self._process_set = tuple(shape), device, process_set
-        self._op, self._prescale, self._postscale = op, float(prescale), float(postscale)
-        self._allocate = allocate or default_allocate
-        self._rt: Any = None
-        self._state: Any = None
-        self._request: Request | None = None
-        self._held = False
-        self._bind()
-
-    def _bind(self) -> None:
-        rt = _rt.current()
-        kind = self._kind
-        state = rt.process_set_state(self._process_set, _LABEL[kind])
-        if kind == _ALLREDUCE or kind == _REDUCESCATTER:
-            _check_reduce(self._dtype, self._op, _LABEL[kind])
-        self._request = Request(state.rank, kind, f"{_PREFIX[kind]}.{self._name}",
-                                self._dtype, self._shape, self._device, -1, self._op,
-                                self._prescale, self._postscale, -1)
-        self._held = self._device != CPU_DEVICE and kind in HELD
-        self._rt, self._state = rt, state
-
-    @property
-    def name(self) -> str:
-        """The op's full name (`allreduce.<name>`)."""
-        assert self._request is not None
-        return self._request.name
-
-    def submit(self, tensor: Any, output: Any = None, ready_event: Any = None) -> Handle:
-        """Queues the op on `tensor` (of the prepared dtype and shape; `output`: a preallocated
-        output, the tensor itself for in-place) and returns its handle.
-
-        Raises:
-            as `enqueue`: DuplicateNameError (the previous submit is still pending),
-            ShutdownError, ValueError (the process set is gone).
-        """
-        rt, state = self._rt, self._state
-        if rt is not _rt.current_or_none() or rt._sets.get(state.id) is not state:
-            self._bind()
-            rt, state = self._rt, self._state
-        req = self._request
-        e = Entry(req, tensor, Handle(req.name), output, self._allocate, None, None,
-                  ready_event, None, {})
-        rt.submit_one(state, e, self._held)
-        return e.handle
-
-
-def prepare(kind: RequestType, name: str, dtype: DataType, shape: tuple[int, ...], *,
-            device: int = CPU_DEVICE, process_set: ProcessSet = global_process_set,
-            op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0, postscale: float = 1.0,
-            allocate: Callable[[tuple, Any], Any] | None = None) -> PreparedOp:
-    """A `PreparedOp` for one named allreduce or reducescatter submitted repeatedly.
-
-    Raises:
-        ValueError: not initialised, bad process set, an op the dtype cannot reduce with, or
-            another op type.
-    """
-    if kind != _ALLREDUCE and kind != _REDUCESCATTER:
-        raise ValueError(f"prepare: {kind.name} ops are not prepared; use enqueue")
-    return PreparedOp(kind, name, dtype, shape, device, process_set, op, prescale, postscale,
-                      allocate)
 
 
 def _names(rt: Any, kind: RequestType, name: str | None, process_set: ProcessSet,

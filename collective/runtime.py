@@ -286,28 +286,6 @@ class Runtime:
             self.coordinator.wake(held=all(e.request.device >= 0 and e.request.type in HELD
                                            for e in entries))
 
-    def submit_one(self, state: ProcessSetState, e: Entry, held: bool) -> None:
-        """`submit` of one entry from a prepared op (`collective.ops.PreparedOp`); `held`: a
-        device reduction (see `Coordinator.wake`).
-
-        Raises:
-            DuplicateNameError: the name is already pending on this rank.
-            ShutdownError: the runtime has shut down.
-        """
-        if self.shut_down:
-            self._check_running()
-        name = e.request.name
-        with state.lock:
-            if name not in state.table:
-                state.table[name] = e
-                state.queue.append(e.request)
-                name = ""
-        if name:
-            self.submit(state, [e])  # raises DuplicateNameError with its text
-        if self.shut_down:  # raced with the loop's exit: fail what we just queued
-            state.fail_all(shutdown_error(self.cause))
-        self.coordinator.wake(held)
-
     # -- shutdown -----------------------------------------------------------------------------
     def shutdown(self, timeout: float = 60.0) -> None:
         """Stops the coordinator on every rank (the flag travels with the next negotiation)."""

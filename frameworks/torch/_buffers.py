@@ -23,7 +23,7 @@ from collective.adapter import run_one as _run_one
 from . import _cuda  # torch-only (no CuPy); imported here, not per call
 
 __all__ = ["CollectiveArgs", "dtype_of", "check_tensor", "to_collective", "from_collective",
-           "enqueue", "run_one", "Prepared", "CPU_DEVICE"]
+           "enqueue", "run_one", "CPU_DEVICE"]
 
 CPU_DEVICE = -1
 
@@ -176,46 +176,6 @@ def enqueue(kind: RequestType, tensors: Sequence[torch.Tensor], *,
     if device != CPU_DEVICE:  # wait() must order the caller's stream after the op
         h = _cuda.wrap_handle(h)
     return h
-
-
-class Prepared:
-    """An in-place op on torch tensors submitted once per step under one name (a gradient's
-    allreduce in per-gradient mode): `adapter.prepare` checks it once for tensors like `like`,
-    and `submit_(t)` queues it on `t` with none of `enqueue`'s per-call checks. `matches(t)`
-    says whether `t` may be submitted (same dtype, shape and device, dense and contiguous);
-    for another tensor make a new `Prepared`.
-
-    Raises (constructor):
-        as `to_collective` and `adapter.prepare`.
-    """
-
-    __slots__ = ("op", "dtype", "shape", "device", "nbytes", "_index")
-
-    def __init__(self, kind: RequestType, name: str, like: torch.Tensor, *,
-                 process_set: ProcessSet, op: ReduceOp, prescale: float = 1.0,
-                 postscale: float = 1.0) -> None:
-        if not like.is_cuda and not like.is_cpu:
-            to_collective(like)  # raises its error for other devices
-        check_tensor(like)
-        self.dtype, self.shape, self.device = like.dtype, like.shape, like.device
-        self.nbytes = like.nbytes
-        self._index = like.get_device() if like.is_cuda else CPU_DEVICE
-        self.op = adapter.prepare(
-            kind, name, dtype_of(like), tuple(like.shape), device=self._index,
-            process_set=process_set, op=op, prescale=prescale, postscale=postscale,
-            allocate=_cuda.allocate if like.is_cuda else None)
-
-    def matches(self, t: torch.Tensor) -> bool:
-        return (t.dtype is self.dtype and t.shape == self.shape and t.device == self.device
-                and t.layout is _STRIDED and t.is_contiguous())
-
-    def submit_(self, t: torch.Tensor) -> Handle:
-        """Queues the op in place on `t` (`matches(t)` must hold) and returns its handle (for
-        a CUDA tensor one whose `wait()` orders the caller's stream after the op)."""
-        if self._index == CPU_DEVICE:
-            view = _host_view(t)
-            return self.op.submit(view, view)
-        return _cuda.submit_inplace(self.op, t, self._index, self.nbytes, tuple(self.shape))
 
 
 def run_one(kind: RequestType, tensor: torch.Tensor, output: torch.Tensor | None,

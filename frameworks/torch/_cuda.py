@@ -30,7 +30,7 @@ from collective import Handle
 from collective.adapter import (DeviceBuffer, DeviceResult, allocation_stream, record_ready,
                                 waiting_hook)
 
-__all__ = ["to_collective", "from_collective", "wrap_handle", "settle", "submit_inplace"]
+__all__ = ["to_collective", "from_collective", "wrap_handle", "settle"]
 
 _streams: dict[tuple[int, int], Any] = {}  # (stream handle, device) -> torch ExternalStream
 # The current stream's handle without building a torch.cuda.Stream (a few µs per op).
@@ -85,19 +85,6 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(dev))
     return buf, dev, ev, out
-
-
-def submit_inplace(op: Any, tensor: torch.Tensor, dev: int, nbytes: int,
-                   shape: tuple[int, ...]) -> Handle:
-    """`op.submit` (a `collective.adapter.PreparedOp`) in place on a contiguous CUDA tensor of
-    `dev` with the prepared byte count and shape: `to_collective` and `wrap_handle` without
-    their checks."""
-    buf = DeviceBuffer(tensor.data_ptr(), nbytes, shape, tensor)
-    ev = record_ready(dev, _current_stream(dev))
-    if ev is None:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
-    return _OrderedHandle(op.submit(buf, buf, ev))
 
 
 _stream_objects: dict[tuple[int, int], Any] = {}  # (raw handle, device) -> torch.cuda.Stream

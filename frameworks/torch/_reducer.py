@@ -27,7 +27,7 @@ from collective import ProcessSet, ReduceOp, RequestType, global_process_set
 
 from .._common import split_list
 from ._buckets import Bucket, plan_buckets
-from ._buffers import Prepared, enqueue
+from ._buffers import enqueue
 from .functions import broadcast_object
 from .ops import sparse_allreduce_async
 
@@ -41,8 +41,7 @@ TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step t
 class _Slot:
     """One parameter's gradient and its in-flight allreduce."""
 
-    __slots__ = ("param", "name", "delay", "handle", "send", "cctx", "sparse", "group", "bucket",
-                 "prepared")
+    __slots__ = ("param", "name", "delay", "handle", "send", "cctx", "sparse", "group", "bucket")
 
     def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
         self.param = param
@@ -54,7 +53,6 @@ class _Slot:
         self.sparse = False  # the gradient was sparse and went through sparse_as_dense
         self.group: _Group | None = None
         self.bucket: Bucket | None = None
-        self.prepared: Prepared | None = None  # per-gradient mode: its allreduce, checked once
 
 
 class _Group:
@@ -207,13 +205,10 @@ class GradientReducer:
             slot.handle = sparse_allreduce_async(slot.param.grad, slot.name, self.op,
                                                  self.process_set)
             return
-        op = slot.prepared
-        if op is None or not op.matches(send):
-            pre, post = self.scale
-            op = slot.prepared = Prepared(RequestType.ALLREDUCE, slot.name, send,
-                                          process_set=self.process_set, op=self.op,
-                                          prescale=pre, postscale=post)
-        slot.handle = op.submit_(send)
+        pre, post = self.scale
+        slot.handle = enqueue(RequestType.ALLREDUCE, [send], outputs=[send], name=slot.name,
+                              process_set=self.process_set, op=self.op, prescale=pre,
+                              postscale=post)
 
     def _launch_group(self, group: _Group) -> None:
         sends = [self._prepare(s) for s in group.slots]

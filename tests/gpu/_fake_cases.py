@@ -367,32 +367,6 @@ def ready_events_of_failed_ops_return_to_the_pool(n: int) -> None:
 
 
 @case
-def one_wait_per_producer_stream(n: int) -> None:
-    # Ready events recorded on one stream: the engine's stream waits on the latest only (the
-    # stream runs in order); the others go back to the pool at once. A caller's own event is
-    # always waited on, and one event shared by a grouped op's members counts once.
-    from collective.engines import device
-    from collective.engines.nccl.events import _ready
-
-    a, b = _fakecuda.Stream(non_blocking=True), _fakecuda.Stream(non_blocking=True)
-    a1, b1, a2 = (device.record_ready(0, a.ptr), device.record_ready(0, b.ptr),
-                  device.record_ready(0, a.ptr))
-    b2, a3 = device.record_ready(0, b.ptr), device.record_ready(0, a.ptr)
-    foreign = 987654321
-    got = _ready.to_wait([a1, b2, None, a3, a3, foreign, b1, a2])
-    assert sorted(got) == sorted([a3, b2, foreign]), (got, [a3, b2, foreign])
-    free = _ready._free[0]
-    assert {a1, a2, b1} <= set(free) and not {a3, b2} & set(free), (free, a1, a2, b1)
-    for ev in got:
-        _ready.release(ev)
-    # Record order, not event identity, decides: a recycled event recorded last is the latest.
-    c1 = device.record_ready(0, a.ptr)
-    c2 = device.record_ready(0, a.ptr)
-    assert _ready.to_wait([c2, c1]) == [c2]
-    _ready.release(c2)
-
-
-@case
 def tensors_on_a_device_that_is_not_current(n: int) -> None:
     # Rank r places its tensors on device r but never makes it current (its threads stay on
     # device 0), as a script that uses `t.cuda(hvd.local_rank())` without `set_device`. Ready

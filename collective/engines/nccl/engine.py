@@ -19,7 +19,7 @@ from ..base import ControlPlane, Engine
 from ..device import DeviceOpError, DeviceResult, pointer_of, set_allocation_stream
 from . import layouts as _layouts
 from .comm import _abort_comm, _drain, exchange_unique_id, init_communicator, versions
-from .events import _Completion, _ready
+from .events import _Completion, _event_ptr, _ready
 from .kernels import CopyStager, Kernels
 from .layouts import _pad16
 
@@ -220,15 +220,18 @@ class NCCLEngine(Engine):
                 self._reap()
             if self._check is not None:
                 self._check()  # an NCCL error of an earlier op (e.g. a peer died) fails this one
-            sp = self._sp
+            sp, last = self._sp, None
             for e in entries:
                 if e.device != self.device and e.device >= 0 and id(e.tensor) not in \
                         self._zero_ids:
                     raise self._other_device(e)
-            # One wait per producer stream (its latest ready event), not one per entry.
-            for ev in _ready.to_wait([e.ready_event for e in entries]):
-                _rt.streamWaitEvent(sp, ev, 0)
-                _ready.release(ev)  # a pooled event is recorded for one entry only
+                ev = e.ready_event
+                if ev is not None:
+                    ev = _event_ptr(ev)
+                    if ev != last:  # entries sharing one event are adjacent
+                        _rt.streamWaitEvent(sp, ev, 0)
+                        _ready.release(ev)  # a pooled event is recorded for one entry only
+                        last = ev
             if self._allocated:
                 self._allocated.clear()
             fn(entries, *args)

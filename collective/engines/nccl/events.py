@@ -3,7 +3,6 @@
 (`_ReadyEvents`, installed into `collective.engines.device` when this module loads)."""
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import cupy
@@ -75,56 +74,16 @@ class _ReadyEvents:
     def __init__(self) -> None:
         self._free: dict[int, list[int]] = {}
         self._device_of: dict[int, int] = {}  # events made here -> their device
-        # The latest record of each pooled event: (device, stream, sequence number). Records
-        # are numbered under `_lock` in the order they reach their stream, so of several events
-        # recorded on one stream the highest number covers the others (`to_wait`).
-        self._mark: dict[int, tuple[int, int, int]] = {}
-        self._lock = threading.Lock()
-        self._seq = 0
 
     def record(self, device: int, stream: int) -> int:
         try:
             ev = self._free[device].pop()  # list.pop is atomic: enqueueing threads share this
         except (KeyError, IndexError):
             ev = self._create(device)
-        with self._lock:
-            # The event and the stream must be on one device, and `stream` may be 0 (the
-            # current device's default stream): record with `device` current.
-            _on_device(device, _rt.eventRecord, ev, stream)
-            self._seq += 1
-            self._mark[ev] = (device, stream, self._seq)
+        # The event and the stream must be on one device, and `stream` may be 0 (the current
+        # device's default stream): record with `device` current.
+        _on_device(device, _rt.eventRecord, ev, stream)
         return ev
-
-    def to_wait(self, events: list[Any]) -> list[int]:
-        """The events a stream must wait on to see the work behind all of `events` (ready
-        events of one op's entries; None for none): of the pooled events recorded on one
-        stream only the latest, since a stream runs its work in order; every other event as
-        given. Pooled events not in the result go back to the pool now (nothing will wait on
-        them); the caller gives back the returned ones with `release` after waiting."""
-        latest: dict[tuple[int, int], tuple[int, int]] = {}  # (device, stream) -> (seq, ev)
-        out: list[int] = []
-        mark = self._mark
-        for ev in events:
-            if ev is None:
-                continue
-            ev = _event_ptr(ev)
-            m = mark.get(ev)
-            if m is None:  # a caller's own event
-                if ev not in out:
-                    out.append(ev)
-                continue
-            key = (m[0], m[1])
-            seen = latest.get(key)
-            if seen is None:
-                latest[key] = (m[2], ev)
-            elif seen[1] != ev:  # grouped ops share one event between their members
-                if m[2] > seen[0]:
-                    self.release(seen[1])
-                    latest[key] = (m[2], ev)
-                else:
-                    self.release(ev)
-        out.extend(ev for _, ev in latest.values())
-        return out
 
     def _create(self, device: int) -> int:
         ev = int(_on_device(device, _rt.eventCreateWithFlags, _DISABLE_TIMING))

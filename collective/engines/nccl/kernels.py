@@ -120,20 +120,23 @@ _SCALE_NAMES = {
 }
 
 
-def copy_table(srcs: list[int], dsts: list[int], sizes: list[int]) -> tuple[list[int], int]:
-    """The kernel's table for these copies (zero-size copies dropped) as a list of words, and
-    its block count. Plain Python: a cycle's tables are a few dozen words, where NumPy's
-    per-call cost is several times the work."""
-    if 0 in sizes:
+def copy_table(srcs: list[int], dsts: list[int], sizes: list[int]) -> tuple[np.ndarray, int]:
+    """The kernel's table for these copies (zero-size copies dropped) and its block count."""
+    if any(s == 0 for s in sizes):
         keep = [i for i, s in enumerate(sizes) if s]
         srcs = [srcs[i] for i in keep]
         dsts = [dsts[i] for i in keep]
         sizes = [sizes[i] for i in keep]
-    first, acc = [0], 0
-    for s in sizes:
-        acc += (s + CHUNK - 1) // CHUNK
-        first.append(acc)
-    return [*srcs, *dsts, *sizes, *first], acc
+    n = len(sizes)
+    tab = np.empty(4 * n + 1, dtype=np.uint64)
+    tab[:n] = srcs
+    tab[n:2 * n] = dsts
+    sz = np.asarray(sizes, dtype=np.uint64)
+    tab[2 * n:3 * n] = sz
+    blocks = (sz + np.uint64(CHUNK - 1)) // np.uint64(CHUNK)
+    tab[3 * n] = 0
+    np.cumsum(blocks, out=tab[3 * n + 1:])
+    return tab, int(tab[4 * n]) if n else 0
 
 
 class Kernels:
@@ -222,14 +225,14 @@ class CopyStager:
             tabs.append(tu)
         ptrs = self._upload(tabs)
         kern = self._kernels
-        kern.batched_copy(ptrs[0], (len(tp) - 1) // 4, bp)
+        kern.batched_copy(ptrs[0], (tp.size - 1) // 4, bp)
         if unpack is None:
             return lambda: None
-        return lambda: kern.batched_copy(ptrs[1], (len(tu) - 1) // 4, bu)
+        return lambda: kern.batched_copy(ptrs[1], (tu.size - 1) // 4, bu)
 
-    def _upload(self, tables: list[list[int]]) -> list[int]:
+    def _upload(self, tables: list[np.ndarray]) -> list[int]:
         """Copies the tables to the device in one H2D copy; returns their device addresses."""
-        words = sum(len(t) for t in tables)
+        words = sum(t.size for t in tables)
         if words > self._slot_words:
             self._grow(words)
         k = self._slot
@@ -243,10 +246,9 @@ class CopyStager:
         dptr = int(self._dtab.ptr)
         out, off = [], 0
         for t in tables:
-            n = len(t)
-            view[off:off + n] = t
+            view[off:off + t.size] = t
             out.append(dptr + off * 8)
-            off += n
+            off += t.size
         self._cp.cuda.runtime.memcpyAsync(dptr, self._pin_ptr + base * 8, words * 8, _H2D,
                                           int(self._stream.ptr))
         if ev is None:
