@@ -366,14 +366,15 @@ def main() -> int:
     p.add_argument("--gpus", type=int, default=2, help="GPUs for the sweep / ResNet-50")
     p.add_argument("--quick", action="store_true", help="sweep: up to 256 MiB, fewer iterations")
     p.add_argument("--configs", default="fp32,bf16",
-                   help=f"resnet: comma list of {', '.join(CONFIGS)}, each optionally with "
+                   help=f"resnet, phases: comma list of {', '.join(CONFIGS)}, each optionally with "
                    f"{PG} (ringvod in per-gradient mode)")
     p.add_argument("--model", default="resnet50", choices=list(MODELS),
-                   help="resnet: the model to train")
-    p.add_argument("--rounds", type=int, default=2, help="resnet: alternating rounds")
+                   help="resnet, phases: the model to train")
+    p.add_argument("--rounds", type=int, default=2, help="resnet, phases: alternating rounds")
     p.add_argument("--one-gpu", action="store_true", help="resnet: 1-GPU runs too (scaling)")
-    p.add_argument("--iters", type=int, default=90, help="resnet: timed steps (3 windows)")
-    p.add_argument("--script-args", default="", help="resnet: more arguments for both scripts, "
+    p.add_argument("--iters", type=int, default=90, help="resnet, phases: timed steps (3 windows)")
+    p.add_argument("--script-args", default="", help="resnet, phases: more arguments for both "
+                   "scripts, "
                    "e.g. '--device cpu --batch 2 --seq 16 --layers 1 --warmup 1' (a smoke test)")
     p.add_argument("--cycles", default="1,2.5,10",
                    help="phases: cycle times (ms) for ringvod's per-gradient runs")
