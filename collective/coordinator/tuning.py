@@ -14,9 +14,9 @@ every rank at a negotiation round they all share:
 
 **Response cache.** Every rank must hold the same cache entries under the same bit numbers, and
 a round's word vector has as many bits as the cache, so the cache switches at a round boundary
-that every rank shares. The retune round itself still uses the old setting to its end (its hit
-bits were agreed against the old cache); then `sync_cache` applies the new one to the global
-set: off = the entries are dropped (every rank drops all of them, so the numbering stays equal:
+that every rank shares. The retune round itself finishes with the old setting (the hits it
+agreed on run from the cache, its slow path fills the cache or not as before); then
+`sync_cache` applies the new one to the global set: off = the entries are dropped (every rank drops all of them, so the numbering stays equal:
 none), and requests that were waiting as cache hits go back to the slow path next round
 (`ps.carry`), as when a join suspends the cache; on = an empty cache with the configured
 capacity, filled by later slow paths the same way everywhere. Another process set switches at
