@@ -311,6 +311,10 @@ class Driver:
     while `pending`, the coordinator asks every rank for a parameter broadcast and sends
     `publish()`.
 
+    Allreduces executed while new parameters wait for their broadcast (`pending`) are not
+    sampled: they still ran with the old ones (and a sample closed then would move the search
+    on past parameters never applied).
+
     `optimizer_steps`: the step count of the optimizer whose buckets are tuned (set by the
     coordinator when one registers), or None. A new bucket size is published with
     `bucket_from_step` = that count + 2 (why 2: collective/coordinator/tuning.py), and samples
@@ -330,6 +334,8 @@ class Driver:
         self._settle_until = 0
 
     def record(self, names: Iterable[str], nbytes: int) -> None:
+        if self.pending:  # new parameters not yet in force: these ran with the old ones
+            return
         now = self.clock()
         if self._settle_until:
             steps = self.optimizer_steps

@@ -188,7 +188,25 @@ def test_driver_publishes_each_change_once():
     assert not d.pending and p == tuner.params and p.active
     while tuner.active:
         d.record(["g"], 10)
+        if d.pending and tuner.active:
+            d.publish()
     assert Params.decode(d.publish()).active is False
+
+
+def test_driver_ignores_allreduces_that_ran_before_the_broadcast():
+    tuner = Autotuner(128 * MB, 1.0, warmup_samples=0, samples_per_eval=1, max_samples=5)
+    clock = iter(range(1000))
+    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    d.record(["g"], 10)
+    d.record(["g"], 10)
+    assert d.pending and tuner.evaluations == 1
+    proposed = tuner.params
+    for _ in range(5):  # still the old parameters everywhere: not samples of the new ones
+        d.record(["g"], 10)
+    assert tuner.evaluations == 1 and tuner.params == proposed
+    assert Params.decode(d.publish()) == proposed
+    d.record(["g"], 10)
+    assert tuner.evaluations == 2
 
 
 # -- the bucket-size and cache stages -------------------------------------------------------------
