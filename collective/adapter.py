@@ -25,8 +25,9 @@ Device seam (no CuPy here; the NCCL engine owns every CUDA call):
 
 Configuration:
     `config()`: the running job's `Config` (the `HOROVOD_*` settings read at `init()`).
-    `bucket_schedule(cap_mb, global_set)`: for an optimizer that reduces its gradients in
-        buckets, the schedule through which autotune changes the bucket size (None: keep it).
+    `bucket_schedule(cap_mb, global_set, owner)`: for an optimizer that reduces its gradients
+        in buckets, the schedule through which autotune changes the bucket size (None: keep
+        it); it closes when `owner` is garbage-collected.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def waiting_hook() -> Callable[[int], None] | None:
     return getattr(getattr(rt, "coordinator", None), "waiting", None)
 
 
-def bucket_schedule(cap_mb: float, global_set: bool) -> Any:
+def bucket_schedule(cap_mb: float, global_set: bool, owner: Any = None) -> Any:
     """For an optimizer that just planned gradient buckets of `cap_mb` MB (`global_set`: it
     reduces over the global process set): the runtime's bucket schedule when autotune may change
     the bucket size, else None (keep `cap_mb`). With a schedule, the optimizer calls
@@ -66,9 +67,11 @@ def bucket_schedule(cap_mb: float, global_set: bool) -> Any:
     buckets before the next step when the size it returns differs
     (collective/coordinator/tuning.py says why every rank then switches at the same step).
     None before `init()`, without autotune, in elastic mode, for a second bucketed optimizer and
-    for `cap_mb` <= 0."""
+    for `cap_mb` <= 0. `owner`: the object that calls `step_done()` (weakly referenced: when it
+    is garbage-collected, autotune stops tuning the bucket size instead of waiting for steps
+    that will never come)."""
     rt: Any = current_or_none()
     tuning = getattr(getattr(rt, "coordinator", None), "tuning", None)
     if tuning is None:
         return None
-    return tuning.register_buckets(cap_mb, global_set)
+    return tuning.register_buckets(cap_mb, global_set, owner)

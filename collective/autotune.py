@@ -276,6 +276,25 @@ class Autotuner:
         self.params = nxt
         return changed
 
+    def drop_buckets(self) -> bool:
+        """The optimizer whose buckets are tuned is gone: bucket sizes are not tuned from now
+        on. During the bucket stage, the set being measured is not scored and the search goes
+        on with the next stage at the best values so far. True when `params` changed."""
+        self.tune_bucket = False
+        if not self.active or self._stage != 2:
+            return False  # before the stage: it will be skipped; after it: nothing to do
+        self._window = []
+        self._queue = []
+        while (not self._queue and self._stage < self._LAST_STAGE
+               and self.evaluations < self.max_samples):
+            self._queue = self._next_stage()
+        if not self._queue or self.evaluations >= self.max_samples:
+            return self._finish()
+        nxt = Params.of(self._queue[0])
+        changed = nxt != self.params
+        self.params = nxt
+        return changed
+
     def _finish(self) -> bool:
         best = self._best()
         score = _mean(self.scores[best])
@@ -319,7 +338,9 @@ class Driver:
     coordinator when one registers), or None. A new bucket size is published with
     `bucket_from_step` = that count + 2 (why 2: collective/coordinator/tuning.py), and samples
     are discarded until the optimizer on this rank has passed that step (`settle`): the steps
-    before it still ran with the old buckets.
+    before it still ran with the old buckets. The callable returns None once that optimizer is
+    gone (garbage-collected): the driver then stops waiting, discards the sample in progress,
+    ends the bucket stage (`Autotuner.drop_buckets`) and announces no bucket size again.
     """
 
     def __init__(self, tuner: Autotuner, steps_per_sample: int,
@@ -332,21 +353,41 @@ class Driver:
         self.settle = True  # wait for a bucket switch to take effect before sampling
         self._bucket = tuner.start.bucket_cap_mb  # the bucket size last published
         self._settle_until = 0
+        self._optimizer_lost = False  # the tuned optimizer was dropped (`_optimizer_gone`)
 
     def record(self, names: Iterable[str], nbytes: int) -> None:
         if self.pending:  # new parameters not yet in force: these ran with the old ones
             return
         now = self.clock()
+        steps = self.optimizer_steps
         if self._settle_until:
-            steps = self.optimizer_steps
-            if self.settle and steps is not None and steps() < self._settle_until:
+            done = steps() if steps is not None else self._settle_until
+            if done is None:  # the optimizer is gone: the switch will never take effect
+                self._optimizer_gone(now)
+                return
+            if self.settle and done < self._settle_until:
                 self.sampler.reset(now)  # the old buckets are still in use somewhere
                 return
             self._settle_until = 0
             self.sampler.reset(now)
             return
         sample = self.sampler.add(names, nbytes, now)
-        if sample is not None and self.tuner.add_sample(*sample):
+        if sample is None:
+            return
+        if steps is not None and steps() is None:  # gone during this sample: not scored
+            self._optimizer_gone(now)
+            return
+        if self.tuner.add_sample(*sample):
+            self.pending = True
+
+    def _optimizer_gone(self, now: float) -> None:
+        """The optimizer whose buckets are tuned was dropped: no bucket size is announced from
+        now on and the tuner ends its bucket stage."""
+        self.optimizer_steps = None
+        self._optimizer_lost = True
+        self._settle_until = 0
+        self.sampler.reset(now)
+        if self.tuner.drop_buckets():
             self.pending = True
 
     def publish(self) -> bytes:
@@ -355,12 +396,17 @@ class Driver:
         self.sampler.reset(self.clock())
         p = self.tuner.params
         if p.bucket_cap_mb != self._bucket:
-            steps = self.optimizer_steps
-            if steps is None:  # cannot happen: the stage runs only with an optimizer
-                raise RuntimeError("autotune: a bucket size to publish but no optimizer")
             self._bucket = p.bucket_cap_mb
-            self._settle_until = steps() + 2
-            p = replace(p, bucket_from_step=self._settle_until)
+            steps = self.optimizer_steps
+            done = steps() if steps is not None else None
+            if done is not None:
+                self._settle_until = done + 2
+                p = replace(p, bucket_from_step=self._settle_until)
+            elif not self._optimizer_lost and steps is None:
+                # cannot happen: the bucket stage runs only with an optimizer
+                raise RuntimeError("autotune: a bucket size to publish but no optimizer")
+            # else the optimizer is gone (record() ends the stage at its next call): there
+            # are no buckets to switch, so nothing is announced
         return p.encode()
 
 

@@ -44,9 +44,20 @@ Rank 0's driver discards samples until its own optimizer has passed S. Bucket si
 only for the first bucketed optimizer of the global set registered with this runtime; a second
 one holds the size fixed for the rest of the job (its `register_buckets` returns None), as do
 elastic jobs (a new worker would plan its buckets from the configuration).
+
+**The tuned optimizer dropped.** The schedule is closed by a finalizer of its owner (the
+optimizer's reducer, `weakref.finalize`) when that is garbage-collected; `close` only sets a
+flag, as it may run on any thread. Rank 0's driver sees it through `optimizer_steps` (None from
+then on) at its next sample or while it waits for a switch to take effect: it stops waiting,
+discards the sample and ends the bucket stage (`Autotuner.drop_buckets`); its next parameters
+reach every rank at a shared retune round as usual, and no bucket size is announced from then
+on (a rank whose own optimizer were still alive would keep the size last announced). No later
+optimizer is tuned, whether or not the first one is gone on this rank: registration alone
+decides, so every rank returns alike however its garbage collector runs.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .. import _log, autotune
@@ -63,6 +74,12 @@ class BucketSchedule:
         self._tuning = tuning
         self.initial = cap_mb
         self.steps = 0  # synchronize() calls completed (read by rank 0's coordinator thread)
+        self.closed = False  # the optimizer is gone (`close`): no step will be counted again
+
+    def close(self) -> None:
+        """The optimizer that counts its steps here is gone (called by a finalizer of its owner,
+        on whatever thread drops it, so this only sets a flag; rank 0's driver reads it)."""
+        self.closed = True
 
     def cap_at(self, steps: int) -> float:
         """The bucket size in force after `steps` completed synchronize() calls."""
@@ -104,25 +121,31 @@ class Tuning:
 
     def buckets_ready(self) -> bool:
         """Whether a bucketed optimizer's bucket size may be tuned (rank 0's tuner asks)."""
-        return self.schedule is not None and not self.buckets_held
+        return (self.schedule is not None and not self.schedule.closed
+                and not self.buckets_held)
 
-    def register_buckets(self, cap_mb: float, global_set: bool) -> BucketSchedule | None:
+    def register_buckets(self, cap_mb: float, global_set: bool,
+                         owner: Any = None) -> BucketSchedule | None:
         """A `DistributedOptimizer` planned buckets of `cap_mb` MB: its schedule when autotune
         may change the size, else None (it keeps `cap_mb`). Every rank registers the same
-        optimizers in the same order, so every rank returns alike."""
+        optimizers in the same order, so every rank returns alike. `owner`: the object that
+        counts the steps (the optimizer's reducer); when it is garbage-collected the schedule
+        closes (see the module docstring)."""
         cfg = self.config
         if not cfg.autotune or cfg.elastic or cap_mb <= 0 or not global_set:
             return None
-        if self.schedule is not None:  # a second one: sizes stay as they are from now on
+        if self.schedule is not None:  # a second one (or a later one after the first was
+            # dropped): sizes stay as they are from now on
             self.buckets_held = True
             if self.driver is not None:
                 self.driver.settle = False
             return None
-        self.schedule = BucketSchedule(self, cap_mb)
+        schedule = self.schedule = BucketSchedule(self, cap_mb)
+        if owner is not None:
+            weakref.finalize(owner, schedule.close).atexit = False
         if self.driver is not None:
-            schedule = self.schedule
-            self.driver.optimizer_steps = lambda: schedule.steps
-        return self.schedule
+            self.driver.optimizer_steps = lambda: None if schedule.closed else schedule.steps
+        return schedule
 
     def wants_retune(self, ps: ProcessSetState) -> bool:
         """Called once per negotiation round, just before its AND allreduce: True when this

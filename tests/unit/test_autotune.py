@@ -338,3 +338,89 @@ def test_register_buckets_only_for_one_bucketed_optimizer_of_the_global_set():
     # A second bucketed optimizer: bucket sizes are held from now on.
     assert tuning.register_buckets(25.0, True) is None
     assert not tuning.buckets_ready() and tuning.driver.settle is False
+
+
+def test_driver_ends_the_bucket_stage_when_the_optimizer_goes_away_mid_switch():
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1,
+                      tune_threshold=False, tune_cycle_time=False,
+                      buckets_ready=lambda: True)
+    clock = iter(range(10_000))
+    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    steps: list[int | None] = [7]
+    d.optimizer_steps = lambda: steps[0]
+    d.record(["b"], 10)
+    d.record(["b"], 10)  # scores 25 MB, moves to 1 MB
+    assert Params.decode(d.publish()).bucket_from_step == 9
+    for _ in range(3):
+        d.record(["b"], 10)  # waiting for step 9
+    assert tuner.evaluations == 1 and not d.pending
+    steps[0] = None  # the optimizer is garbage-collected before step 9
+    d.record(["b"], 10)
+    # 1 MB was never measured: the bucket stage ends, the cache stage starts at the best so far
+    assert d.pending and tuner.params == Params(8 * MB, 5.0, True, 25.0, False)
+    p = Params.decode(d.publish())
+    assert p.bucket_from_step == 0 and not p.cache_enabled
+    for _ in range(20):
+        d.record(["b"], 10)
+        if d.pending:
+            p = Params.decode(d.publish())
+            assert p.bucket_from_step == 0  # no bucket size is announced again
+    assert not tuner.active and {k[2] for k in tuner.scores} == {25.0}
+
+
+def test_optimizer_gone_between_samples_of_the_bucket_stage_and_before_it():
+    # Gone while a bucket size is measured (its switch had taken effect): the sample in
+    # progress is discarded, and the confirm stage may still go back to another bucket size
+    # without announcing it.
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1,
+                      tune_threshold=False, tune_cycle_time=False, tune_cache=False,
+                      buckets_ready=lambda: True)
+    clock = iter(range(10_000))
+    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    steps: list[int | None] = [3]
+    d.optimizer_steps = lambda: steps[0]
+    d.record(["b"], 10)
+    d.record(["b"], 10)
+    d.publish()
+    steps[0] = 5
+    d.record(["b"], 10)  # settled
+    d.record(["b"], 10)  # scores 1 MB, moves to 4 MB
+    assert tuner.evaluations == 2 and d.pending
+    d.publish()
+    steps[0] = 7
+    d.record(["b"], 10)  # settled at 4 MB
+    steps[0] = None
+    d.record(["b"], 10)  # this sample closes without the optimizer: not scored
+    assert tuner.evaluations == 2 and not tuner.tune_bucket
+    while tuner.active:
+        if d.pending:
+            assert Params.decode(d.publish()).bucket_from_step == 0
+        d.record(["b"], 10)
+    assert {k[2] for k in tuner.scores} == {25.0, 1.0}
+    # Gone before the bucket stage began: the stage is skipped.
+    tuner = Autotuner(128 * MB, 5.0, warmup_samples=0, tune_cycle_time=False,
+                      buckets_ready=lambda: True)
+    assert tuner.drop_buckets() is False
+    run(tuner, np.random.default_rng(0), noise=0.0, model=throughput4)
+    assert {k[2] for k in tuner.scores} == {25.0}
+
+
+def test_bucket_schedule_closes_when_its_owner_is_collected():
+    import gc
+
+    class Owner:
+        pass
+
+    tuning = Tuning(read_env({"HOROVOD_AUTOTUNE": "1"}))
+    tuning.start(rank=0)
+    owner = Owner()
+    sched = tuning.register_buckets(25.0, True, owner=owner)
+    assert sched is not None and tuning.buckets_ready()
+    sched.step_done()
+    assert tuning.driver.optimizer_steps() == 1
+    del owner
+    gc.collect()
+    assert sched.closed and not tuning.buckets_ready()
+    assert tuning.driver.optimizer_steps() is None
+    # No later optimizer is tuned (on every rank alike, however the collector ran).
+    assert tuning.register_buckets(25.0, True, owner=Owner()) is None

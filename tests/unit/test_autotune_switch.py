@@ -323,3 +323,65 @@ def test_bucket_size_switches_at_the_same_step_on_every_rank():
     for from_step, cap in b0:
         assert sizes[from_step - 1] == cap, (from_step, cap, sizes)
     assert len({names for _, names in p0}) >= 3
+
+
+def test_tuning_moves_on_when_the_tuned_optimizer_is_dropped_during_a_bucket_switch():
+    """The optimizer whose buckets are tuned is dropped while a bucket size announced for a
+    later step is pending (rank 0's driver waits for its step count to pass it): training
+    goes on with plain allreduces and no optimizer, and tuning still ends, at the same rounds
+    on every rank; a new DistributedOptimizer afterwards keeps the configured bucket size."""
+    torch = pytest.importorskip("torch")
+    import gc
+
+    import horovod.torch as thvd
+
+    def body(rank):
+        model = _model()
+        opt = thvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                        named_parameters=model.named_parameters())
+        assert opt._hvd_reducer.schedule is not None
+        tuning = current().coordinator.tuning
+        step = 0
+        while True:
+            step += 1
+            x, y = _batch(step, rank)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            driver = tuning.driver
+            waiting = driver is not None and driver._settle_until > 0
+            if thvd.allreduce(torch.tensor([1.0 if waiting else 0.0]), op=thvd.Max,
+                              name="waiting").item() == 1.0:
+                break
+            assert step < 200, tuning.retunes
+        del opt
+        gc.collect()
+        assert not tuning.buckets_ready()
+        # Training goes on without the optimizer: its gradients reduced one by one.
+        after = 0
+        while True:
+            after += 1
+            for i, p in enumerate(model.parameters()):
+                thvd.allreduce(torch.ones_like(p) * rank, name=f"g{i}")
+            done = bool(tuning.retunes) and not tuning.retunes[-1][1].active
+            if thvd.allreduce(torch.tensor([1.0 if done else 0.0]), op=thvd.Min,
+                              name="done").item() == 1.0:
+                break
+            assert after < 300, ("tuning never ended", tuning.retunes)
+        # A later optimizer is not tuned (every rank alike): it keeps the configured size.
+        opt2 = thvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                         named_parameters=model.named_parameters())
+        assert opt2._hvd_reducer.schedule is None and opt2._hvd_reducer.cap_mb == 25.0
+        for s in range(3):
+            x, y = _batch(1000 + s, rank)
+            opt2.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt2.step()
+        return [(r, q) for r, q in tuning.retunes], list(tuning.bucket_plan)
+
+    out = run_loopback(2, body, timeout=90, autotune=True, autotune_steps_per_sample=1,
+                       autotune_warmup_samples=1, fusion_threshold=64 * 1024 * 1024,
+                       cycle_time_ms=0.5)
+    assert out[0] == out[1], out
+    retunes, plan = out[0]
+    assert plan and not retunes[-1][1].active
