@@ -53,7 +53,7 @@ MB = 1024 * 1024
 THRESHOLDS_MB = (0, 1, 4, 16, 64, 128)
 BUCKETS_MB = (0.25, 1, 4, 25)  # --torch: fixed bucket sizes (at the default threshold)
 TORCH_THRESHOLDS_MB = ()  # --torch: fixed thresholds (at the default bucket size)
-TORCH_CYCLES_MS = ()  # --torch: fixed cycle times (default 1 ms), at each of TORCH_CYCLE_BUCKETS_MB
+TORCH_CYCLES_MS = ()  # --torch: fixed cycle times (default 1 ms), at TORCH_CYCLE_BUCKETS_MB
 TORCH_CYCLE_BUCKETS_MB = (4, 25)
 
 
