@@ -173,9 +173,8 @@ def main() -> None:
     ap.add_argument("--fixed-steps", type=int, default=60, help="steps of a fixed-setting run")
     ap.add_argument("--steps-per-sample", type=int, default=2)
     ap.add_argument("--thresholds-mb", default=None,
-                    help="fixed fusion thresholds (default %s; with --torch: %s)" % (
-                        ",".join(map(str, THRESHOLDS_MB)),
-                        ",".join(map(str, TORCH_THRESHOLDS_MB))))
+                    help=f"fixed fusion thresholds (default {THRESHOLDS_MB}; with --torch: "
+                         f"{TORCH_THRESHOLDS_MB})")
     ap.add_argument("--torch", action="store_true",
                     help="a torch model with many small parameters (bucket size sweep)")
     ap.add_argument("--layers", type=int, default=160)
