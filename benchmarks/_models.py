@@ -21,11 +21,18 @@ steady-state training peak) and the device's used memory (total - free, which in
 torch's allocator does not see: the CUDA context, NCCL's buffers, CuPy's pool); for ringvod
 also what ringvod itself holds (`ringvod_memory`). Every reading that fails prints `?` and
 on CPU `n/a`: a benchmark never dies for its memory report.
+
+The run itself is shared too: `add_args` (the options both scripts take), `make_steps` (the
+training step, and the same step timed by phase), `time_windows` (warm-up, then the timed
+windows: samples/s of each) and `phases` (the `PHASES ...` line).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +45,16 @@ __all__ = [
     "MODELS",
     "VOCAB",
     "Workload",
+    "add_args",
     "build",
     "device_used",
+    "make_steps",
     "memory_line",
+    "phases",
     "reset_peak",
     "ringvod_memory",
+    "synchronizer",
+    "time_windows",
 ]
 
 MODELS = ("resnet50", "transformer")
@@ -120,6 +132,104 @@ def build(name: str, device: Any, batch: int, seq: int = 128, layers: int = 12,
         y = torch.randint(0, vocab, (batch, seq), device=device)
         return Workload(model, x, y, _lm_loss, "samples/s")
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+# -- the run -------------------------------------------------------------------------------------
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The options of both scripts: the workload, the timed windows, `--amp`, `--phases` and
+    `--compression`."""
+    p.add_argument("--model", default="resnet50", choices=MODELS)
+    p.add_argument("--batch", type=int, default=0,
+                   help="per process (default: 64 for resnet50, 32 for transformer)")
+    p.add_argument("--seq", type=int, default=128, help="transformer: tokens per sample")
+    p.add_argument("--layers", type=int, default=12, help="transformer: encoder layers")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="transformer: vocabulary")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--amp", action="store_true", help="bf16 autocast")
+    p.add_argument("--phases", action="store_true", help="print host time per step phase")
+    p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """A function that waits for the device's queued work: CUDA's synchronize; on CPU nothing."""
+    if device.type == "cuda":
+        def sync() -> None:
+            torch.cuda.synchronize()
+    else:
+        def sync() -> None:
+            pass
+    return sync
+
+
+def make_steps(model: nn.Module, opt: Any, w: Workload, device: torch.device, amp: bool,
+               sync: Callable[[], None]) -> tuple[Callable[[], None], Callable[[], tuple]]:
+    """`(step, step_parts)` for `model` (the workload's, or a wrapper of it such as DDP) and
+    `opt`. `step()`: zero the gradients, forward and loss (under bf16 autocast when `amp`),
+    backward, optimizer step. `step_parts()`: the same step, returning its host seconds of
+    forward (with the zeroing), backward, step, and the device's tail after step (`sync`)."""
+    x, y = w.x, w.y
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = w.loss(model(x), y)
+        loss.backward()
+        opt.step()
+
+    def step_parts() -> tuple[float, float, float, float]:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = w.loss(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        sync()
+        t4 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
+    return step, step_parts
+
+
+def time_windows(step: Callable[[], None], sync: Callable[[], None], device: torch.device,
+                 batch: int, warmup: int, iters: int,
+                 repeats: int) -> tuple[list[float], float | None]:
+    """`warmup` steps, then the allocator's peak reset (`reset_peak`) and `repeats` timed
+    windows of `iters // repeats` steps (at least one) of `batch` samples each. Returns the
+    samples/s of each window and the largest `device_used` after a window (None on CPU)."""
+    for _ in range(warmup):
+        step()
+    reset_peak(device)
+    per = max(iters // repeats, 1)
+    windows, used = [], []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        for _ in range(per):
+            step()
+        sync()
+        windows.append(batch * per / (time.perf_counter() - t))
+        used.append(device_used(device))
+    seen = [u for u in used if u is not None]
+    return windows, max(seen) if seen else None
+
+
+def phases(step_parts: Callable[[], tuple], amp: bool, sync: Callable[[], None], show: bool,
+           label: str) -> None:
+    """Host time of forward, backward and step (plus the GPU tail after step) per step: the
+    medians of 20 `step_parts()`, printed as a `PHASES` line where `show`."""
+    sync()
+    parts = [step_parts() for _ in range(20)]
+    med = [statistics.median(p[i] for p in parts) * 1e3 for i in range(4)]
+    if show:
+        print(f"PHASES {label} amp={amp}: forward {med[0]:.1f} ms, backward {med[1]:.1f} ms, "
+              f"step {med[2]:.1f} ms, gpu tail {med[3]:.1f} ms (host times, median of 20)",
+              flush=True)
 
 
 # -- memory -------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -28,32 +27,9 @@ import torch
 import torch.distributed as dist
 
 
-def phases(step_parts, a, sync, show, label):
-    """Host time of forward, backward and step (plus the GPU tail after step) per step."""
-    sync()
-    parts = [step_parts() for _ in range(20)]
-    med = [statistics.median(p[i] for p in parts) * 1e3 for i in range(4)]
-    if show:
-        print(f"PHASES {label} amp={a.amp}: forward {med[0]:.1f} ms, backward {med[1]:.1f} ms, "
-              f"step {med[2]:.1f} ms, gpu tail {med[3]:.1f} ms (host times, median of 20)",
-              flush=True)
-
-
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="resnet50", choices=_models.MODELS)
-    p.add_argument("--batch", type=int, default=0,
-                   help="per process (default: 64 for resnet50, 32 for transformer)")
-    p.add_argument("--seq", type=int, default=128, help="transformer: tokens per sample")
-    p.add_argument("--layers", type=int, default=12, help="transformer: encoder layers")
-    p.add_argument("--vocab", type=int, default=_models.VOCAB, help="transformer: vocabulary")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--amp", action="store_true", help="bf16 autocast")
-    p.add_argument("--phases", action="store_true", help="print host time per step phase")
-    p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
+    _models.add_args(p)
     a = p.parse_args()
     a.batch = a.batch or _models.DEFAULT_BATCH[a.model]
     rank = int(os.environ.get("RANK", "0"))
@@ -63,15 +39,10 @@ def main():
     if cuda:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-
-        def sync():
-            torch.cuda.synchronize()
     else:
         torch.set_num_threads(1)  # one process per core, as one per GPU
         device = torch.device("cpu")
-
-        def sync():
-            pass
+    sync = _models.synchronizer(device)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
     torch.backends.cudnn.benchmark = True
@@ -89,42 +60,9 @@ def main():
                     else default_hooks.bf16_compress_hook)
             model.register_comm_hook(None, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = w.x, w.y
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.amp):
-            loss = w.loss(model(x), y)
-        loss.backward()
-        opt.step()
-
-    def step_parts():
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.amp):
-            loss = w.loss(model(x), y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        sync()
-        t4 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
-
-    for _ in range(a.warmup):
-        step()
-    _models.reset_peak(device)
-    per = max(a.iters // a.repeats, 1)
-    windows, used = [], []
-    for _ in range(a.repeats):
-        sync()
-        t = time.perf_counter()
-        for _ in range(per):
-            step()
-        sync()
-        windows.append(a.batch * per / (time.perf_counter() - t))
-        used.append(_models.device_used(device))
+    step, step_parts = _models.make_steps(model, opt, w, device, a.amp, sync)
+    windows, used_max = _models.time_windows(step, sync, device, a.batch, a.warmup, a.iters,
+                                             a.repeats)
     ips = torch.tensor(windows, device=device)
     if world > 1:
         dist.all_reduce(ips)
@@ -134,11 +72,10 @@ def main():
               f"batch={a.batch} img_per_sec_total={total:.1f} "
               f"windows={','.join(f'{v:.0f}' for v in ips.tolist())} model={a.model} "
               f"unit={w.unit}", flush=True)
-        seen = [u for u in used if u is not None]
         print(_models.memory_line(f"impl=DDP world={world} model={a.model}", device,
-                                  max(seen) if seen else None), flush=True)
+                                  used_max), flush=True)
     if a.phases:
-        phases(step_parts, a, sync, rank == 0, "DDP")
+        _models.phases(step_parts, a.amp, sync, rank == 0, "DDP")
     if world > 1:
         dist.destroy_process_group()
 

@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -85,32 +84,9 @@ def plot_trace(trace_path: str, png: str, title: str) -> str:
     return png
 
 
-def phases(step_parts, a, sync, show, label):
-    """Host time of forward, backward and step (plus the GPU tail after step) per step."""
-    sync()
-    parts = [step_parts() for _ in range(20)]
-    med = [statistics.median(p[i] for p in parts) * 1e3 for i in range(4)]
-    if show:
-        print(f"PHASES {label} amp={a.amp}: forward {med[0]:.1f} ms, backward {med[1]:.1f} ms, "
-              f"step {med[2]:.1f} ms, gpu tail {med[3]:.1f} ms (host times, median of 20)",
-              flush=True)
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="resnet50", choices=_models.MODELS)
-    p.add_argument("--batch", type=int, default=0,
-                   help="per process (default: 64 for resnet50, 32 for transformer)")
-    p.add_argument("--seq", type=int, default=128, help="transformer: tokens per sample")
-    p.add_argument("--layers", type=int, default=12, help="transformer: encoder layers")
-    p.add_argument("--vocab", type=int, default=_models.VOCAB, help="transformer: vocabulary")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--amp", action="store_true", help="bf16 autocast")
-    p.add_argument("--phases", action="store_true", help="print host time per step phase")
-    p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
+    _models.add_args(p)
     p.add_argument("--profile", default="", help="directory for a one-step timeline")
     p.add_argument("--tag", default="", help="label printed with the result")
     p.add_argument("--groups", type=int, default=0, help="DistributedOptimizer(groups=N)")
@@ -127,15 +103,10 @@ def main() -> int:
         torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
         torch.backends.cudnn.benchmark = True
         device = torch.device("cuda", torch.cuda.current_device())
-
-        def sync():
-            torch.cuda.synchronize()
     else:
         torch.set_num_threads(1)  # one process per core, as one per GPU
         device = torch.device("cpu")
-
-        def sync():
-            pass
+    sync = _models.synchronizer(device)
     w = _models.build(a.model, device, a.batch, seq=a.seq, layers=a.layers,
                       vocab=a.vocab)
     if rank == 0:
@@ -148,42 +119,9 @@ def main() -> int:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=comp, groups=a.groups or None)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    x, y = w.x, w.y
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.amp):
-            loss = w.loss(model(x), y)
-        loss.backward()
-        opt.step()
-
-    def step_parts():
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.amp):
-            loss = w.loss(model(x), y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        sync()
-        t4 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
-
-    for _ in range(a.warmup):
-        step()
-    _models.reset_peak(device)
-    per = max(a.iters // a.repeats, 1)
-    windows, used = [], []
-    for _ in range(a.repeats):
-        sync()
-        t = time.perf_counter()
-        for _ in range(per):
-            step()
-        sync()
-        windows.append(a.batch * per / (time.perf_counter() - t))
-        used.append(_models.device_used(device))
+    step, step_parts = _models.make_steps(model, opt, w, device, a.amp, sync)
+    windows, used_max = _models.time_windows(step, sync, device, a.batch, a.warmup, a.iters,
+                                             a.repeats)
     ips = torch.tensor(windows)
     if world > 1:
         ips = hvd.allreduce(ips, op=hvd.Sum, name="bench.ips")
@@ -194,12 +132,11 @@ def main() -> int:
               f"windows={','.join(f'{v:.0f}' for v in ips.tolist())} model={a.model} "
               f"unit={w.unit} bucket_cap_mb={os.environ.get('HOROVOD_BUCKET_CAP_MB', 'default')}",
               flush=True)
-        seen = [u for u in used if u is not None]
         extra = _models.ringvod_memory(opt, device)
         print(_models.memory_line(f"impl=ringvod{a.tag} world={world} model={a.model}", device,
-                                  max(seen) if seen else None, extra), flush=True)
+                                  used_max, extra), flush=True)
     if a.phases:
-        phases(step_parts, a, sync, rank == 0, "ringvod" + a.tag)
+        _models.phases(step_parts, a.amp, sync, rank == 0, "ringvod" + a.tag)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         for _ in range(2):

@@ -6,6 +6,8 @@ installed from carried wheels) and then runs one of these parts::
     python3 benchmarks/gpu_suite.py sweep  [--gpus 2] [--quick]
     python3 benchmarks/gpu_suite.py resnet [--gpus 2] [--configs fp32,bf16] [--rounds 2]
                                            [--one-gpu] [--iters 90] [--model transformer]
+    python3 benchmarks/gpu_suite.py phases [--gpus 2] [--configs fp32] [--cycles 1,2.5,10]
+                                           [--rounds 1] [--model resnet50]
     python3 benchmarks/gpu_suite.py timeline
 
 * `sweep`: float32 allreduce 1 KiB – 1 GiB at N GPUs (`gpu_allreduce.py` under
@@ -24,6 +26,10 @@ installed from carried wheels) and then runs one of these parts::
   and the ratio of the medians, then a memory table (peak of torch's allocator after warm-up,
   reserved, device used memory; for ringvod its CuPy pool, fusion buffer and gradient
   buckets); `resnet.json` (`transformer.json` for the transformer).
+* `phases`: where a training step goes: DDP, ringvod with buckets and ringvod in per-gradient
+  mode at each `--cycles` cycle time (`HOROVOD_CYCLE_TIME`), each run with `--phases` (host
+  time of forward, backward and step, and the GPU's tail after step, median of 20 steps); the
+  variants alternate direction per round; `phases_<model>.json`.
 * `timeline`: one profiled ringvod training step at 2 GPUs (`timeline_step.png` and the Chrome
   trace `timeline_step.json.gz`).
 
@@ -53,6 +59,8 @@ PY = sys.executable
 _RESULT = re.compile(r"RESULT impl=(\S+) world=(\d+) amp=(\w+) compression=(\w+) .*"
                      r"img_per_sec_total=([\d.]+)")
 _MEMORY = re.compile(r"^MEMORY (.*)$", re.MULTILINE)
+_PHASES = re.compile(r"^PHASES .*: forward ([\d.]+) ms, backward ([\d.]+) ms, step ([\d.]+) ms, "
+                     r"gpu tail ([\d.]+) ms", re.MULTILINE)
 CONFIGS = {  # label -> (amp, compression); each also with "+pg" (ringvod per gradient)
     "fp32": (False, "none"), "bf16": (True, "none"),
     "fp32+fp16": (False, "fp16"), "bf16+bf16": (True, "bf16"),
@@ -167,14 +175,19 @@ def sweep(s: Suite, n: int, quick: bool = False) -> None:
 
 # -- ResNet-50 / transformer vs DDP -----------------------------------------------------------
 def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "resnet50",
-              extra: list[str] | None = None) -> tuple[float | None, dict]:
+              extra: list[str] | None = None, env_extra: dict | None = None
+              ) -> tuple[float | None, dict]:
     """One training run of `impl` (ringvod or DDP) at `n` GPUs: (samples/s or None, the MEMORY
-    line's fields). `extra`: more arguments for the script (later ones win)."""
+    line's fields, plus `phases` (forward, backward, step, GPU tail in ms) when the script
+    printed a PHASES line). `extra`: more arguments for the script (later ones win);
+    `env_extra`: more environment for ringvod's ranks (e.g. HOROVOD_CYCLE_TIME)."""
     amp, comp, pg = config_of(cfg)
     flags = ["--model", model, "--iters", str(iters), "--warmup", "15", "--repeats", "3",
              "--compression", comp] + (["--amp"] if amp else []) + list(extra or [])
     script = os.path.join(HERE, "gpu_resnet.py" if impl == "ringvod" else "ddp_resnet.py")
     env = {"HOROVOD_BUCKET_CAP_MB": "0"} if pg and impl == "ringvod" else None
+    if env_extra and impl == "ringvod":
+        env = dict(env or {}, **env_extra)
     if n == 1:
         cmd = [PY, "-u", script] + flags
     elif impl == "ringvod":
@@ -192,7 +205,11 @@ def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "r
     s.failures = 0
     v = rows[-1]["throughput"]
     s.say(f"-- {n} GPU(s) {cfg} {impl}: {v:.0f} {MODELS[model][1]}")
-    return v, parse_memory(out)
+    mem = parse_memory(out)
+    ph = _PHASES.findall(out)
+    if ph:
+        mem["phases"] = [float(x) for x in ph[-1]]
+    return v, mem
 
 
 def resnet_run(s: Suite, n: int, impl: str, cfg: str, iters: int,
@@ -304,9 +321,48 @@ def timeline(s: Suite) -> None:
         s.say("timeline: no trace written\n" + "\n".join(out.splitlines()[-10:]))
 
 
+# -- where the step goes ------------------------------------------------------------------------
+def phases(s: Suite, n: int, configs: list[str], cycles: list[float], rounds: int, iters: int,
+           model: str = "resnet50", extra: list[str] | None = None) -> list[dict]:
+    """Throughput and host time per step phase (`--phases`) of DDP, ringvod with buckets and
+    ringvod in per-gradient mode at each cycle time, the variants alternating direction per
+    round; a table per configuration."""
+    variants: list[tuple[str, str, str, dict | None]] = []  # (config, label, impl, env)
+    for cfg in dict.fromkeys(c.removesuffix(PG) for c in configs):
+        variants += [(cfg, "DDP", "DDP", None), (cfg, "ringvod, buckets", "ringvod", None)]
+        variants += [(cfg + PG, f"ringvod, per gradient, cycle {c:g} ms", "ringvod",
+                      {"HOROVOD_CYCLE_TIME": f"{c:g}"}) for c in cycles]
+    keep = MODELS[model][3]
+    rows = []
+    for rnd in range(1, rounds + 1):
+        for cfg, label, impl, env in (variants if rnd % 2 else variants[::-1]):
+            if s.left() < keep:
+                s.say(f"-- budget spent: skipping {cfg} {label}, round {rnd}")
+                continue
+            v, mem = train_run(s, n, impl, cfg, iters, model, list(extra or []) + ["--phases"],
+                               env)
+            rows.append({"gpus": n, "config": cfg.removesuffix(PG), "variant": label,
+                         "impl": impl, "round": rnd, "model": model, "img_s": v,
+                         "phases_ms": mem.get("phases"), "env": env})
+    unit = MODELS[model][1]
+    for cfg in dict.fromkeys(r["config"] for r in rows):
+        table = []
+        for label in dict.fromkeys(r["variant"] for r in rows if r["config"] == cfg):
+            mine = [r for r in rows if r["config"] == cfg and r["variant"] == label]
+            vals = [r["img_s"] for r in mine if r["img_s"] is not None]
+            ph = [r["phases_ms"] for r in mine if r["phases_ms"]]
+            med = [statistics.median(p[i] for p in ph) for i in range(4)] if ph else None
+            table.append([label, ", ".join(f"{v:.0f}" for v in vals) or "-"]
+                         + ([f"{x:.1f}" for x in med] if med else ["-"] * 4))
+        s.say(f"\n{model} {cfg}, {n} GPUs: {unit} per run and host ms per step phase (median)")
+        s.say(format_table(["variant", unit, "forward", "backward", "step", "GPU tail"],
+                           table))
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["sweep", "resnet", "timeline"])
+    p.add_argument("part", choices=["sweep", "resnet", "phases", "timeline"])
     p.add_argument("--gpus", type=int, default=2, help="GPUs for the sweep / ResNet-50")
     p.add_argument("--quick", action="store_true", help="sweep: up to 256 MiB, fewer iterations")
     p.add_argument("--configs", default="fp32,bf16",
@@ -319,21 +375,32 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=90, help="resnet: timed steps (3 windows)")
     p.add_argument("--script-args", default="", help="resnet: more arguments for both scripts, "
                    "e.g. '--device cpu --batch 2 --seq 16 --layers 1 --warmup 1' (a smoke test)")
+    p.add_argument("--cycles", default="1,2.5,10",
+                   help="phases: cycle times (ms) for ringvod's per-gradient runs")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole part")
     a = p.parse_args()
     out = os.environ.get("OUT") or os.path.join(REPO, "out")
     os.makedirs(out, exist_ok=True)
     s = Suite(out, a.budget)
+    configs = [c for c in a.configs.split(",") if c]
+    unknown = [c for c in configs if c.removesuffix(PG) not in CONFIGS]
+    if unknown:
+        p.error(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}, each "
+                f"optionally with {PG}")
     if a.part == "sweep":
         sweep(s, a.gpus, a.quick)
     elif a.part == "timeline":
         timeline(s)
+    elif a.part == "phases":
+        cycles = [float(c) for c in a.cycles.split(",") if c]
+        s.say(f"== {a.model}: where the step goes, {a.gpus} GPUs, cycle times {cycles} ms")
+        rows = phases(s, a.gpus, configs, cycles, a.rounds, a.iters, a.model,
+                      shlex.split(a.script_args))
+        write_results(os.path.join(out, f"phases_{a.model}.json"), f"gpu_phases_{a.model}",
+                      rows, params={"model": a.model, "iters": a.iters, "gpus": a.gpus,
+                                    "rounds": a.rounds, "cycles_ms": cycles,
+                                    "unit": MODELS[a.model][1], "script_args": a.script_args})
     else:
-        configs = [c for c in a.configs.split(",") if c]
-        unknown = [c for c in configs if c.removesuffix(PG) not in CONFIGS]
-        if unknown:
-            p.error(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}, each "
-                    f"optionally with {PG}")
         s.say(f"== {a.model}: ringvod vs DDP at {a.gpus} GPUs, configs {','.join(configs)}")
         rows = resnet(s, a.gpus, configs, a.rounds, a.iters, a.one_gpu, a.model,
                       shlex.split(a.script_args))

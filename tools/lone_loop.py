@@ -14,12 +14,8 @@ import statistics
 import sys
 import time
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-               ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import _common  # noqa: F401 - NVLS off, the repository root on sys.path
+import torch
 
 
 def main() -> int:

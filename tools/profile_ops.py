@@ -16,20 +16,34 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-               ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import _common  # noqa: F401 - NVLS off, the repository root on sys.path
 import torch
 
 import frameworks.torch as hvd
+
+
+def time_loop(fn: Callable[[int], None], iters: int, sync: Callable[[], None],
+              barrier: Callable[[], object]) -> float:
+    """Median µs per op of `fn(k)` (k ops) over 5 timed windows of `iters // 5` ops each,
+    after a warm-up of 200 ops (caches, communicators); every window starts synchronized
+    (`sync`, then `barrier` across the ranks) and ends with `sync`."""
+    fn(200)
+    k = iters // 5
+    per = []
+    for _ in range(5):
+        sync()
+        barrier()
+        t = time.perf_counter()
+        fn(k)
+        sync()
+        per.append((time.perf_counter() - t) / k * 1e6)
+    return statistics.median(per)
 
 
 def main() -> int:
@@ -76,16 +90,7 @@ def main() -> int:
     rows = []
     for label in a.loops.split(","):
         fn = {"lone": lone, "dependent": dependent, "inflight": inflight}[label]
-        fn(200)  # warm-up: caches, communicators
-        per = []
-        for _ in range(5):
-            sync()
-            hvd.barrier()
-            t = time.perf_counter()
-            fn(a.iters // 5)
-            sync()
-            per.append((time.perf_counter() - t) / (a.iters // 5) * 1e6)
-        rows.append((label, statistics.median(per)))
+        rows.append((label, time_loop(fn, a.iters, sync, hvd.barrier)))
         if rank == 0:
             print(f"PROFILE_OPS {label} bytes={a.bytes} us_per_op={rows[-1][1]:.1f}", flush=True)
         hvd.barrier()
@@ -120,16 +125,7 @@ def main() -> int:
                     w.wait()
             sync()
         for label, fn in (("lone", t_lone), ("dependent", t_dep), ("inflight", t_inflight)):
-            fn(200)
-            per = []
-            for _ in range(5):
-                sync()
-                dist.barrier()
-                t = time.perf_counter()
-                fn(a.iters // 5)
-                sync()
-                per.append((time.perf_counter() - t) / (a.iters // 5) * 1e6)
-            rows.append(("torch." + label, statistics.median(per)))
+            rows.append(("torch." + label, time_loop(fn, a.iters, sync, dist.barrier)))
         dist.destroy_process_group()
     if rank == 0:
         for label, us in rows:
