@@ -16,10 +16,10 @@ every rank at a negotiation round they all share:
 a round's word vector has as many bits as the cache, so the cache switches at a round boundary
 that every rank shares. The retune round itself finishes with the old setting (the hits it
 agreed on run from the cache, its slow path fills the cache or not as before); then
-`sync_cache` applies the new one to the global set: off = the entries are dropped (every rank drops all of them, so the numbering stays equal:
-none), and requests that were waiting as cache hits go back to the slow path next round
-(`ps.carry`), as when a join suspends the cache; on = an empty cache with the configured
-capacity, filled by later slow paths the same way everywhere. Another process set switches at
+`sync_cache` applies the new one to the global set: off = every rank drops every entry (so the
+numbering stays equal: none), and requests that were waiting as cache hits go back to the slow
+path next round (`ps.carry`), as when a join suspends the cache; on = an empty cache with the
+configured capacity, filled by later slow paths the same way everywhere. Another process set switches at
 the start of its next round: every rank runs one round of every set it belongs to per cycle,
 the global set's included, so that is the same round of that set on all of its members. The
 express lane (fastpath.py) needs no change: it only runs on a cache hit, and an empty cache
