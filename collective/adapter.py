@@ -25,6 +25,9 @@ Device seam (no CuPy here; the NCCL engine owns every CUDA call):
 
 Configuration:
     `config()`: the running job's `Config` (the `HOROVOD_*` settings read at `init()`).
+    `bucket_schedule(cap_mb, global_set, owner)`: for an optimizer that reduces its gradients
+        in buckets, the schedule through which autotune changes the bucket size (None: keep
+        it); it closes when `owner` is garbage-collected.
 """
 from __future__ import annotations
 
@@ -36,8 +39,8 @@ from .engines.device import (DeviceBuffer, DeviceOpError, DeviceResult, allocati
                              record_ready)
 from .ops import enqueue, run_one, wait_now
 
-__all__ = ["enqueue", "run_one", "wait_now", "waiting_hook", "config", "DeviceBuffer",
-           "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]
+__all__ = ["enqueue", "run_one", "wait_now", "waiting_hook", "config", "bucket_schedule",
+           "DeviceBuffer", "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]
 
 
 def config() -> Config:
@@ -54,3 +57,21 @@ def waiting_hook() -> Callable[[int], None] | None:
     after), or None before `init()`."""
     rt: Any = current_or_none()
     return getattr(getattr(rt, "coordinator", None), "waiting", None)
+
+
+def bucket_schedule(cap_mb: float, global_set: bool, owner: Any = None) -> Any:
+    """For an optimizer that just planned gradient buckets of `cap_mb` MB (`global_set`: it
+    reduces over the global process set): the runtime's bucket schedule when autotune may change
+    the bucket size, else None (keep `cap_mb`). With a schedule, the optimizer calls
+    `schedule.step_done()` at the end of every `synchronize()`, on every rank, and re-plans its
+    buckets before the next step when the size it returns differs
+    (collective/coordinator/tuning.py says why every rank then switches at the same step).
+    None before `init()`, without autotune, in elastic mode, for a second bucketed optimizer and
+    for `cap_mb` <= 0. `owner`: the object that calls `step_done()` (weakly referenced: when it
+    is garbage-collected, autotune stops tuning the bucket size instead of waiting for steps
+    that will never come)."""
+    rt: Any = current_or_none()
+    tuning = getattr(getattr(rt, "coordinator", None), "tuning", None)
+    if tuning is None:
+        return None
+    return tuning.register_buckets(cap_mb, global_set, owner)

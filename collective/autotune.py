@@ -1,9 +1,11 @@
-"""Autotune (`HOROVOD_AUTOTUNE=1`): searches the fusion threshold and cycle time for the highest
-allreduce throughput while training runs.
+"""Autotune (`HOROVOD_AUTOTUNE=1`): searches the fusion threshold, the cycle time, the
+`DistributedOptimizer` bucket size and the response cache for the highest allreduce throughput
+while training runs.
 
 Only global rank 0 tunes; the coordinator broadcasts each new parameter set to every rank at a
 negotiation round all ranks share, so every rank switches at the same round (see
-collective/coordinator/tuning.py). This module has no threads and no I/O other than the CSV log:
+collective/coordinator/tuning.py, which also says how the cache and the bucket size switch
+safely). This module has no threads and no I/O other than the CSV log:
 
 * `Sampler` turns executed allreduce responses into throughput samples. A sample closes when
   some tensor name has been reduced `steps_per_sample` times since the sample began (one
@@ -13,38 +15,56 @@ collective/coordinator/tuning.py). This module has no threads and no I/O other t
   microsecond, as Horovod's log); the first `warmup_samples` scores, taken at the starting
   values, are discarded.
 
-The search (Horovod uses Bayesian optimisation over the same two knobs; this coordinate search
-over the same ranges takes no more evaluations and is deterministic):
+The search (Horovod uses Bayesian optimisation over its knobs; this coordinate search over the
+same ranges takes no more evaluations and is deterministic), each stage at the best values so
+far:
 
 1. the fusion threshold over 0 and 1 to 64 MB in powers of two (the starting value included),
    at the starting cycle time;
-2. the cycle time over 1 to 100 ms, log-spaced, at the best threshold so far;
-3. the best `confirm` candidates measured once more; the highest mean score wins.
+2. the cycle time over 1 to 100 ms, log-spaced;
+3. the bucket size of the job's `DistributedOptimizer` over 1, 4, 25 and 64 MB (the starting
+   value included), only when one optimizer of the global process set reduces its gradients in
+   buckets (`buckets_ready()` says so when the stage begins; otherwise the stage is skipped);
+4. the response cache on and off (the setting not yet scored);
+5. the best `confirm` candidates measured once more; the highest mean score wins.
 
 At most `max_samples` parameter sets are scored (`HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`); the
-cycle-time stage is shortened to fit. A knob set through the environment or `hvdrun` is held
-fixed, as in Horovod. When the search ends the best values stay in force, are logged and end the
-CSV log.
+cycle-time stage is shortened to leave room for the later stages (with the default 20: the
+threshold grid (9 with the default start), 4 cycle times, 3 bucket sizes, 1 cache setting, 3
+confirmations). A knob set through the environment or `hvdrun` (a value other than its
+default) is held fixed, as in Horovod; so is the bucket size of an optimizer with `groups=`, in
+per-gradient mode (`HOROVOD_BUCKET_CAP_MB=0`) or over another process set. When the search ends
+the best values stay in force, are logged and end the CSV log.
+
+The CSV log has Horovod's columns (`CSV_HEADER`: hierarchical_allreduce,
+hierarchical_allgather, torus_allreduce, cache_enabled, cycle_time_ms, tensor_fusion_threshold
+in MB, score) and ringvod's `bucket_cap_mb` appended as an eighth column, after `score`.
 """
 from __future__ import annotations
 
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, TextIO
 
 from . import _log
 from .config import Config, options_by_field
 
 __all__ = ["Autotuner", "Sampler", "Driver", "from_config", "Params", "CSV_HEADER",
-           "THRESHOLD_GRID_MB", "CYCLE_GRID_MS"]
+           "THRESHOLD_GRID_MB", "CYCLE_GRID_MS", "BUCKET_GRID_MB"]
 
 _MB = 1024 * 1024
 THRESHOLD_GRID_MB = (0, 1, 2, 4, 8, 16, 32, 64)
 CYCLE_GRID_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
+BUCKET_GRID_MB = (1.0, 4.0, 25.0, 64.0)
+# Horovod's columns, then ringvod's bucket size (an eighth column, after the score).
 CSV_HEADER = ("hierarchical_allreduce,hierarchical_allgather,torus_allreduce,cache_enabled,"
-              "cycle_time_ms,tensor_fusion_threshold,score")
-_WIRE = struct.Struct("<qd?")  # fusion threshold (bytes), cycle time (ms), tuning still active
+              "cycle_time_ms,tensor_fusion_threshold,score,bucket_cap_mb")
+# fusion threshold (bytes), cycle time (ms), tuning still active, bucket size (MB), cache on,
+# optimizer step from which the bucket size applies (0: no bucket switch in this message)
+_WIRE = struct.Struct("<qd?d?q")
+
+Key = tuple[int, float, float, bool]  # (threshold, cycle time, bucket size, cache enabled)
 
 
 @dataclass(frozen=True)
@@ -53,14 +73,31 @@ class Params:
     fusion_threshold: int  # bytes
     cycle_time_ms: float
     active: bool = True  # False once tuning has ended (these are the final values)
+    bucket_cap_mb: float = 25.0  # DistributedOptimizer bucket size
+    cache_enabled: bool = True  # the response cache
+    # Set by rank 0's coordinator when it publishes a new bucket size: the optimizer step
+    # count after which it applies on every rank (collective/coordinator/tuning.py); 0 = no
+    # bucket switch. Not part of the parameter set's identity.
+    bucket_from_step: int = field(default=0, compare=False)
+
+    @property
+    def key(self) -> Key:
+        return (self.fusion_threshold, self.cycle_time_ms, self.bucket_cap_mb,
+                self.cache_enabled)
 
     def encode(self) -> bytes:
-        return _WIRE.pack(int(self.fusion_threshold), float(self.cycle_time_ms), self.active)
+        return _WIRE.pack(int(self.fusion_threshold), float(self.cycle_time_ms), self.active,
+                          float(self.bucket_cap_mb), self.cache_enabled,
+                          int(self.bucket_from_step))
 
     @staticmethod
-    def decode(data: bytes) -> "Params":
-        threshold, cycle, active = _WIRE.unpack(data)
-        return Params(threshold, cycle, active)
+    def decode(data: bytes) -> Params:
+        threshold, cycle, active, bucket, cache, from_step = _WIRE.unpack(data)
+        return Params(threshold, cycle, active, bucket, cache, from_step)
+
+    @staticmethod
+    def of(key: Key, active: bool = True) -> Params:
+        return Params(key[0], key[1], active, key[2], key[3])
 
 
 class Sampler:
@@ -99,14 +136,23 @@ class Sampler:
 
 
 class Autotuner:
-    """Rank 0's search. Feed `add_sample(bytes, seconds)`; read `params` after it returns True."""
+    """Rank 0's search. Feed `add_sample(bytes, seconds)`; read `params` after it returns True.
+
+    `tune_*`: whether each knob may change (False: held at its starting value).
+    `buckets_ready()`: asked when the bucket stage begins (and to size the earlier stages):
+    whether an optimizer whose buckets may be re-planned exists; the stage is skipped if not.
+    """
 
     def __init__(self, fusion_threshold: int, cycle_time_ms: float, *, warmup_samples: int = 3,
                  max_samples: int = 20, samples_per_eval: int = 5, confirm: int = 3,
                  tune_threshold: bool = True, tune_cycle_time: bool = True,
-                 log: TextIO | None = None, flags: tuple[bool, bool, bool, bool] = (
-                     False, False, False, True)) -> None:
-        self.start = Params(int(fusion_threshold), float(cycle_time_ms))
+                 bucket_cap_mb: float = 25.0, tune_bucket: bool = True,
+                 buckets_ready: Callable[[], bool] = lambda: False,
+                 cache_enabled: bool = True, tune_cache: bool = True,
+                 log: TextIO | None = None, flags: tuple[bool, bool, bool] = (
+                     False, False, False)) -> None:
+        self.start = Params(int(fusion_threshold), float(cycle_time_ms), True,
+                            float(bucket_cap_mb), bool(cache_enabled))
         self.params = self.start
         self.warmup_left = max(int(warmup_samples), 0)
         self.max_samples = max(int(max_samples), 1)
@@ -114,47 +160,83 @@ class Autotuner:
         self.confirm = max(int(confirm), 0)
         self.tune_threshold = tune_threshold
         self.tune_cycle_time = tune_cycle_time
+        self.tune_bucket = tune_bucket and bucket_cap_mb > 0
+        self.buckets_ready = buckets_ready
+        self.tune_cache = tune_cache
         self._log = log
-        self._flags = flags  # hierarchical allreduce/allgather, torus, cache (CSV columns)
+        self._flags = flags  # hierarchical allreduce/allgather, torus (CSV columns)
         self._window: list[float] = []
-        self.scores: dict[tuple[int, float], list[float]] = {}  # scores per parameter set
+        self.scores: dict[Key, list[float]] = {}  # scores per parameter set
         self.history: list[tuple[Params, float]] = []  # every scored set in order
         self.evaluations = 0
         self._stage = 0
-        self._queue: list[tuple[int, float]] = []
+        self._queue: list[Key] = []
         if log is not None:
             log.write(CSV_HEADER + "\n")
             log.flush()
-        self.active = tune_threshold or tune_cycle_time
+        self.active = tune_threshold or tune_cycle_time or self.tune_bucket or tune_cache
         if self.active:
             self._queue = self._threshold_stage()
         else:
-            self.params = Params(self.start.fusion_threshold, self.start.cycle_time_ms, False)
+            self.params = replace(self.start, active=False)
 
     # -- the search ---------------------------------------------------------------------------
-    def _threshold_stage(self) -> list[tuple[int, float]]:
-        cyc = self.start.cycle_time_ms
-        if not self.tune_threshold:
-            return [(self.start.fusion_threshold, cyc)]
-        grid = {mb * _MB for mb in THRESHOLD_GRID_MB} | {self.start.fusion_threshold}
-        # The starting value first: it is what the warm-up measured.
-        rest = sorted(grid - {self.start.fusion_threshold})
-        return [(self.start.fusion_threshold, cyc)] + [(t, cyc) for t in rest]
+    _LAST_STAGE = 4  # threshold, cycle time, bucket size, cache, confirm (0..4)
 
-    def _cycle_stage(self) -> list[tuple[int, float]]:
+    def _threshold_stage(self) -> list[Key]:
+        s = self.start
+        if not self.tune_threshold:
+            return [s.key]
+        grid = {mb * _MB for mb in THRESHOLD_GRID_MB} | {s.fusion_threshold}
+        # The starting value first: it is what the warm-up measured.
+        rest = sorted(grid - {s.fusion_threshold})
+        return [s.key] + [(t,) + s.key[1:] for t in rest]
+
+    def _bucket_grid(self, best: Key) -> list[Key]:
+        if not self.tune_bucket or not self.buckets_ready():
+            return []
+        grid = sorted(set(BUCKET_GRID_MB) | {self.start.bucket_cap_mb})
+        keys = [(best[0], best[1], b, best[3]) for b in grid]
+        return [k for k in keys if k not in self.scores]
+
+    def _cache_grid(self, best: Key) -> list[Key]:
+        if not self.tune_cache:
+            return []
+        key = (best[0], best[1], best[2], not best[3])
+        return [] if key in self.scores else [key]
+
+    def _cycle_stage(self) -> list[Key]:
         if not self.tune_cycle_time:
             return []
-        best = self._best()[0]
-        grid = [c for c in CYCLE_GRID_MS if (best, c) not in self.scores]
-        room = self.max_samples - self.evaluations - self.confirm
-        return [(best, c) for c in grid[:max(room, 0)]]
+        best = self._best()
+        grid = [(best[0], c, best[2], best[3]) for c in CYCLE_GRID_MS]
+        grid = [k for k in grid if k not in self.scores]
+        # Room for the later stages: as many bucket sizes as the grid has, one cache setting.
+        later = len(self._bucket_grid(best)) + (1 if self.tune_cache else 0)
+        room = self.max_samples - self.evaluations - self.confirm - later
+        return grid[:max(room, 0)]
 
-    def _confirm_stage(self) -> list[tuple[int, float]]:
+    def _bucket_stage(self) -> list[Key]:
+        best = self._best()
+        room = (self.max_samples - self.evaluations - self.confirm
+                - (1 if self.tune_cache else 0))
+        return self._bucket_grid(best)[:max(room, 0)]
+
+    def _cache_stage(self) -> list[Key]:
+        room = self.max_samples - self.evaluations - self.confirm
+        return self._cache_grid(self._best())[:max(room, 0)]
+
+    def _confirm_stage(self) -> list[Key]:
         ranked = sorted(self.scores, key=lambda k: -_mean(self.scores[k]))
         room = self.max_samples - self.evaluations
         return ranked[:max(min(self.confirm, room), 0)] if len(ranked) > 1 else []
 
-    def _best(self) -> tuple[int, float]:
+    def _next_stage(self) -> list[Key]:
+        self._stage += 1
+        return (self._cycle_stage, self._bucket_stage, self._cache_stage,
+                self._confirm_stage)[self._stage - 1]()
+
+    def _best(self) -> Key:
         return max(self.scores, key=lambda k: _mean(self.scores[k]))
 
     # -- samples ------------------------------------------------------------------------------
@@ -174,55 +256,92 @@ class Autotuner:
         return self._scored(score)
 
     def _scored(self, score: float) -> bool:
-        key = (self.params.fusion_threshold, self.params.cycle_time_ms)
+        key = self.params.key
         self.scores.setdefault(key, []).append(score)
         self.history.append((self.params, score))
         self.evaluations += 1
         self._write(self.params, score)
-        _log.get_logger().debug("Autotuner: fusion threshold %.2f MB, cycle time %g ms: "
-                                "%.1f bytes/us", key[0] / _MB, key[1], score)
+        _log.get_logger().debug("Autotuner: fusion threshold %.2f MB, cycle time %g ms, "
+                                "bucket %g MB, cache %s: %.1f bytes/us", key[0] / _MB, key[1],
+                                key[2], "on" if key[3] else "off", score)
         if self._queue and self._queue[0] == key:
             self._queue.pop(0)
-        while not self._queue and self._stage < 2 and self.evaluations < self.max_samples:
-            self._stage += 1
-            self._queue = self._cycle_stage() if self._stage == 1 else self._confirm_stage()
+        while (not self._queue and self._stage < self._LAST_STAGE
+               and self.evaluations < self.max_samples):
+            self._queue = self._next_stage()
         if not self._queue or self.evaluations >= self.max_samples:
             return self._finish()
-        nxt = Params(self._queue[0][0], self._queue[0][1])
+        nxt = Params.of(self._queue[0])
+        changed = nxt != self.params
+        self.params = nxt
+        return changed
+
+    def drop_buckets(self) -> bool:
+        """The optimizer whose buckets are tuned is gone: bucket sizes are not tuned from now
+        on. During the bucket stage, the set being measured is not scored and the search goes
+        on with the next stage at the best values so far. True when `params` changed."""
+        self.tune_bucket = False
+        if not self.active or self._stage != 2:
+            return False  # before the stage: it will be skipped; after it: nothing to do
+        self._window = []
+        self._queue = []
+        while (not self._queue and self._stage < self._LAST_STAGE
+               and self.evaluations < self.max_samples):
+            self._queue = self._next_stage()
+        if not self._queue or self.evaluations >= self.max_samples:
+            return self._finish()
+        nxt = Params.of(self._queue[0])
         changed = nxt != self.params
         self.params = nxt
         return changed
 
     def _finish(self) -> bool:
-        threshold, cycle = self._best()
-        score = _mean(self.scores[(threshold, cycle)])
+        best = self._best()
+        score = _mean(self.scores[best])
         self.active = False
-        self.params = Params(threshold, cycle, False)
+        self.params = Params.of(best, active=False)
         self._write(self.params, score)
         if self._log is not None:
             self._log.close()
             self._log = None
+        s = self.start
         _log.get_logger().info(
             "Autotuner: done after %d scored parameter sets: HOROVOD_FUSION_THRESHOLD=%d "
-            "(%.2f MB), HOROVOD_CYCLE_TIME=%g ms, %.1f bytes/us (starting values %.2f MB, "
-            "%g ms: %s)", self.evaluations, threshold, threshold / _MB, cycle, score,
-            self.start.fusion_threshold / _MB, self.start.cycle_time_ms,
-            _fmt(self.scores.get((self.start.fusion_threshold, self.start.cycle_time_ms))))
+            "(%.2f MB), HOROVOD_CYCLE_TIME=%g ms, HOROVOD_BUCKET_CAP_MB=%g%s, "
+            "HOROVOD_CACHE_CAPACITY %s, %.1f bytes/us (starting values %.2f MB, %g ms, %g MB, "
+            "cache %s: %s)", self.evaluations, best[0], best[0] / _MB, best[1], best[2],
+            "" if any(k[2] != s.bucket_cap_mb for k in self.scores) else " (not tuned)",
+            "on" if best[3] else "off (0)", score, s.fusion_threshold / _MB,
+            s.cycle_time_ms, s.bucket_cap_mb, "on" if s.cache_enabled else "off",
+            _fmt(self.scores.get(s.key)))
         return True
 
     def _write(self, p: Params, score: float) -> None:
         if self._log is None:
             return
-        h, g, t, c = (int(x) for x in self._flags)
-        self._log.write(f"{h},{g},{t},{c},{p.cycle_time_ms:g},"
-                        f"{p.fusion_threshold / _MB:g},{score:.6g}\n")
+        h, g, t = (int(x) for x in self._flags)
+        self._log.write(f"{h},{g},{t},{int(p.cache_enabled)},{p.cycle_time_ms:g},"
+                        f"{p.fusion_threshold / _MB:g},{score:.6g},{p.bucket_cap_mb:g}\n")
         self._log.flush()
 
 
 class Driver:
     """Rank 0's glue for the coordinator: `record` each executed allreduce of the global set;
     while `pending`, the coordinator asks every rank for a parameter broadcast and sends
-    `publish()`."""
+    `publish()`.
+
+    Allreduces executed while new parameters wait for their broadcast (`pending`) are not
+    sampled: they still ran with the old ones (and a sample closed then would move the search
+    on past parameters never applied).
+
+    `optimizer_steps`: the step count of the optimizer whose buckets are tuned (set by the
+    coordinator when one registers), or None. A new bucket size is published with
+    `bucket_from_step` = that count + 2 (why 2: collective/coordinator/tuning.py), and samples
+    are discarded until the optimizer on this rank has passed that step (`settle`): the steps
+    before it still ran with the old buckets. The callable returns None once that optimizer is
+    gone (garbage-collected): the driver then stops waiting, discards the sample in progress,
+    ends the bucket stage (`Autotuner.drop_buckets`) and announces no bucket size again.
+    """
 
     def __init__(self, tuner: Autotuner, steps_per_sample: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -230,17 +349,65 @@ class Driver:
         self.sampler = Sampler(steps_per_sample)
         self.clock = clock
         self.pending = not tuner.active  # nothing to tune: publish the fixed values at once
+        self.optimizer_steps: Callable[[], int] | None = None
+        self.settle = True  # wait for a bucket switch to take effect before sampling
+        self._bucket = tuner.start.bucket_cap_mb  # the bucket size last published
+        self._settle_until = 0
+        self._optimizer_lost = False  # the tuned optimizer was dropped (`_optimizer_gone`)
 
     def record(self, names: Iterable[str], nbytes: int) -> None:
-        sample = self.sampler.add(names, nbytes, self.clock())
-        if sample is not None and self.tuner.add_sample(*sample):
+        if self.pending:  # new parameters not yet in force: these ran with the old ones
+            return
+        now = self.clock()
+        steps = self.optimizer_steps
+        if self._settle_until:
+            done = steps() if steps is not None else self._settle_until
+            if done is None:  # the optimizer is gone: the switch will never take effect
+                self._optimizer_gone(now)
+                return
+            if self.settle and done < self._settle_until:
+                self.sampler.reset(now)  # the old buckets are still in use somewhere
+                return
+            self._settle_until = 0
+            self.sampler.reset(now)
+            return
+        sample = self.sampler.add(names, nbytes, now)
+        if sample is None:
+            return
+        if steps is not None and steps() is None:  # gone during this sample: not scored
+            self._optimizer_gone(now)
+            return
+        if self.tuner.add_sample(*sample):
+            self.pending = True
+
+    def _optimizer_gone(self, now: float) -> None:
+        """The optimizer whose buckets are tuned was dropped: no bucket size is announced from
+        now on and the tuner ends its bucket stage."""
+        self.optimizer_steps = None
+        self._optimizer_lost = True
+        self._settle_until = 0
+        self.sampler.reset(now)
+        if self.tuner.drop_buckets():
             self.pending = True
 
     def publish(self) -> bytes:
         """The parameters to broadcast now; the next sample starts now."""
         self.pending = False
         self.sampler.reset(self.clock())
-        return self.tuner.params.encode()
+        p = self.tuner.params
+        if p.bucket_cap_mb != self._bucket:
+            self._bucket = p.bucket_cap_mb
+            steps = self.optimizer_steps
+            done = steps() if steps is not None else None
+            if done is not None:
+                self._settle_until = done + 2
+                p = replace(p, bucket_from_step=self._settle_until)
+            elif not self._optimizer_lost and steps is None:
+                # cannot happen: the bucket stage runs only with an optimizer
+                raise RuntimeError("autotune: a bucket size to publish but no optimizer")
+            # else the optimizer is gone (record() ends the stage at its next call): there
+            # are no buckets to switch, so nothing is announced
+        return p.encode()
 
 
 def _mean(xs: list[float]) -> float:
@@ -251,18 +418,23 @@ def _fmt(xs: list[float] | None) -> str:
     return "not scored" if not xs else f"{_mean(xs):.1f} bytes/us"
 
 
-def from_config(config: Config) -> Driver:
+def from_config(config: Config, buckets_ready: Callable[[], bool] = lambda: False) -> Driver:
     """Rank 0's tuner for a Config. A knob whose value differs from its default was set by the
-    user and is held fixed."""
+    user and is held fixed. `buckets_ready`: see `Autotuner`."""
     defaults = options_by_field()
-    fixed = {f for f in ("fusion_threshold", "cycle_time_ms")
+    fixed = {f for f in ("fusion_threshold", "cycle_time_ms", "bucket_cap_mb", "cache_capacity")
              if getattr(config, f) != defaults[f].default}
     log = open(config.autotune_log, "w", encoding="utf-8") if config.autotune_log else None
     tuner = Autotuner(config.fusion_threshold, config.cycle_time_ms,
                       warmup_samples=config.autotune_warmup_samples,
                       max_samples=config.autotune_bayes_opt_max_samples,
                       tune_threshold="fusion_threshold" not in fixed,
-                      tune_cycle_time="cycle_time_ms" not in fixed, log=log,
+                      tune_cycle_time="cycle_time_ms" not in fixed,
+                      bucket_cap_mb=config.bucket_cap_mb,
+                      tune_bucket="bucket_cap_mb" not in fixed and not config.elastic,
+                      buckets_ready=buckets_ready,
+                      cache_enabled=config.cache_capacity > 0,
+                      tune_cache="cache_capacity" not in fixed, log=log,
                       flags=(config.hierarchical_allreduce, config.hierarchical_allgather,
-                             config.torus_allreduce, config.cache_capacity > 0))
+                             config.torus_allreduce))
     return Driver(tuner, config.autotune_steps_per_sample)

@@ -83,10 +83,12 @@ OPTIONS: tuple[Option, ...] = (
            "--thread-affinity"),
     # --- autotune ---------------------------------------------------------------------------
     Option("autotune", "HOROVOD_AUTOTUNE", _bool, False, "",
-           "tune the fusion threshold and cycle time while training runs (a knob set in the "
-           "environment is held fixed)", "--autotune"),
+           "tune the fusion threshold, cycle time, DistributedOptimizer bucket size and "
+           "response cache while training runs (a knob set in the environment is held fixed)",
+           "--autotune"),
     Option("autotune_log", "HOROVOD_AUTOTUNE_LOG", str, "", "path",
-           "autotune CSV log written by rank 0 (one row per scored setting, the best last)",
+           "autotune CSV log written by rank 0 (Horovod's columns, then bucket_cap_mb; one row "
+           "per scored setting, the best last)",
            "--autotune-log-file"),
     Option("autotune_warmup_samples", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", int, 3, "",
            "autotune scores discarded at the start (each the median of 5 samples)",

@@ -7,7 +7,7 @@
 | `execute.py` | running agreed responses on engines, completing handles |
 | `fastpath.py` | express lane and driven cycles: a synchronous op's cycle on its own thread |
 | `state.py` | `ProcessSetState`: one process set's tables as this rank sees them |
-| `tuning.py` | `Tuning`: the fusion threshold and cycle time in force; autotune's switches |
+| `tuning.py` | `Tuning`: the fusion threshold, cycle time, cache and bucket size in force; autotune's switches |
 """
 from __future__ import annotations
 

@@ -3,11 +3,11 @@
 A round drains the set's queue, looks each request up in the response cache and contributes one
 word vector to a bitwise-AND allreduce: four inverted status bits (shutdown, uncached work,
 invalid entry, autotune parameters to switch to: tuning.py) and one bit per cached response this
-rank has a request for. Bits set everywhere
-are ready on every rank. If any rank has uncached work, the slow path gathers the uncached
-requests at the set's rank 0, whose message table validates and orders them, fuses the ready
-responses (`fusion.plan_fusion`) and broadcasts the list; every rank then updates its cache the
-same way. The message encoding is `collective.negotiation`'s.
+rank has a request for (autotune may switch the cache off and on between rounds: tuning.py).
+Bits set everywhere are ready on every rank. If any rank has uncached work, the slow path
+gathers the uncached requests at the set's rank 0, whose message table validates and orders
+them, fuses the ready responses (`fusion.plan_fusion`) and broadcasts the list; every rank then
+updates its cache the same way. The message encoding is `collective.negotiation`'s.
 """
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ class Negotiator:
               want_shutdown: bool) -> tuple[list[Response], bool]:
         """One round for `ps`: (responses to execute in order, whether the job shuts down)."""
         now = time.monotonic()
+        if ps.id != 0 and ps.cache.capacity != self.tuning.cache_capacity:
+            self.tuning.sync_cache(ps)  # autotune switched the cache in a global round
         new = ps.drain()
         cache_on = ps.cache.capacity > 0 and not ps.join_active
         uncached: list[Request] = ps.carry
@@ -109,7 +111,8 @@ class Negotiator:
                 ps.cache.erase(bit)
                 if bit in hits:
                     uncached.append(hits.pop(bit))
-        if not flags & NOT_RETUNE:  # autotune: every rank switches before this round's plan
+        retune = not flags & NOT_RETUNE
+        if retune:  # autotune: every rank switches before this round's plan
             self.tuning.retune(ps)
         common = hits.take_common(res)
         if tl is not None:
@@ -118,8 +121,13 @@ class Negotiator:
         threshold = self.tuning.fusion_threshold
         if not any_uncached:
             cached = [ps.cache.get(b) for b in common]
-            return self.fuse(ps, cached, threshold), any_shutdown
-        return self._slow_path(ps, uncached, common, want_shutdown, any_shutdown, threshold, tl)
+            out = self.fuse(ps, cached, threshold), any_shutdown
+        else:
+            out = self._slow_path(ps, uncached, common, want_shutdown, any_shutdown, threshold,
+                                  tl)
+        if retune:  # a cache switch applies from the next round (tuning.py)
+            self.tuning.sync_cache(ps)
+        return out
 
     def _slow_path(self, ps: ProcessSetState, uncached: list[Request], common: list[int],
                    want_shutdown: bool, any_shutdown: bool, threshold: int,

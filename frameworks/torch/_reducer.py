@@ -14,6 +14,16 @@ reduced in one of three ways, decided once at wrap time:
 Compression applies to what is sent in every mode. `synchronize()` starts whatever has not
 started (zeros for parameters without a gradient, so no rank hangs), waits for everything and
 writes the results into `p.grad`.
+
+Autotune (`HOROVOD_AUTOTUNE=1`) may change the bucket size while training runs. The optimizer
+then holds a bucket schedule (`schedule`, from `collective.adapter.bucket_schedule`): at the end
+of every `synchronize()`, after the reductions have all completed and the step's state is reset,
+the reducer counts the step in it (`step_done()`) and, when the size in force for the next step
+differs, re-plans the buckets of the parameters it bucketed at wrap time (`_replan`). Nothing
+is in flight then, and every rank re-plans after the same `synchronize()` call (the schedule
+decides by the count of completed calls, collective/coordinator/tuning.py), so the bucket names
+of every later step match across ranks. Parameters added later (`add_param_group`) stay in
+per-gradient mode; with `groups=` or per-gradient mode there is no schedule.
 """
 from __future__ import annotations
 
@@ -92,6 +102,9 @@ class GradientReducer:
         self.slots: list[_Slot] = []
         self.groups: list[_Group] = []
         self.buckets: list[Bucket] = []
+        self.cap_mb = 0.0  # the bucket size of the current plan (0: no buckets)
+        self._bucketed: list[_Slot] = []  # the slots the buckets cover (those at wrap time)
+        self.schedule: Any = None  # autotune's bucket schedule (see the module docstring)
 
     # -- setup ----------------------------------------------------------------------------------
     def add(self, param: torch.Tensor, name: str) -> _Slot:
@@ -130,7 +143,12 @@ class GradientReducer:
     def form_buckets(self, cap_mb: float) -> None:
         if cap_mb <= 0 or not self.slots:
             return
-        slots = self.slots
+        self._bucketed = list(self.slots)
+        self._plan(cap_mb)
+
+    def _plan(self, cap_mb: float) -> None:
+        self.cap_mb = cap_mb
+        slots = self._bucketed
         plan = plan_buckets([s.param for s in slots], [s.name for s in slots],
                             int(cap_mb * 1024 * 1024))
         for indices, name in plan:
@@ -138,6 +156,14 @@ class GradientReducer:
             for i in indices:
                 slots[i].bucket = bucket
             self.buckets.append(bucket)
+
+    def _replan(self, cap_mb: float) -> None:
+        """New buckets of `cap_mb` MB over the same parameters (between steps: nothing is in
+        flight)."""
+        for slot in self._bucketed:
+            slot.bucket = None
+        self.buckets = []
+        self._plan(cap_mb)
 
     # -- per-gradient path (hooks) ----------------------------------------------------------------
     def on_grad(self, slot: _Slot) -> None:
@@ -266,6 +292,10 @@ class GradientReducer:
                     self._write_back(slot)
         finally:
             self.reset()
+            if self.schedule is not None:  # autotune: the bucket size of the next step
+                cap = self.schedule.step_done()
+                if cap != self.cap_mb:
+                    self._replan(cap)
 
     def reset(self) -> None:
         """Forgets in-flight reductions and restarts the pass count."""

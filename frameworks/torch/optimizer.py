@@ -120,6 +120,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             reducer.form_groups(groups)
         else:
             reducer.form_buckets(adapter.config().bucket_cap_mb)
+            if reducer.buckets:  # autotune may re-plan them between steps (_reducer.py)
+                ps = self.process_set
+                reducer.schedule = adapter.bucket_schedule(
+                    reducer.cap_mb, ps is global_process_set or ps.process_set_id == 0,
+                    owner=reducer)
         for slot in reducer.slots:
             self._hvd_hook(slot)
 

@@ -1,7 +1,8 @@
 """SPMD script: HOROVOD_AUTOTUNE=1 with one step per sample. Each step reduces many small
 tensors at once (fused differently under each threshold the tuner tries); every result is checked,
 and at the end every rank must have applied the same parameters at the same negotiation rounds,
-and rank 0's CSV log (argv[1]) must hold Horovod's columns with the best setting last.
+and rank 0's CSV log (argv[1]) must hold Horovod's columns (plus ringvod's bucket size) with the
+best setting last.
 """
 import sys
 
@@ -44,10 +45,13 @@ if me == 0:
     with open(log_path) as f:
         lines = f.read().splitlines()
     assert lines[0] == ("hierarchical_allreduce,hierarchical_allgather,torus_allreduce,"
-                        "cache_enabled,cycle_time_ms,tensor_fusion_threshold,score"), lines[0]
+                        "cache_enabled,cycle_time_ms,tensor_fusion_threshold,score,"
+                        "bucket_cap_mb"), lines[0]
     rows = [[float(x) for x in line.split(",")] for line in lines[1:]]
-    assert all(len(r) == 7 for r in rows) and len(rows) >= 5, rows
+    assert all(len(r) == 8 for r in rows) and len(rows) >= 5, rows
     assert rows[-1][5] * 1024 * 1024 == mine[-1, 1] and rows[-1][4] == mine[-1, 2], (rows, mine)
+    # no DistributedOptimizer: the bucket size is not tuned
+    assert {r[7] for r in rows} == {25.0}, rows
 hvd.shutdown()
 print(f"rank {me}: autotune ok after {steps} steps, {len(mine)} switches, final "
       f"{mine[-1, 1:3].tolist()}", flush=True)

@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from collective.autotune import (CSV_HEADER, CYCLE_GRID_MS, THRESHOLD_GRID_MB, Autotuner, Driver,
-                                 Params, Sampler, from_config)
+from collective.autotune import (BUCKET_GRID_MB, CSV_HEADER, CYCLE_GRID_MS, THRESHOLD_GRID_MB,
+                                 Autotuner, Driver, Params, Sampler, from_config)
 from collective.config import read_env
+from collective.coordinator.tuning import BucketSchedule, Tuning
 
 MB = 1024 * 1024
 
@@ -21,13 +22,22 @@ def throughput(threshold: int, cycle_ms: float) -> float:
     return 1000.0 * math.exp(-0.3 * (t - 3) ** 2 - 0.8 * (c - math.log10(5)) ** 2)
 
 
+def throughput4(p: Params) -> float:
+    """Synthetic bytes/us over all four knobs: `throughput`, best bucket 4 MB (1 MB: -18 %),
+    the cache worth 10 %."""
+    bucket = math.exp(-0.05 * (math.log2(p.bucket_cap_mb) - 2) ** 2)
+    return (throughput(p.fusion_threshold, p.cycle_time_ms) * bucket
+            * (1.0 if p.cache_enabled else 0.9))
+
+
 def run(tuner: Autotuner, rng: np.random.Generator, noise: float,
-        limit: int = 10_000) -> int:
+        limit: int = 10_000, model=None) -> int:
     """Feeds samples (1e6 bytes each) until tuning ends; returns the samples used."""
     n = 0
     while tuner.active and n < limit:
         p = tuner.params
-        score = throughput(p.fusion_threshold, p.cycle_time_ms)
+        score = (model(p) if model is not None
+                 else throughput(p.fusion_threshold, p.cycle_time_ms))
         score *= 1 + noise * rng.standard_normal()
         tuner.add_sample(1e6, 1e6 / max(score, 1e-3) / 1e6)
         n += 1
@@ -41,7 +51,8 @@ def best_on_grid() -> float:
 @pytest.mark.parametrize("seed", range(10))
 def test_converges_to_the_best_within_the_stated_samples(seed):
     rng = np.random.default_rng(seed)
-    tuner = Autotuner(128 * MB, 1.0, warmup_samples=3, max_samples=20)
+    # The two knobs of the original search (no optimizer: no bucket stage; cache held).
+    tuner = Autotuner(128 * MB, 1.0, warmup_samples=3, max_samples=20, tune_cache=False)
     used = run(tuner, rng, noise=0.1)
     # warm-up + at most max_samples scored settings, 5 samples each
     assert used <= (3 + 20) * 5
@@ -59,7 +70,8 @@ def test_warmup_scores_are_discarded():
     for _ in range(5):
         tuner.add_sample(1e6, 1.0)
     assert tuner.evaluations == 1
-    assert tuner.scores == {(128 * MB, 1.0): [1.0]}  # 1e6 bytes per second = 1 byte/us
+    # 1e6 bytes per second = 1 byte/us
+    assert tuner.scores == {(128 * MB, 1.0, 25.0, True): [1.0]}
     assert tuner.params.fusion_threshold != 128 * MB  # moved on to the next threshold
 
 
@@ -67,7 +79,7 @@ def test_score_is_the_median_of_a_window():
     tuner = Autotuner(4 * MB, 1.0, warmup_samples=0, samples_per_eval=5)
     for bps in (1e6, 9e9, 2e6, 3e6, 0.0):  # an outlier either way does not move the median
         tuner.add_sample(bps, 1.0)
-    assert tuner.scores[(4 * MB, 1.0)] == [2.0]
+    assert tuner.scores[(4 * MB, 1.0, 25.0, True)] == [2.0]
 
 
 def test_fixed_knobs_are_not_tuned():
@@ -79,13 +91,34 @@ def test_fixed_knobs_are_not_tuned():
     run(tuner, rng, noise=0.0)
     assert {k[1] for k in tuner.scores} == {5.0}
     assert tuner.params == Params(8 * MB, 5.0, False)
-    nothing = Autotuner(4 * MB, 5.0, tune_threshold=False, tune_cycle_time=False)
+    nothing = Autotuner(4 * MB, 5.0, tune_threshold=False, tune_cycle_time=False,
+                        tune_cache=False, tune_bucket=False)
     assert not nothing.active and nothing.params == Params(4 * MB, 5.0, False)
+    # Only the cache may change: the starting values, then the cache off, then confirmations.
+    tuner = Autotuner(4 * MB, 5.0, warmup_samples=0, tune_threshold=False,
+                      tune_cycle_time=False, tune_bucket=False)
+    run(tuner, rng, noise=0.0, model=throughput4)
+    assert set(tuner.scores) == {(4 * MB, 5.0, 25.0, True), (4 * MB, 5.0, 25.0, False)}
+    assert tuner.params == Params(4 * MB, 5.0, False, 25.0, True)
+    # The bucket size is held when the optimizer's is fixed, even with an optimizer.
+    tuner = Autotuner(4 * MB, 5.0, warmup_samples=0, tune_bucket=False,
+                      buckets_ready=lambda: True)
+    run(tuner, rng, noise=0.0, model=throughput4)
+    assert {k[2] for k in tuner.scores} == {25.0}
 
 
 def test_from_config_holds_user_set_knobs_fixed(tmp_path):
     d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CYCLE_TIME": "5"}))
     assert d.tuner.tune_threshold and not d.tuner.tune_cycle_time
+    assert d.tuner.tune_cache and d.tuner.tune_bucket
+    d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CACHE_CAPACITY": "0",
+                              "HOROVOD_BUCKET_CAP_MB": "8"}))
+    assert not d.tuner.tune_cache and not d.tuner.tune_bucket
+    assert d.tuner.start.cache_enabled is False and d.tuner.start.bucket_cap_mb == 8.0
+    d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CACHE_CAPACITY": "64"}))
+    assert not d.tuner.tune_cache and d.tuner.start.cache_enabled
+    d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_ELASTIC": "1"}))
+    assert not d.tuner.tune_bucket  # a new worker would plan buckets from the configuration
     log = tmp_path / "at.csv"
     d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(log),
                               "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "7"}))
@@ -96,19 +129,34 @@ def test_from_config_holds_user_set_knobs_fixed(tmp_path):
 def test_csv_log_has_horovods_columns_and_ends_with_the_best():
     buf = io.StringIO()
     buf.close = lambda: None  # keep it readable after the tuner closes its log
-    tuner = Autotuner(128 * MB, 1.0, warmup_samples=1, max_samples=6, log=buf)
+    tuner = Autotuner(128 * MB, 1.0, warmup_samples=1, max_samples=6, log=buf,
+                      tune_cache=False)
     run(tuner, np.random.default_rng(1), noise=0.0)
     lines = buf.getvalue().splitlines()
+    # Horovod's columns, then ringvod's bucket size
     assert lines[0] == ("hierarchical_allreduce,hierarchical_allgather,torus_allreduce,"
-                        "cache_enabled,cycle_time_ms,tensor_fusion_threshold,score")
+                        "cache_enabled,cycle_time_ms,tensor_fusion_threshold,score,"
+                        "bucket_cap_mb")
     rows = [line.split(",") for line in lines[1:]]
     assert len(rows) == 6 + 1  # one per scored setting, then the best
     for r in rows:
-        assert len(r) == 7 and r[:4] == ["0", "0", "0", "1"]
+        assert len(r) == 8 and r[:4] == ["0", "0", "0", "1"] and r[7] == "25"
         float(r[4]), float(r[5]), float(r[6])
     best = max(rows[:-1], key=lambda r: float(r[6]))
     assert rows[-1] == best
     assert rows[0][4:6] == ["1", "128"]  # cycle time in ms, threshold in MB
+
+
+def test_csv_log_shows_the_cache_and_bucket_size_of_each_row():
+    buf = io.StringIO()
+    buf.close = lambda: None
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, log=buf, tune_threshold=False,
+                      tune_cycle_time=False, buckets_ready=lambda: True)
+    run(tuner, np.random.default_rng(1), noise=0.0, model=throughput4)
+    rows = [line.split(",") for line in buf.getvalue().splitlines()[1:]]
+    scored = {(r[3], r[7]) for r in rows[:-1]}
+    assert scored == {("1", "25"), ("1", "1"), ("1", "4"), ("1", "64"), ("0", "4")}, rows
+    assert rows[-1][3] == "1" and rows[-1][7] == "4"  # the best: cache on, 4 MB buckets
 
 
 def test_sampler_closes_a_sample_every_steps_per_sample_steps():
@@ -140,4 +188,239 @@ def test_driver_publishes_each_change_once():
     assert not d.pending and p == tuner.params and p.active
     while tuner.active:
         d.record(["g"], 10)
+        if d.pending and tuner.active:
+            d.publish()
     assert Params.decode(d.publish()).active is False
+
+
+def test_driver_ignores_allreduces_that_ran_before_the_broadcast():
+    tuner = Autotuner(128 * MB, 1.0, warmup_samples=0, samples_per_eval=1, max_samples=5)
+    clock = iter(range(1000))
+    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    d.record(["g"], 10)
+    d.record(["g"], 10)
+    assert d.pending and tuner.evaluations == 1
+    proposed = tuner.params
+    for _ in range(5):  # still the old parameters everywhere: not samples of the new ones
+        d.record(["g"], 10)
+    assert tuner.evaluations == 1 and tuner.params == proposed
+    assert Params.decode(d.publish()) == proposed
+    d.record(["g"], 10)
+    assert tuner.evaluations == 2
+
+
+# -- the bucket-size and cache stages -------------------------------------------------------------
+def best4() -> float:
+    return max(throughput4(Params(mb * MB, c, True, b, k)) for mb in THRESHOLD_GRID_MB
+               for c in CYCLE_GRID_MS for b in BUCKET_GRID_MB for k in (True, False))
+
+
+def test_four_knob_search_stages_within_the_default_budget():
+    tuner = Autotuner(128 * MB, 1.0, warmup_samples=0, max_samples=20,
+                      buckets_ready=lambda: True)
+    run(tuner, np.random.default_rng(0), noise=0.0, model=throughput4)
+    keys = [p.key for p, _ in tuner.history]
+    assert len(keys) == tuner.evaluations == 20
+    # 1. thresholds (the start first) at the starting cycle time, bucket size and cache
+    assert [k[0] // MB for k in keys[:9]] == [128, 0, 1, 2, 4, 8, 16, 32, 64]
+    assert {k[1:] for k in keys[:9]} == {(1.0, 25.0, True)}
+    # 2. cycle times at the best threshold, shortened to leave room for the later stages
+    assert keys[9:13] == [(8 * MB, c, 25.0, True) for c in (2.5, 5.0, 10.0, 25.0)]
+    # 3. bucket sizes at the best threshold and cycle time
+    assert keys[13:16] == [(8 * MB, 5.0, b, True) for b in (1.0, 4.0, 64.0)]
+    # 4. the cache off at the best so far
+    assert keys[16] == (8 * MB, 5.0, 4.0, False)
+    # 5. the best three again
+    assert keys[17] == (8 * MB, 5.0, 4.0, True)
+    assert tuner.params == Params(8 * MB, 5.0, False, 4.0, True)
+    assert throughput4(tuner.params) == best4()
+
+
+def test_four_knob_search_under_noise():
+    ratios = []
+    for seed in range(50):
+        tuner = Autotuner(128 * MB, 1.0, warmup_samples=3, max_samples=20,
+                          buckets_ready=lambda: True)
+        used = run(tuner, np.random.default_rng(seed), noise=0.05, model=throughput4)
+        assert used <= (3 + 20) * 5 and not tuner.active
+        ratios.append(throughput4(tuner.params) / best4())
+    assert min(ratios) >= 0.9 and float(np.median(ratios)) == 1.0, sorted(ratios)[:5]
+
+
+def test_bucket_stage_needs_an_optimizer_when_it_begins():
+    asked = []
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, tune_threshold=False,
+                      tune_cycle_time=False, buckets_ready=lambda: asked.append(1) or False)
+    run(tuner, np.random.default_rng(0), noise=0.0, model=throughput4)
+    assert asked and {k[2] for k in tuner.scores} == {25.0}
+    assert tuner.params == Params(8 * MB, 5.0, False, 25.0, True)
+    # An optimizer that appears during the threshold stage is tuned.
+    ready = [False]
+    tuner = Autotuner(128 * MB, 5.0, warmup_samples=0, tune_cycle_time=False,
+                      buckets_ready=lambda: ready[0])
+    while tuner.evaluations < 3:
+        tuner.add_sample(1e6, 1.0)
+    ready[0] = True
+    run(tuner, np.random.default_rng(0), noise=0.0, model=throughput4)
+    assert {k[2] for k in tuner.scores} == {1.0, 4.0, 25.0, 64.0}
+
+
+def test_cache_off_wins_when_it_scores_higher():
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, tune_threshold=False,
+                      tune_cycle_time=False, tune_bucket=False)
+    run(tuner, np.random.default_rng(0), noise=0.0,
+        model=lambda p: 100.0 if p.cache_enabled else 150.0)
+    assert tuner.params == Params(8 * MB, 5.0, False, 25.0, False)
+
+
+def test_params_wire_carries_every_knob_and_the_bucket_step():
+    p = Params(3 * MB, 2.5, True, 4.0, False, bucket_from_step=17)
+    q = Params.decode(p.encode())
+    assert q == p and q.bucket_from_step == 17 and q.key == (3 * MB, 2.5, 4.0, False)
+    assert Params(1, 1.0, bucket_from_step=5) == Params(1, 1.0)  # not part of the identity
+
+
+def test_driver_announces_a_bucket_size_two_steps_ahead_and_waits_for_it():
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1,
+                      tune_threshold=False, tune_cycle_time=False, tune_cache=False,
+                      buckets_ready=lambda: True)
+    clock = iter(range(10_000))
+    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    steps = [7]
+    d.optimizer_steps = lambda: steps[0]
+    d.record(["b"], 10)  # clock start
+    d.record(["b"], 10)  # scores 25 MB, moves to the first bucket size of the grid
+    assert d.pending and tuner.params.bucket_cap_mb == 1.0
+    p = Params.decode(d.publish())
+    assert p.bucket_cap_mb == 1.0 and p.bucket_from_step == 7 + 2
+    # Samples are discarded until this rank's optimizer has passed step 9.
+    for s in (7, 8, 8):
+        steps[0] = s
+        for _ in range(3):
+            d.record(["b"], 10)
+    assert tuner.evaluations == 1 and not d.pending
+    steps[0] = 9
+    d.record(["b"], 10)  # settled: the next sample starts here
+    assert tuner.evaluations == 1
+    d.record(["b"], 10)
+    assert tuner.evaluations == 2 and d.pending
+    p = Params.decode(d.publish())
+    assert p.bucket_cap_mb == 4.0 and p.bucket_from_step == 9 + 2
+    # A change of another knob carries no bucket step.
+    tuner.params = Params(4 * MB, 5.0, True, 4.0, True)
+    assert Params.decode(d.publish()).bucket_from_step == 0
+
+
+def test_bucket_schedule_applies_each_announcement_from_its_step():
+    tuning = Tuning(read_env({"HOROVOD_AUTOTUNE": "1"}))
+    sched = tuning.register_buckets(25.0, global_set=True)
+    assert isinstance(sched, BucketSchedule)
+    assert [sched.step_done() for _ in range(3)] == [25.0] * 3 and sched.steps == 3
+    tuning.bucket_plan += [(5, 1.0), (7, 4.0), (7, 64.0), (9, 25.0)]
+    assert [sched.cap_at(k) for k in range(3, 11)] == [25.0, 25.0, 1.0, 1.0, 64.0, 64.0,
+                                                       25.0, 25.0]
+    assert [sched.step_done() for _ in range(4)] == [25.0, 1.0, 1.0, 64.0]
+
+
+def test_register_buckets_only_for_one_bucketed_optimizer_of_the_global_set():
+    assert Tuning(read_env({})).register_buckets(25.0, True) is None  # autotune off
+    on = {"HOROVOD_AUTOTUNE": "1"}
+    assert Tuning(read_env({**on, "HOROVOD_ELASTIC": "1"})).register_buckets(25.0, True) is None
+    tuning = Tuning(read_env(on))
+    assert tuning.register_buckets(0.0, True) is None  # per-gradient mode
+    assert tuning.register_buckets(25.0, False) is None  # another process set
+    tuning.start(rank=0)
+    assert tuning.driver is not None and not tuning.buckets_ready()
+    first = tuning.register_buckets(25.0, True)
+    assert first is not None and tuning.buckets_ready()
+    first.step_done()
+    assert tuning.driver.optimizer_steps() == 1
+    # A second bucketed optimizer: bucket sizes are held from now on.
+    assert tuning.register_buckets(25.0, True) is None
+    assert not tuning.buckets_ready() and tuning.driver.settle is False
+
+
+def test_driver_ends_the_bucket_stage_when_the_optimizer_goes_away_mid_switch():
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1,
+                      tune_threshold=False, tune_cycle_time=False,
+                      buckets_ready=lambda: True)
+    clock = iter(range(10_000))
+    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    steps: list[int | None] = [7]
+    d.optimizer_steps = lambda: steps[0]
+    d.record(["b"], 10)
+    d.record(["b"], 10)  # scores 25 MB, moves to 1 MB
+    assert Params.decode(d.publish()).bucket_from_step == 9
+    for _ in range(3):
+        d.record(["b"], 10)  # waiting for step 9
+    assert tuner.evaluations == 1 and not d.pending
+    steps[0] = None  # the optimizer is garbage-collected before step 9
+    d.record(["b"], 10)
+    # 1 MB was never measured: the bucket stage ends, the cache stage starts at the best so far
+    assert d.pending and tuner.params == Params(8 * MB, 5.0, True, 25.0, False)
+    p = Params.decode(d.publish())
+    assert p.bucket_from_step == 0 and not p.cache_enabled
+    for _ in range(20):
+        d.record(["b"], 10)
+        if d.pending:
+            p = Params.decode(d.publish())
+            assert p.bucket_from_step == 0  # no bucket size is announced again
+    assert not tuner.active and {k[2] for k in tuner.scores} == {25.0}
+
+
+def test_optimizer_gone_between_samples_of_the_bucket_stage_and_before_it():
+    # Gone while a bucket size is measured (its switch had taken effect): the sample in
+    # progress is discarded, and the confirm stage may still go back to another bucket size
+    # without announcing it.
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1,
+                      tune_threshold=False, tune_cycle_time=False, tune_cache=False,
+                      buckets_ready=lambda: True)
+    clock = iter(range(10_000))
+    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    steps: list[int | None] = [3]
+    d.optimizer_steps = lambda: steps[0]
+    d.record(["b"], 10)
+    d.record(["b"], 10)
+    d.publish()
+    steps[0] = 5
+    d.record(["b"], 10)  # settled
+    d.record(["b"], 10)  # scores 1 MB, moves to 4 MB
+    assert tuner.evaluations == 2 and d.pending
+    d.publish()
+    steps[0] = 7
+    d.record(["b"], 10)  # settled at 4 MB
+    steps[0] = None
+    d.record(["b"], 10)  # this sample closes without the optimizer: not scored
+    assert tuner.evaluations == 2 and not tuner.tune_bucket
+    while tuner.active:
+        if d.pending:
+            assert Params.decode(d.publish()).bucket_from_step == 0
+        d.record(["b"], 10)
+    assert {k[2] for k in tuner.scores} == {25.0, 1.0}
+    # Gone before the bucket stage began: the stage is skipped.
+    tuner = Autotuner(128 * MB, 5.0, warmup_samples=0, tune_cycle_time=False,
+                      buckets_ready=lambda: True)
+    assert tuner.drop_buckets() is False
+    run(tuner, np.random.default_rng(0), noise=0.0, model=throughput4)
+    assert {k[2] for k in tuner.scores} == {25.0}
+
+
+def test_bucket_schedule_closes_when_its_owner_is_collected():
+    import gc
+
+    class Owner:
+        pass
+
+    tuning = Tuning(read_env({"HOROVOD_AUTOTUNE": "1"}))
+    tuning.start(rank=0)
+    owner = Owner()
+    sched = tuning.register_buckets(25.0, True, owner=owner)
+    assert sched is not None and tuning.buckets_ready()
+    sched.step_done()
+    assert tuning.driver.optimizer_steps() == 1
+    del owner
+    gc.collect()
+    assert sched.closed and not tuning.buckets_ready()
+    assert tuning.driver.optimizer_steps() is None
+    # No later optimizer is tuned (on every rank alike, however the collector ran).
+    assert tuning.register_buckets(25.0, True, owner=Owner()) is None
