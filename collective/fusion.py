@@ -11,14 +11,14 @@ never fuse; JOIN, BARRIER and ERROR also stop the look-ahead.
 
 One rule of ringvod's own: a device allreduce of `ALONE_BYTES` or more is never fused. It
 reaches NCCL's full bandwidth on its own, in place, whereas in a fusion buffer it costs two
-extra copies of its bytes (`benchmarks/gpu_allreduce.py`: large ops in flight ran a quarter
-slower fused than alone). Host buffers fuse as before.
+extra copies of its bytes (`benchmarks/gpu_allreduce.py`: large ops in flight ran about a fifth
+to a quarter slower fused than alone). Host buffers fuse as before.
 """
 from __future__ import annotations
 
 import re
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 from .types import Response, ResponseType
 
@@ -27,12 +27,13 @@ __all__ = ["plan_fusion", "response_bytes"]
 _REDUCTIONS = (ResponseType.ALLREDUCE, ResponseType.ADASUM, ResponseType.REDUCESCATTER)
 # A device allreduce this large runs alone (see the module docstring); 0 = fuse everything.
 ALONE_BYTES = 8 * 1024 * 1024
+_BARRIERS = (ResponseType.JOIN, ResponseType.BARRIER, ResponseType.ERROR)
 
 
 def _alone(r: Response, nbytes: int) -> bool:
+    """A device allreduce of `ALONE_BYTES` or more: planned on its own, never fused."""
     return (r.type == ResponseType.ALLREDUCE and r.device >= 0 and ALONE_BYTES > 0
             and nbytes >= ALONE_BYTES)
-_BARRIERS = (ResponseType.JOIN, ResponseType.BARRIER, ResponseType.ERROR)
 
 
 def _pad(n: int, align: int) -> int:
