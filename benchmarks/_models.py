@@ -51,6 +51,8 @@ __all__ = [
     "make_steps",
     "memory_line",
     "phases",
+    "plot_trace",
+    "profile_step",
     "reset_peak",
     "ringvod_memory",
     "synchronizer",
@@ -136,8 +138,8 @@ def build(name: str, device: Any, batch: int, seq: int = 128, layers: int = 12,
 
 # -- the run -------------------------------------------------------------------------------------
 def add_args(p: argparse.ArgumentParser) -> None:
-    """The options of both scripts: the workload, the timed windows, `--amp`, `--phases` and
-    `--compression`."""
+    """The options of both scripts: the workload, the timed windows, `--amp`, `--phases`,
+    `--compression` and `--profile`."""
     p.add_argument("--model", default="resnet50", choices=MODELS)
     p.add_argument("--batch", type=int, default=0,
                    help="per process (default: 64 for resnet50, 32 for transformer)")
@@ -151,6 +153,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--phases", action="store_true", help="print host time per step phase")
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
+    p.add_argument("--profile", default="", help="directory for a one-step timeline (rank 0)")
+    p.add_argument("--profile-name", default="timeline_step",
+                   help="file stem of the timeline: DIR/NAME.json and DIR/NAME.png")
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -234,6 +239,76 @@ def phases(step_parts: Callable[[], tuple], amp: bool, sync: Callable[[], None],
 
 # -- memory -------------------------------------------------------------------------------------
 _MIB = 1024.0 * 1024.0
+
+
+def plot_trace(trace_path: str, png: str, title: str) -> None:
+    """Draws a profiled step's GPU kernels per stream (NCCL in red) from its Chrome trace and
+    prints a `TRACE stream ...` line per stream: kernels, busy time, NCCL time, first/last."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        raise ValueError("no kernels in the trace")
+
+    def stream(e: dict) -> Any:
+        return e.get("args", {}).get("stream", e.get("tid"))
+
+    t0 = min(e["ts"] for e in kernels)
+    span = (max(e["ts"] + e["dur"] for e in kernels) - t0) / 1000.0
+    streams = sorted({stream(e) for e in kernels}, key=str)
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.6 * len(streams)))
+    for i, s in enumerate(streams):
+        mine = [e for e in kernels if stream(e) == s]
+        nc = [e for e in mine if "nccl" in e.get("name", "").lower()]
+        for color, sel in (("tab:blue", [e for e in mine if e not in nc]), ("tab:red", nc)):
+            if sel:
+                ax.broken_barh([((e["ts"] - t0) / 1000.0, e["dur"] / 1000.0) for e in sel],
+                               (i - 0.4, 0.8), facecolors=color)
+        print(f"TRACE stream {s}: {len(mine)} kernels, busy {sum(e['dur'] for e in mine) / 1e3:.1f}"
+              f" of {span:.1f} ms, nccl {len(nc)} ({sum(e['dur'] for e in nc) / 1e3:.1f} ms), "
+              f"first {(min(e['ts'] for e in mine) - t0) / 1e3:.1f} last "
+              f"{(max(e['ts'] + e['dur'] for e in mine) - t0) / 1e3:.1f} ms", flush=True)
+    ax.set_yticks(range(len(streams)))
+    ax.set_yticklabels([f"stream {s}" for s in streams])
+    ax.set_xlabel("ms (blue: compute and copies, red: NCCL)")
+    ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def profile_step(step: Callable[[], None], sync: Callable[[], None], device: torch.device,
+                 a: argparse.Namespace, show: bool, title: str) -> None:
+    """`--profile DIR`: two more steps, then one step under torch.profiler; on the rank that
+    shows, `DIR/NAME.json` (Chrome trace) and `DIR/NAME.png` (`plot_trace`), then `PROFILE
+    path`. Every rank profiles, so the step is the same collective on all."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        step()
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        sync()
+    if not show:
+        return
+    import os
+    os.makedirs(a.profile, exist_ok=True)
+    trace = os.path.join(a.profile, a.profile_name + ".json")
+    prof.export_chrome_trace(trace)
+    try:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+        plot_trace(trace, os.path.join(a.profile, a.profile_name + ".png"),
+                   f"{title}, {name}, amp={a.amp}, batch {a.batch}")
+    except Exception as exc:  # noqa: BLE001 - the trace is still there
+        print(f"timeline plot failed: {exc}")
+    print(f"PROFILE {trace}", flush=True)
 
 
 def _mib(nbytes: Any) -> str:

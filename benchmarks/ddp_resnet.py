@@ -9,7 +9,8 @@ decide) and a `MEMORY` line (torch allocator peak after warm-up, device used mem
 Launch: `torchrun --standalone --nproc-per-node 2 benchmarks/ddp_resnet.py [--model
 transformer] [--amp]`. Prints `MODEL ...`, `RESULT impl=DDP world=.. amp=.. compression=..
 img_per_sec_total=.. model=.. unit=..` (the number is in `unit`: img/s or samples/s) and
-`MEMORY impl=DDP ...`. `--device cpu` runs it on CPU with gloo (a smoke test).
+`MEMORY impl=DDP ...`. `--profile DIR` records one step with torch.profiler (as
+`gpu_resnet.py`). `--device cpu` runs it on CPU with gloo (a smoke test).
 """
 import argparse
 import os
@@ -76,6 +77,9 @@ def main():
                                   used_max), flush=True)
     if a.phases:
         _models.phases(step_parts, a.amp, sync, rank == 0, "DDP")
+    if a.profile:
+        _models.profile_step(step, sync, device, a, rank == 0,
+                             f"one {a.model} step, DDP, {world} GPUs")
     if world > 1:
         dist.destroy_process_group()
 

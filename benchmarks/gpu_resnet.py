@@ -24,7 +24,6 @@ engine's fusion buffer, the gradient buckets; see `_models.ringvod_memory`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -43,51 +42,9 @@ import torch
 import frameworks.torch as hvd
 
 
-def plot_trace(trace_path: str, png: str, title: str) -> str:
-    """Draws the profiled step's GPU kernels per stream (NCCL in red) from a Chrome trace."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    if not kernels:
-        raise ValueError("no kernels in the trace")
-    t0 = min(e["ts"] for e in kernels)
-    streams = sorted({e.get("args", {}).get("stream", e.get("tid")) for e in kernels},
-                     key=lambda s: str(s))
-    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.6 * len(streams)))
-    for i, s in enumerate(streams):
-        mine = [e for e in kernels if e.get("args", {}).get("stream", e.get("tid")) == s]
-        for color, pick in (("tab:blue", lambda n: "nccl" not in n.lower()),
-                            ("tab:red", lambda n: "nccl" in n.lower())):
-            bars = [((e["ts"] - t0) / 1000.0, e["dur"] / 1000.0) for e in mine
-                    if pick(e.get("name", ""))]
-            if bars:
-                ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=color)
-    span = (max(e["ts"] + e["dur"] for e in kernels) - t0) / 1000.0
-    for s in streams:
-        mine = [e for e in kernels if e.get("args", {}).get("stream", e.get("tid")) == s]
-        nc = [e for e in mine if "nccl" in e.get("name", "").lower()]
-        print(f"TRACE stream {s}: {len(mine)} kernels, busy {sum(e['dur'] for e in mine) / 1e3:.1f}"
-              f" of {span:.1f} ms, nccl {len(nc)} ({sum(e['dur'] for e in nc) / 1e3:.1f} ms), "
-              f"first {(min(e['ts'] for e in mine) - t0) / 1e3:.1f} last "
-              f"{(max(e['ts'] + e['dur'] for e in mine) - t0) / 1e3:.1f} ms", flush=True)
-    ax.set_yticks(range(len(streams)))
-    ax.set_yticklabels([f"stream {s}" for s in streams])
-    ax.set_xlabel("ms (blue: compute and copies, red: NCCL)")
-    ax.set_title(title)
-    ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     _models.add_args(p)
-    p.add_argument("--profile", default="", help="directory for a one-step timeline")
     p.add_argument("--tag", default="", help="label printed with the result")
     p.add_argument("--groups", type=int, default=0, help="DistributedOptimizer(groups=N)")
     p.add_argument("--switch-interval", type=float, default=0.0,
@@ -138,26 +95,8 @@ def main() -> int:
     if a.phases:
         _models.phases(step_parts, a.amp, sync, rank == 0, "ringvod" + a.tag)
     if a.profile:
-        from torch.profiler import ProfilerActivity, profile
-        for _ in range(2):
-            step()
-        sync()
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts) as prof:
-            step()
-            sync()
-        if rank == 0:
-            os.makedirs(a.profile, exist_ok=True)
-            trace = os.path.join(a.profile, "timeline_step.json")
-            prof.export_chrome_trace(trace)
-            try:
-                name = torch.cuda.get_device_name() if cuda else "CPU"
-                plot_trace(trace, os.path.join(a.profile, "timeline_step.png"),
-                           f"one {a.model} step, ringvod, {world}x {name}"
-                           f", amp={a.amp}, batch {a.batch}")
-            except Exception as exc:  # noqa: BLE001 - the trace is still there
-                print(f"timeline plot failed: {exc}")
-            print(f"PROFILE {trace}", flush=True)
+        _models.profile_step(step, sync, device, a, rank == 0,
+                             f"one {a.model} step, ringvod, {world} GPUs")
     hvd.shutdown()
     return 0
 

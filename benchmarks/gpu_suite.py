@@ -8,7 +8,7 @@ installed from carried wheels) and then runs one of these parts::
                                            [--one-gpu] [--iters 90] [--model transformer]
     python3 benchmarks/gpu_suite.py phases [--gpus 2] [--configs fp32] [--cycles 1,2.5,10]
                                            [--rounds 1] [--model resnet50]
-    python3 benchmarks/gpu_suite.py timeline
+    python3 benchmarks/gpu_suite.py timeline [--gpus 2] [--configs fp32] [--one-gpu]
 
 * `sweep`: float32 allreduce 1 KiB – 1 GiB at N GPUs (`gpu_allreduce.py` under
   `mpirun -np N`): ringvod vs raw CuPy NCCL vs torch.distributed in the same processes, then a
@@ -30,8 +30,10 @@ installed from carried wheels) and then runs one of these parts::
   mode at each `--cycles` cycle time (`HOROVOD_CYCLE_TIME`), each run with `--phases` (host
   time of forward, backward and step, and the GPU's tail after step, median of 20 steps); the
   variants alternate direction per round; `phases_<model>.json`.
-* `timeline`: one profiled ringvod training step at 2 GPUs (`timeline_step.png` and the Chrome
-  trace `timeline_step.json.gz`).
+* `timeline`: one profiled training step per configuration, ringvod and DDP at N GPUs (with
+  `--one-gpu` ringvod at 1 GPU too), each run also timed with its host time per step phase:
+  `timeline_<model>_<config>_<impl>_<N>gpu.png` (kernels per stream, NCCL in red) and the
+  Chrome trace `.json.gz`.
 
 Results go to $OUT (default ./out) with `suite.log` (every command and its output). Each step
 has a timeout and the whole part a budget (`--budget`), so a device call ends in time.
@@ -179,7 +181,7 @@ def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "r
               ) -> tuple[float | None, dict]:
     """One training run of `impl` (ringvod or DDP) at `n` GPUs: (samples/s or None, the MEMORY
     line's fields, plus `phases` (forward, backward, step, GPU tail in ms) when the script
-    printed a PHASES line). `extra`: more arguments for the script (later ones win);
+    printed a PHASES line, and `trace`, its TRACE lines, when it profiled). `extra`: more arguments for the script (later ones win);
     `env_extra`: more environment for ringvod's ranks (e.g. HOROVOD_CYCLE_TIME)."""
     amp, comp, pg = config_of(cfg)
     flags = ["--model", model, "--iters", str(iters), "--warmup", "15", "--repeats", "3",
@@ -209,6 +211,9 @@ def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "r
     ph = _PHASES.findall(out)
     if ph:
         mem["phases"] = [float(x) for x in ph[-1]]
+    trace = [ln for ln in out.splitlines() if ln.startswith("TRACE")]
+    if trace:
+        mem["trace"] = trace
     return v, mem
 
 
@@ -306,19 +311,30 @@ def memory_table(s: Suite, rows: list[dict], configs: list[str]) -> None:
 
 
 # -- one profiled step -------------------------------------------------------------------------
-def timeline(s: Suite) -> None:
-    s.say("== one profiled ringvod step (fp32, 2 GPUs)")
-    out = s.run(s.mpi(2, [os.path.join(HERE, "gpu_resnet.py"), "--iters", "10", "--warmup",
-                          "10", "--profile", s.out]), 150)
-    trace = os.path.join(s.out, "timeline_step.json")
-    if os.path.exists(trace):
-        with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
-            shutil.copyfileobj(f, g)
-        os.remove(trace)
-        s.say("\n".join(ln for ln in out.splitlines() if ln.startswith("TRACE")))
-        s.say("timeline: timeline_step.png, timeline_step.json.gz (chrome://tracing)")
-    else:
-        s.say("timeline: no trace written\n" + "\n".join(out.splitlines()[-10:]))
+def timeline(s: Suite, n: int, configs: list[str], model: str = "resnet50",
+             one_gpu: bool = False, extra: list[str] | None = None) -> None:
+    """One profiled training step per configuration: ringvod and DDP at `n` GPUs (and ringvod
+    at 1 GPU with `one_gpu`), each run also timed (`--iters 30`) with its host time per step
+    phase. Writes `timeline_<model>_<config>_<impl>_<n>gpu.png` and `.json.gz` (Chrome trace)
+    and prints each run's `TRACE` lines (kernels and busy time per stream)."""
+    runs = [(cfg, impl, k) for cfg in configs for impl, k in
+            ([("ringvod", 1)] if one_gpu else []) + [("ringvod", n), ("DDP", n)]]
+    for cfg, impl, k in runs:
+        name = f"timeline_{model}_{cfg.replace('+', '_')}_{impl}_{k}gpu"
+        s.say(f"== one profiled {model} {cfg} step, {impl}, {k} GPU(s)")
+        v, mem = train_run(s, k, impl, cfg, 30, model,
+                           list(extra or []) + ["--phases", "--profile", s.out,
+                                                "--profile-name", name])
+        trace = os.path.join(s.out, name + ".json")
+        if os.path.exists(trace):
+            with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+            os.remove(trace)
+        lines = mem.get("trace", [])
+        ph = mem.get("phases")
+        s.say(f"{name}: {v or 0:.0f} {MODELS[model][1]}, host ms forward/backward/step/GPU "
+              f"tail {'/'.join(f'{x:.1f}' for x in ph) if ph else '-'}; "
+              f"{name}.png, {name}.json.gz" + "".join("\n  " + ln for ln in lines))
 
 
 # -- where the step goes ------------------------------------------------------------------------
@@ -366,14 +382,14 @@ def main() -> int:
     p.add_argument("--gpus", type=int, default=2, help="GPUs for the sweep / ResNet-50")
     p.add_argument("--quick", action="store_true", help="sweep: up to 256 MiB, fewer iterations")
     p.add_argument("--configs", default="fp32,bf16",
-                   help=f"resnet, phases: comma list of {', '.join(CONFIGS)}, each optionally with "
+                   help=f"resnet, phases, timeline: comma list of {', '.join(CONFIGS)}, each optionally with "
                    f"{PG} (ringvod in per-gradient mode)")
     p.add_argument("--model", default="resnet50", choices=list(MODELS),
-                   help="resnet, phases: the model to train")
+                   help="resnet, phases, timeline: the model to train")
     p.add_argument("--rounds", type=int, default=2, help="resnet, phases: alternating rounds")
-    p.add_argument("--one-gpu", action="store_true", help="resnet: 1-GPU runs too (scaling)")
+    p.add_argument("--one-gpu", action="store_true", help="resnet, timeline: 1-GPU runs too (scaling)")
     p.add_argument("--iters", type=int, default=90, help="resnet, phases: timed steps (3 windows)")
-    p.add_argument("--script-args", default="", help="resnet, phases: more arguments for both "
+    p.add_argument("--script-args", default="", help="resnet, phases, timeline: more arguments for both "
                    "scripts, "
                    "e.g. '--device cpu --batch 2 --seq 16 --layers 1 --warmup 1' (a smoke test)")
     p.add_argument("--cycles", default="1,2.5,10",
@@ -391,7 +407,7 @@ def main() -> int:
     if a.part == "sweep":
         sweep(s, a.gpus, a.quick)
     elif a.part == "timeline":
-        timeline(s)
+        timeline(s, a.gpus, configs, a.model, a.one_gpu, shlex.split(a.script_args))
     elif a.part == "phases":
         cycles = [float(c) for c in a.cycles.split(",") if c]
         s.say(f"== {a.model}: where the step goes, {a.gpus} GPUs, cycle times {cycles} ms")
