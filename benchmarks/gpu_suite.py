@@ -181,8 +181,8 @@ def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "r
               ) -> tuple[float | None, dict]:
     """One training run of `impl` (ringvod or DDP) at `n` GPUs: (samples/s or None, the MEMORY
     line's fields, plus `phases` (forward, backward, step, GPU tail in ms) when the script
-    printed a PHASES line, and `trace`, its TRACE lines, when it profiled). `extra`: more arguments for the script (later ones win);
-    `env_extra`: more environment for ringvod's ranks (e.g. HOROVOD_CYCLE_TIME)."""
+    printed a PHASES line, and `trace`, its TRACE lines, when it profiled). `extra`: more
+    arguments for the script (later ones win); `env_extra`: more environment for ringvod's ranks (e.g. HOROVOD_CYCLE_TIME)."""
     amp, comp, pg = config_of(cfg)
     flags = ["--model", model, "--iters", str(iters), "--warmup", "15", "--repeats", "3",
              "--compression", comp] + (["--amp"] if amp else []) + list(extra or [])
