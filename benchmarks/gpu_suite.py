@@ -182,7 +182,8 @@ def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "r
     """One training run of `impl` (ringvod or DDP) at `n` GPUs: (samples/s or None, the MEMORY
     line's fields, plus `phases` (forward, backward, step, GPU tail in ms) when the script
     printed a PHASES line, and `trace`, its TRACE lines, when it profiled). `extra`: more
-    arguments for the script (later ones win); `env_extra`: more environment for ringvod's ranks (e.g. HOROVOD_CYCLE_TIME)."""
+    arguments for the script (later ones win); `env_extra`: more environment for ringvod's
+    ranks (e.g. HOROVOD_CYCLE_TIME)."""
     amp, comp, pg = config_of(cfg)
     flags = ["--model", model, "--iters", str(iters), "--warmup", "15", "--repeats", "3",
              "--compression", comp] + (["--amp"] if amp else []) + list(extra or [])
@@ -382,16 +383,16 @@ def main() -> int:
     p.add_argument("--gpus", type=int, default=2, help="GPUs for the sweep / ResNet-50")
     p.add_argument("--quick", action="store_true", help="sweep: up to 256 MiB, fewer iterations")
     p.add_argument("--configs", default="fp32,bf16",
-                   help=f"resnet, phases, timeline: comma list of {', '.join(CONFIGS)}, each optionally with "
-                   f"{PG} (ringvod in per-gradient mode)")
+                   help=f"resnet, phases, timeline: comma list of {', '.join(CONFIGS)}, each "
+                   f"optionally with {PG} (ringvod in per-gradient mode)")
     p.add_argument("--model", default="resnet50", choices=list(MODELS),
                    help="resnet, phases, timeline: the model to train")
     p.add_argument("--rounds", type=int, default=2, help="resnet, phases: alternating rounds")
-    p.add_argument("--one-gpu", action="store_true", help="resnet, timeline: 1-GPU runs too (scaling)")
+    p.add_argument("--one-gpu", action="store_true",
+                   help="resnet, timeline: 1-GPU runs too (scaling)")
     p.add_argument("--iters", type=int, default=90, help="resnet, phases: timed steps (3 windows)")
-    p.add_argument("--script-args", default="", help="resnet, phases, timeline: more arguments for both "
-                   "scripts, "
-                   "e.g. '--device cpu --batch 2 --seq 16 --layers 1 --warmup 1' (a smoke test)")
+    p.add_argument("--script-args", default="",
+                   help="resnet, phases, timeline: more arguments for both scripts, e.g. '--device cpu --batch 2 --seq 16 --layers 1 --warmup 1' (a smoke test)")
     p.add_argument("--cycles", default="1,2.5,10",
                    help="phases: cycle times (ms) for ringvod's per-gradient runs")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole part")
