@@ -392,7 +392,8 @@ def main() -> int:
                    help="resnet, timeline: 1-GPU runs too (scaling)")
     p.add_argument("--iters", type=int, default=90, help="resnet, phases: timed steps (3 windows)")
     p.add_argument("--script-args", default="",
-                   help="resnet, phases, timeline: more arguments for both scripts, e.g. '--device cpu --batch 2 --seq 16 --layers 1 --warmup 1' (a smoke test)")
+                   help="resnet, phases, timeline: more arguments for both scripts, e.g. "
+                   "'--device cpu --batch 2 --seq 16 --layers 1 --warmup 1' (a smoke test)")
     p.add_argument("--cycles", default="1,2.5,10",
                    help="phases: cycle times (ms) for ringvod's per-gradient runs")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole part")
