@@ -35,3 +35,53 @@ def test_config_labels():
     assert gpu_suite.config_of("fp32+fp16") == (False, "fp16", False)
     with pytest.raises(KeyError):
         gpu_suite.config_of("fp8")
+
+
+def test_timeline_part_runs_each_implementation_and_keeps_its_trace(tmp_path, monkeypatch,
+                                                                     capsys):
+    """`timeline` profiles ringvod (at 1 and N GPUs) and DDP, compresses each Chrome trace and
+    reports each run's throughput, phases and TRACE lines."""
+    s = gpu_suite.Suite(str(tmp_path), 60.0)
+    ran = []
+
+    def fake_run(cmd, timeout, env=None):
+        ran.append(cmd)
+        name = cmd[cmd.index("--profile-name") + 1]
+        (tmp_path / f"{name}.json").write_text('{"traceEvents": []}')
+        impl = "DDP" if "ddp_resnet.py" in " ".join(cmd) else "ringvod"
+        return (f"RESULT impl={impl} world=2 amp=True compression=none batch=64 "
+                "img_per_sec_total=1000.0 windows=1000 model=resnet50 unit=img/s\n"
+                "PHASES ringvod amp=True: forward 10.0 ms, backward 20.0 ms, step 3.0 ms, "
+                "gpu tail 4.5 ms\n"
+                "TRACE stream 7: 900 kernels, busy 17.5 of 40.1 ms, nccl 0 (0.0 ms), "
+                "first 0.0 last 40.1 ms\n")
+
+    monkeypatch.setattr(s, "run", fake_run)
+    gpu_suite.timeline(s, 2, ["bf16"], one_gpu=True)
+    out = capsys.readouterr().out
+    assert len(ran) == 3
+    assert "gpu_resnet.py" in " ".join(ran[0]) and "-np" not in ran[0]  # 1 GPU: one process
+    assert "ddp_resnet.py" in " ".join(ran[2])
+    for name in ("ringvod_1gpu", "ringvod_2gpu", "DDP_2gpu"):
+        stem = f"timeline_resnet50_bf16_{name}"
+        assert (tmp_path / f"{stem}.json.gz").exists()
+        assert not (tmp_path / f"{stem}.json").exists()
+        assert f"{stem}: 1000 img/s, host ms forward/backward/step/GPU tail 10.0/20.0/3.0/4.5" \
+            in out
+    assert out.count("TRACE stream 7") == 3
+
+
+def test_plot_trace_draws_kernels_per_stream(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "t.json"
+    trace.write_text('{"traceEvents": ['
+                     '{"cat": "kernel", "name": "gemm", "ts": 0, "dur": 1000,'
+                     ' "args": {"stream": 7}},'
+                     '{"cat": "kernel", "name": "ncclDevKernel_AllReduce", "ts": 500,'
+                     ' "dur": 2000, "args": {"stream": 16}},'
+                     '{"cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 5}]}')
+    _models.plot_trace(str(trace), str(tmp_path / "t.png"), "one step")
+    out = capsys.readouterr().out
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert "TRACE stream 16: 1 kernels, busy 2.0 of 2.5 ms, nccl 1 (2.0 ms)" in out
+    assert "TRACE stream 7: 1 kernels, busy 1.0 of 2.5 ms, nccl 0 (0.0 ms)" in out
