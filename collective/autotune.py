@@ -266,6 +266,11 @@ class Autotuner:
                                 key[2], "on" if key[3] else "off", score)
         if self._queue and self._queue[0] == key:
             self._queue.pop(0)
+        return self._advance()
+
+    def _advance(self) -> bool:
+        """Moves to the next set to score (through later stages while one has none left), or
+        ends the search. True when `params` changed."""
         while (not self._queue and self._stage < self._LAST_STAGE
                and self.evaluations < self.max_samples):
             self._queue = self._next_stage()
@@ -285,15 +290,7 @@ class Autotuner:
             return False  # before the stage: it will be skipped; after it: nothing to do
         self._window = []
         self._queue = []
-        while (not self._queue and self._stage < self._LAST_STAGE
-               and self.evaluations < self.max_samples):
-            self._queue = self._next_stage()
-        if not self._queue or self.evaluations >= self.max_samples:
-            return self._finish()
-        nxt = Params.of(self._queue[0])
-        changed = nxt != self.params
-        self.params = nxt
-        return changed
+        return self._advance()
 
     def _finish(self) -> bool:
         best = self._best()
