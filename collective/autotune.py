@@ -377,6 +377,12 @@ class Driver:
         if self.tuner.add_sample(*sample):
             self.pending = True
 
+    def hold_buckets(self) -> None:
+        """A rank has joined (collective/coordinator/tuning.py: `Tuning.on_join`): bucket sizes
+        are held from now on, as when the tuned optimizer is gone."""
+        if self.optimizer_steps is not None or self._settle_until:
+            self._optimizer_gone(self.clock())
+
     def _optimizer_gone(self, now: float) -> None:
         """The optimizer whose buckets are tuned was dropped: no bucket size is announced from
         now on and the tuner ends its bucket stage."""

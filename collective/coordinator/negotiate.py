@@ -154,6 +154,8 @@ class Negotiator:
             payload = encode_responses(fused, any_shutdown, join_flag)
         fused, shutdown, join_active = decode_responses(ps.control.bcast(payload))
         ps.join_active = join_active
+        if join_active and ps.id == 0:
+            self.tuning.on_join(ps)  # autotune holds the bucket size from the first join
         if ps.cache.capacity > 0 and not join_active:
             for resp in fused:
                 if resp.type not in CACHEABLE:

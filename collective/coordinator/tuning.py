@@ -19,11 +19,11 @@ agreed on run from the cache, its slow path fills the cache or not as before); t
 `sync_cache` applies the new one to the global set: off = every rank drops every entry (so the
 numbering stays equal: none), and requests that were waiting as cache hits go back to the slow
 path next round (`ps.carry`), as when a join suspends the cache; on = an empty cache with the
-configured capacity, filled by later slow paths the same way everywhere. Another process set switches at
-the start of its next round: every rank runs one round of every set it belongs to per cycle,
-the global set's included, so that is the same round of that set on all of its members. The
-express lane (fastpath.py) needs no change: it only runs on a cache hit, and an empty cache
-has none.
+configured capacity, filled by later slow paths the same way everywhere. Another process set
+switches at the start of its next round: every rank runs one round of every set it belongs to
+per cycle, the global set's included, so that is the same round of that set on all of its
+members. The express lane (fastpath.py) needs no change: it only runs on a cache hit, and an
+empty cache has none.
 
 **Bucket size.** `DistributedOptimizer` reduces its gradients in buckets whose names and sizes
 must be the same on every rank in every step, so a new bucket size must apply from the same
@@ -42,8 +42,12 @@ rank, come after the retune round, which every rank applies first. (Announcement
 overwritten, only appended, so a rank that is a step behind still passes through every size.)
 Rank 0's driver discards samples until its own optimizer has passed S. Bucket sizes are tuned
 only for the first bucketed optimizer of the global set registered with this runtime; a second
-one holds the size fixed for the rest of the job (its `register_buckets` returns None), as do
-elastic jobs (a new worker would plan its buckets from the configuration).
+one keeps the configured size (its `register_buckets` returns None) and, if the bucket stage
+has not begun, the stage is skipped (once it has begun, it and the final choice still apply
+to the first optimizer only). Sizes are not tuned at all in elastic jobs (a new worker would
+plan its buckets from the configuration), and they are held from a join on: a joined rank
+stops counting steps, so from the first round in which a rank has joined the sizes are held
+and an announcement that no rank has applied yet is withdrawn (`on_join`).
 
 **The tuned optimizer dropped.** The schedule is closed by a finalizer of its owner (the
 optimizer's reducer, `weakref.finalize`) when that is garbage-collected; `close` only sets a
@@ -57,6 +61,7 @@ decides, so every rank returns alike however its garbage collector runs.
 """
 from __future__ import annotations
 
+import struct
 import weakref
 from typing import Any
 
@@ -112,7 +117,8 @@ class Tuning:
         # (optimizer step count S, bucket size in MB): the size in force after step S
         self.bucket_plan: list[tuple[int, float]] = []
         self.schedule: BucketSchedule | None = None  # the optimizer whose buckets are tuned
-        self.buckets_held = False  # a second bucketed optimizer: bucket size held fixed
+        self.buckets_held = False  # bucket size held fixed: a second optimizer, or a join
+        self.join_seen = False  # a rank of the global set has joined (`on_join`)
 
     def start(self, rank: int) -> None:
         """At the coordinator's start: global rank 0 creates the tuner when autotune is on."""
@@ -140,12 +146,46 @@ class Tuning:
             if self.driver is not None:
                 self.driver.settle = False
             return None
-        schedule = self.schedule = BucketSchedule(self, cap_mb)
+        schedule = BucketSchedule(self, cap_mb)
         if owner is not None:
             weakref.finalize(owner, schedule.close).atexit = False
-        if self.driver is not None:
+        if self.driver is not None:  # before the schedule is visible to rank 0's tuner, so
+            # it never has a bucket size to publish without a step count
             self.driver.optimizer_steps = lambda: None if schedule.closed else schedule.steps
+        if self.join_seen:
+            self.buckets_held = True  # registered after a join: not tuned (see on_join)
+        self.schedule = schedule
         return schedule
+
+    def on_join(self, ps: ProcessSetState) -> None:
+        """The first negotiation round of the global set in which a rank has joined; every
+        rank runs it (the slow path's broadcast carries the join flag). From here the ranks'
+        optimizer step counts differ for good (a joined rank runs the others' steps with
+        zeros, without counting them), so step numbers cannot name a common step any more:
+        bucket sizes are held from now on (rank 0's tuner ends its bucket stage and announces
+        none), and an announced size that no rank has applied yet is withdrawn on every rank.
+
+        Why that is consistent: the joined rank completed its last step, number M, and no
+        rank can complete step M + 1 before this round (its allreduces need the joined rank,
+        whose zeros only this round allows), while every rank is at M - 1 or later (step M's
+        allreduces needed all of them). So M is the largest count of any rank now: sizes
+        announced for a step S <= M apply on every rank after step S (some already did), and
+        sizes for S > M apply nowhere."""
+        if self.join_seen or not self.config.autotune:
+            return
+        self.join_seen = True
+        self.buckets_held = True
+        schedule = self.schedule
+        mine = schedule.steps if schedule is not None else 0
+        top = max(struct.unpack("<q", b)[0] for b in ps.control.allgather(struct.pack("<q", mine)))
+        kept = [(at, cap) for at, cap in self.bucket_plan if at <= top]
+        if len(kept) != len(self.bucket_plan):
+            _log.get_logger().info(
+                "autotune: a rank joined before the bucket size announced for step %d took "
+                "effect; the size in force stays", self.bucket_plan[-1][0])
+        self.bucket_plan = kept  # one assignment: the training thread reads the list
+        if self.driver is not None:
+            self.driver.hold_buckets()
 
     def wants_retune(self, ps: ProcessSetState) -> bool:
         """Called once per negotiation round, just before its AND allreduce: True when this

@@ -424,3 +424,51 @@ def test_bucket_schedule_closes_when_its_owner_is_collected():
     assert tuning.driver.optimizer_steps() is None
     # No later optimizer is tuned (on every rank alike, however the collector ran).
     assert tuning.register_buckets(25.0, True, owner=Owner()) is None
+
+
+def test_driver_holds_bucket_sizes_after_a_join_mid_switch():
+    """A rank joined while a bucket switch waited to take effect (`Tuning.on_join` withdraws
+    it): the driver stops waiting, ends the bucket stage and announces no size again, while
+    the optimizer is still there."""
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1,
+                      tune_threshold=False, tune_cycle_time=False,
+                      buckets_ready=lambda: True)
+    clock = iter(range(10_000))
+    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    d.optimizer_steps = lambda: 7
+    d.record(["b"], 10)
+    d.record(["b"], 10)  # scores 25 MB, moves to 1 MB
+    assert Params.decode(d.publish()).bucket_from_step == 9
+    d.hold_buckets()
+    assert d.optimizer_steps is None and d._settle_until == 0
+    assert d.pending and tuner.params.bucket_cap_mb == 25.0 and not tuner.tune_bucket
+    while tuner.active:
+        if d.pending:
+            assert Params.decode(d.publish()).bucket_from_step == 0
+        d.record(["b"], 10)
+    assert {k[2] for k in tuner.scores} == {25.0}
+
+
+def test_tuning_on_a_join_keeps_announcements_some_rank_applied():
+    """`Tuning.on_join` keeps the sizes announced for steps up to the largest step count of
+    any rank (some rank applied them; the others will at the same step) and withdraws the
+    later ones; optimizers registered afterwards are not tuned."""
+
+    class Plane:
+        def allgather(self, data):
+            return [data, (9).to_bytes(8, "little")]  # the other rank has counted 9 steps
+
+    class PS:
+        control = Plane()
+
+    tuning = Tuning(read_env({"HOROVOD_AUTOTUNE": "1"}))
+    sched = tuning.register_buckets(25.0, True)
+    for _ in range(8):
+        sched.step_done()
+    tuning.bucket_plan += [(5, 1.0), (9, 4.0), (10, 64.0)]
+    tuning.on_join(PS())  # type: ignore[arg-type]
+    assert tuning.bucket_plan == [(5, 1.0), (9, 4.0)]
+    assert tuning.buckets_held and not tuning.buckets_ready()
+    assert sched.step_done() == 4.0 and sched.step_done() == 4.0
+    tuning.on_join(PS())  # type: ignore[arg-type]  # only the first join counts
+    assert Tuning(read_env({})).register_buckets(25.0, True) is None

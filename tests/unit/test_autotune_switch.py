@@ -31,6 +31,7 @@ class FakeDriver:
         self.lock = threading.Lock()
         self.recorded = 0
         self.toggle_every = 0  # > 0: switch the cache after every so many recorded allreduces
+        self.held = False  # hold_buckets() was called (a rank joined)
 
     def want(self, **changes) -> None:
         with self.lock:
@@ -41,6 +42,9 @@ class FakeDriver:
         with self.lock:
             self.pending = False
             return self.next.encode()
+
+    def hold_buckets(self) -> None:
+        self.held = True
 
     def record(self, names, nbytes) -> None:
         self.recorded += 1
@@ -385,3 +389,69 @@ def test_tuning_moves_on_when_the_tuned_optimizer_is_dropped_during_a_bucket_swi
     assert out[0] == out[1], out
     retunes, plan = out[0]
     assert plan and not retunes[-1][1].active
+
+
+def test_a_join_withdraws_a_bucket_size_no_rank_has_applied_and_holds_the_size():
+    """A bucket size is announced for step c + 2; rank 1 runs out of data after step c + 1 and
+    joins, while rank 0 runs on to step c + 4 (past c + 2) before it joins too. A joined rank
+    stops counting steps, so had rank 0 re-planned after step c + 2, the ranks would plan
+    different buckets after the join and hang: the first join round withdraws the
+    announcement on every rank and holds the bucket size. Both ranks then train on with the
+    same buckets and correctly averaged gradients, and no size is announced any more."""
+    torch = pytest.importorskip("torch")
+    import horovod.torch as thvd
+
+    def body(rank):
+        fake = _install_fake(rank)
+        model = _model()
+        ref = _model()
+        opt = thvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                        named_parameters=model.named_parameters())
+        reducer = opt._hvd_reducer
+        schedule = reducer.schedule
+        tuning = current().coordinator.tuning
+        assert schedule is not None
+
+        def step(n, ranks=(0, 1)):
+            x, y = _batch(n, rank)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.synchronize()
+            ref.load_state_dict(model.state_dict())
+            want = [torch.zeros_like(p) for p in ref.parameters()]
+            for r in ranks:  # a joined rank contributes zeros
+                ref.zero_grad()
+                xr, yr = _batch(n, r)
+                torch.nn.functional.mse_loss(ref(xr), yr).backward()
+                for w, p in zip(want, ref.parameters()):
+                    w += p.grad / 2
+            for w, p in zip(want, model.parameters()):
+                torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-5)
+            with opt.skip_synchronize():
+                opt.step()
+
+        for n in range(1, 4):
+            step(n)
+        c = schedule.steps
+        if rank == 0:
+            fake.want(bucket_cap_mb=1.0, bucket_from_step=c + 2)
+        thvd.allreduce(torch.zeros(1), name="announce")  # a round: the retune reaches both
+        assert tuning.bucket_plan == [(c + 2, 1.0)]
+        step(c + 1)
+        if rank == 0:
+            for n in range(c + 2, c + 5):
+                step(n, ranks=(0,))
+        last = thvd.join()
+        assert tuning.join_seen and tuning.buckets_held and tuning.bucket_plan == []
+        assert not tuning.buckets_ready() and (rank != 0 or fake.held)
+        caps = []
+        for n in range(100, 103):
+            step(n)
+            caps.append((reducer.cap_mb, tuple(b.name for b in reducer.buckets)))
+        return caps, last
+
+    (c0, l0), (c1, l1) = run_loopback(2, body, timeout=60, autotune=True,
+                                      autotune_steps_per_sample=1000,
+                                      fusion_threshold=64 * 1024 * 1024, cycle_time_ms=0.5)
+    assert c0 == c1 and {cap for cap, _ in c0} == {25.0}
+    assert l0 == l1 == 0  # rank 0 joined last
