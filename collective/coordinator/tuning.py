@@ -40,11 +40,14 @@ which rank 0 submits only after its synchronize number S - 1 ended, i.e. after i
 c <= S - 2 at the retune round; so those requests, and the round that completes the step on any
 rank, come after the retune round, which every rank applies first. (Announcements are never
 overwritten, only appended, so a rank that is a step behind still passes through every size.)
-Rank 0's driver discards samples until its own optimizer has passed S. Bucket sizes are tuned
-only for the first bucketed optimizer of the global set registered with this runtime; a second
-one keeps the configured size (its `register_buckets` returns None) and, if the bucket stage
-has not begun, the stage is skipped (once it has begun, it and the final choice still apply
-to the first optimizer only). Sizes are not tuned at all in elastic jobs (a new worker would
+Rank 0's driver discards samples until its own optimizer has passed S; if that takes longer
+than a bound (the optimizer kept but no longer stepped: `autotune.Driver`), it stops tuning
+bucket sizes as if the optimizer were gone (below), and the size stays announced: every rank
+applies it after step S if the optimizer steps again. Bucket sizes are tuned only for the
+first bucketed optimizer of the global set registered with this runtime; a second one keeps
+the configured size (its `register_buckets` returns None) and, if the bucket stage has not
+begun, the stage is skipped (once it has begun, it and the final choice still apply to the
+first optimizer only). Sizes are not tuned at all in elastic jobs (a new worker would
 plan its buckets from the configuration), and they are held from a join on: a joined rank
 stops counting steps, so from the first round in which a rank has joined the sizes are held
 and an announcement that no rank has applied yet is withdrawn (`on_join`).
