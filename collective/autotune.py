@@ -38,7 +38,9 @@ the best values stay in force, are logged and end the CSV log.
 
 The CSV log has Horovod's columns (`CSV_HEADER`: hierarchical_allreduce,
 hierarchical_allgather, torus_allreduce, cache_enabled, cycle_time_ms, tensor_fusion_threshold
-in MB, score) and ringvod's `bucket_cap_mb` appended as an eighth column, after `score`.
+in MB, score) and ringvod's `bucket_cap_mb` appended as an eighth column, after `score`. It is
+closed when the search ends, at once when there is nothing to tune, or when the coordinator's
+loop ends first (`Tuning.close`).
 """
 from __future__ import annotations
 
@@ -179,6 +181,7 @@ class Autotuner:
             self._queue = self._threshold_stage()
         else:
             self.params = replace(self.start, active=False)
+            self.close_log()  # nothing will be scored: the header is all the log gets
 
     # -- the search ---------------------------------------------------------------------------
     _LAST_STAGE = 4  # threshold, cycle time, bucket size, cache, confirm (0..4)
@@ -298,9 +301,7 @@ class Autotuner:
         self.active = False
         self.params = Params.of(best, active=False)
         self._write(self.params, score)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self.close_log()
         s = self.start
         _log.get_logger().info(
             "Autotuner: done after %d scored parameter sets: HOROVOD_FUSION_THRESHOLD=%d "
@@ -312,6 +313,13 @@ class Autotuner:
             s.cycle_time_ms, s.bucket_cap_mb, "on" if s.cache_enabled else "off",
             _fmt(self.scores.get(s.key)))
         return True
+
+    def close_log(self) -> None:
+        """Closes the CSV log (when the search ends, or when the job stops before it does);
+        rows are flushed as they are written, so only the handle is left to close."""
+        log, self._log = self._log, None
+        if log is not None:
+            log.close()
 
     def _write(self, p: Params, score: float) -> None:
         if self._log is None:
@@ -434,6 +442,10 @@ class Driver:
         self.sampler.reset(now)
         if self.tuner.drop_buckets():
             self.pending = True
+
+    def close(self) -> None:
+        """The job stops (the coordinator's loop ended) before tuning did: closes the log."""
+        self.tuner.close_log()
 
     def publish(self) -> bytes:
         """The parameters to broadcast now; the next sample starts now."""

@@ -128,6 +128,17 @@ class Tuning:
         if self.config.autotune and rank == 0:
             self.driver = autotune.from_config(self.config, self.buckets_ready)
 
+    def close(self) -> None:
+        """The coordinator's loop has ended: closes rank 0's CSV log if tuning had not ended
+        (once it has, the tuner closed it and `driver` is None). Nothing records after the
+        loop's end: every rank agreed on the shutdown or the control plane was aborted."""
+        driver = self.driver
+        if driver is not None:
+            try:
+                driver.close()
+            except OSError as exc:
+                _log.get_logger().warning("autotune: closing the log failed: %s", exc)
+
     def buckets_ready(self) -> bool:
         """Whether a bucketed optimizer's bucket size may be tuned (rank 0's tuner asks)."""
         return (self.schedule is not None and not self.schedule.closed

@@ -124,6 +124,18 @@ def test_from_config_holds_user_set_knobs_fixed(tmp_path):
                               "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "7"}))
     assert d.tuner.warmup_left == 7 and d.tuner.tune_cycle_time
     assert log.read_text() == CSV_HEADER + "\n"
+    d.close()  # the job stops before tuning ends (the coordinator's loop: Tuning.close)
+    assert d.tuner._log is None and log.read_text() == CSV_HEADER + "\n"
+
+
+def test_csv_log_is_closed_at_once_when_there_is_nothing_to_tune(tmp_path):
+    log = tmp_path / "at.csv"
+    d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(log),
+                              "HOROVOD_FUSION_THRESHOLD": str(8 * MB),
+                              "HOROVOD_CYCLE_TIME": "5", "HOROVOD_CACHE_CAPACITY": "64",
+                              "HOROVOD_BUCKET_CAP_MB": "8"}))
+    assert not d.tuner.active and d.pending
+    assert d.tuner._log is None and log.read_text() == CSV_HEADER + "\n"
 
 
 def test_csv_log_has_horovods_columns_and_ends_with_the_best():

@@ -46,6 +46,9 @@ class FakeDriver:
     def hold_buckets(self) -> None:
         self.held = True
 
+    def close(self) -> None:  # the coordinator's loop ended
+        pass
+
     def record(self, names, nbytes) -> None:
         self.recorded += 1
         if self.toggle_every and self.recorded % self.toggle_every == 0:
@@ -190,6 +193,25 @@ def test_cache_toggled_while_ops_run_through_every_path(extra_set):
 
     out = run_loopback(2, body, dynamic_process_sets=extra_set, timeout=100)
     assert out[0] == out[1] and len(out[0]) >= 10, out
+
+
+def test_csv_log_is_closed_when_the_job_stops_before_tuning_ends(tmp_path):
+    """Rank 0's CSV log is closed when the coordinator's loop ends, tuning unfinished."""
+    from collective.autotune import CSV_HEADER
+
+    log = tmp_path / "at.csv"
+
+    def body(rank):
+        for _ in range(3):
+            hvd.allreduce(np.full(4, 1.0), name="x")
+        driver = current().coordinator.tuning.driver
+        assert (driver is not None) == (rank == 0)
+        return driver.tuner._log if driver is not None else None
+
+    out = run_loopback(2, body, timeout=30, autotune=True, autotune_log=str(log),
+                       autotune_steps_per_sample=1000)
+    assert out[0] is not None and out[0].closed
+    assert log.read_text() == CSV_HEADER + "\n"
 
 
 # -- the bucket size ----------------------------------------------------------------------------
