@@ -61,6 +61,16 @@ reach every rank at a shared retune round as usual, and no bucket size is announ
 on (a rank whose own optimizer were still alive would keep the size last announced). No later
 optimizer is tuned, whether or not the first one is gone on this rank: registration alone
 decides, so every rank returns alike however its garbage collector runs.
+
+**Optimizers created after tuning ended** (re-created per phase, after a checkpoint reload) plan
+with the configured size, not the tuned one. Handing them the last size in force would need
+every rank to know, at the optimizer's construction, that tuning has ended and which size it
+ended with, and a rank does not: it learns both at a retune round, which its coordinator
+thread applies whenever that round runs, unrelated to where its training thread stands (and
+the optimizer's construction exchanges nothing). One rank may construct after applying the
+final round and another before it, or one may have passed the step a final size was
+announced for and another not; the two would plan different buckets and hang. Registration
+order alone, which is the same everywhere, decides instead.
 """
 from __future__ import annotations
 
