@@ -240,6 +240,22 @@ def _batch(step: int, r: int):
     return torch.randn(4, 256, generator=g), torch.randn(4, 256, generator=g)
 
 
+def _check_averaged(model, ref, step: int, ranks, rtol: float, atol: float) -> None:
+    """`model`'s gradients are the average over 2 ranks of each rank in `ranks`' own gradient
+    at the same weights (computed on `ref`, a copy; ranks not listed contribute zeros)."""
+    import torch
+    ref.load_state_dict(model.state_dict())
+    want = [torch.zeros_like(p) for p in ref.parameters()]
+    for r in ranks:
+        ref.zero_grad()
+        xr, yr = _batch(step, r)
+        torch.nn.functional.mse_loss(ref(xr), yr).backward()
+        for w, p in zip(want, ref.parameters()):
+            w += p.grad / 2
+    for w, p in zip(want, model.parameters()):
+        torch.testing.assert_close(p.grad, w, rtol=rtol, atol=atol)
+
+
 class SlowRounds(CountingPlane):
     """Rank 1's coordinator enters some negotiation rounds late, so its training thread can
     finish a synchronize() before its coordinator applies a retune round."""
@@ -308,17 +324,7 @@ def test_bucket_size_switches_at_the_same_step_on_every_rank():
             if rng.random() < 0.3:
                 time.sleep(rng.random() * 0.01)
             opt.synchronize()
-            # reference: the mean of every rank's own gradient at the same weights
-            ref.load_state_dict(model.state_dict())
-            want = [torch.zeros_like(p) for p in ref.parameters()]
-            for r in range(2):
-                ref.zero_grad()
-                xr, yr = _batch(step, r)
-                torch.nn.functional.mse_loss(ref(xr), yr).backward()
-                for w, p in zip(want, ref.parameters()):
-                    w += p.grad / 2
-            for w, p in zip(want, model.parameters()):
-                torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-6)
+            _check_averaged(model, ref, step, (0, 1), rtol=1e-5, atol=1e-6)
             with opt.skip_synchronize():
                 opt.step()
             if rank == 1:
@@ -462,16 +468,7 @@ def test_a_join_withdraws_a_bucket_size_no_rank_has_applied_and_holds_the_size()
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.synchronize()
-            ref.load_state_dict(model.state_dict())
-            want = [torch.zeros_like(p) for p in ref.parameters()]
-            for r in ranks:  # a joined rank contributes zeros
-                ref.zero_grad()
-                xr, yr = _batch(n, r)
-                torch.nn.functional.mse_loss(ref(xr), yr).backward()
-                for w, p in zip(want, ref.parameters()):
-                    w += p.grad / 2
-            for w, p in zip(want, model.parameters()):
-                torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-5)
+            _check_averaged(model, ref, n, ranks, rtol=1e-4, atol=1e-5)  # joined ranks: zeros
             with opt.skip_synchronize():
                 opt.step()
 
