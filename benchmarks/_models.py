@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import statistics
 import sys
 import time
@@ -244,8 +246,6 @@ _MIB = 1024.0 * 1024.0
 def plot_trace(trace_path: str, png: str, title: str) -> None:
     """Draws a profiled step's GPU kernels per stream (NCCL in red) from its Chrome trace and
     prints a `TRACE stream ...` line per stream: kernels, busy time, NCCL time, first/last."""
-    import json
-
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -298,7 +298,6 @@ def profile_step(step: Callable[[], None], sync: Callable[[], None], device: tor
         sync()
     if not show:
         return
-    import os
     os.makedirs(a.profile, exist_ok=True)
     trace = os.path.join(a.profile, a.profile_name + ".json")
     prof.export_chrome_trace(trace)

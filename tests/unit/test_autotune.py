@@ -292,12 +292,17 @@ def test_params_wire_carries_every_knob_and_the_bucket_step():
     assert Params(1, 1.0, bucket_from_step=5) == Params(1, 1.0)  # not part of the identity
 
 
-def test_driver_announces_a_bucket_size_two_steps_ahead_and_waits_for_it():
-    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1,
-                      tune_threshold=False, tune_cycle_time=False, tune_cache=False,
-                      buckets_ready=lambda: True)
+def _bucket_driver(tune_cache: bool = True) -> tuple[Autotuner, Driver]:
+    """Rank 0's driver of a tuner that searches the bucket size (and the cache, if
+    `tune_cache`) from 8 MB / 5 ms, one sample per score, on a clock that ticks once a read."""
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1, tune_threshold=False,
+                      tune_cycle_time=False, tune_cache=tune_cache, buckets_ready=lambda: True)
     clock = iter(range(10_000))
-    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    return tuner, Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+
+
+def test_driver_announces_a_bucket_size_two_steps_ahead_and_waits_for_it():
+    tuner, d = _bucket_driver(tune_cache=False)
     steps = [7]
     d.optimizer_steps = lambda: steps[0]
     d.record(["b"], 10)  # clock start
@@ -354,11 +359,7 @@ def test_register_buckets_only_for_one_bucketed_optimizer_of_the_global_set():
 
 
 def test_driver_ends_the_bucket_stage_when_the_optimizer_goes_away_mid_switch():
-    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1,
-                      tune_threshold=False, tune_cycle_time=False,
-                      buckets_ready=lambda: True)
-    clock = iter(range(10_000))
-    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    tuner, d = _bucket_driver()
     steps: list[int | None] = [7]
     d.optimizer_steps = lambda: steps[0]
     d.record(["b"], 10)
@@ -430,11 +431,7 @@ def test_optimizer_gone_between_samples_of_the_bucket_stage_and_before_it():
     # Gone while a bucket size is measured (its switch had taken effect): the sample in
     # progress is discarded, and the confirm stage may still go back to another bucket size
     # without announcing it.
-    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1,
-                      tune_threshold=False, tune_cycle_time=False, tune_cache=False,
-                      buckets_ready=lambda: True)
-    clock = iter(range(10_000))
-    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    tuner, d = _bucket_driver(tune_cache=False)
     steps: list[int | None] = [3]
     d.optimizer_steps = lambda: steps[0]
     d.record(["b"], 10)
@@ -488,11 +485,7 @@ def test_driver_holds_bucket_sizes_after_a_join_mid_switch():
     """A rank joined while a bucket switch waited to take effect (`Tuning.on_join` withdraws
     it): the driver stops waiting, ends the bucket stage and announces no size again, while
     the optimizer is still there."""
-    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=1,
-                      tune_threshold=False, tune_cycle_time=False,
-                      buckets_ready=lambda: True)
-    clock = iter(range(10_000))
-    d = Driver(tuner, steps_per_sample=1, clock=lambda: float(next(clock)))
+    tuner, d = _bucket_driver()
     d.optimizer_steps = lambda: 7
     d.record(["b"], 10)
     d.record(["b"], 10)  # scores 25 MB, moves to 1 MB

@@ -240,6 +240,19 @@ def _batch(step: int, r: int):
     return torch.randn(4, 256, generator=g), torch.randn(4, 256, generator=g)
 
 
+def _tuned_optimizer():
+    """This rank's model and a DistributedOptimizer over it whose bucket size autotune tunes
+    (it got a bucket schedule)."""
+    import torch
+
+    import horovod.torch as thvd
+    model = _model()
+    opt = thvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                    named_parameters=model.named_parameters())
+    assert opt._hvd_reducer.schedule is not None
+    return model, opt
+
+
 def _check_averaged(model, ref, step: int, ranks, rtol: float, atol: float) -> None:
     """`model`'s gradients are the average over 2 ranks of each rank in `ranks`' own gradient
     at the same weights (computed on `ref`, a copy; ranks not listed contribute zeros)."""
@@ -282,13 +295,10 @@ def test_bucket_size_switches_at_the_same_step_on_every_rank():
 
     def body(rank):
         rng = random.Random(10 + rank)
-        model = _model()
+        model, opt = _tuned_optimizer()
         ref = _model()
-        opt = thvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                        named_parameters=model.named_parameters())
         reducer = opt._hvd_reducer
         schedule = reducer.schedule
-        assert schedule is not None
         if rank == 0:
             step_done = schedule.step_done
 
@@ -371,10 +381,7 @@ def test_tuning_moves_on_when_the_tuned_optimizer_stops_during_a_bucket_switch(d
     import horovod.torch as thvd
 
     def body(rank):
-        model = _model()
-        opt = thvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                        named_parameters=model.named_parameters())
-        assert opt._hvd_reducer.schedule is not None
+        model, opt = _tuned_optimizer()
         tuning = current().coordinator.tuning
         step = 0
         while True:
@@ -454,14 +461,11 @@ def test_a_join_withdraws_a_bucket_size_no_rank_has_applied_and_holds_the_size()
 
     def body(rank):
         fake = _install_fake(rank)
-        model = _model()
+        model, opt = _tuned_optimizer()
         ref = _model()
-        opt = thvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                        named_parameters=model.named_parameters())
         reducer = opt._hvd_reducer
         schedule = reducer.schedule
         tuning = current().coordinator.tuning
-        assert schedule is not None
 
         def step(n, ranks=(0, 1)):
             x, y = _batch(n, rank)
