@@ -38,7 +38,9 @@ the best values stay in force, are logged and end the CSV log.
 
 The CSV log has Horovod's columns (`CSV_HEADER`: hierarchical_allreduce,
 hierarchical_allgather, torus_allreduce, cache_enabled, cycle_time_ms, tensor_fusion_threshold
-in MB, score) and ringvod's `bucket_cap_mb` appended as an eighth column, after `score`.
+in MB, score) and ringvod's `bucket_cap_mb` appended as an eighth column, after `score`. It is
+closed when the search ends, at once when there is nothing to tune, or when the coordinator's
+loop ends first (`Tuning.close`).
 """
 from __future__ import annotations
 
@@ -179,6 +181,7 @@ class Autotuner:
             self._queue = self._threshold_stage()
         else:
             self.params = replace(self.start, active=False)
+            self.close_log()  # nothing will be scored: the header is all the log gets
 
     # -- the search ---------------------------------------------------------------------------
     _LAST_STAGE = 4  # threshold, cycle time, bucket size, cache, confirm (0..4)
@@ -298,9 +301,7 @@ class Autotuner:
         self.active = False
         self.params = Params.of(best, active=False)
         self._write(self.params, score)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self.close_log()
         s = self.start
         _log.get_logger().info(
             "Autotuner: done after %d scored parameter sets: HOROVOD_FUSION_THRESHOLD=%d "
@@ -312,6 +313,13 @@ class Autotuner:
             s.cycle_time_ms, s.bucket_cap_mb, "on" if s.cache_enabled else "off",
             _fmt(self.scores.get(s.key)))
         return True
+
+    def close_log(self) -> None:
+        """Closes the CSV log (when the search ends, or when the job stops before it does);
+        rows are flushed as they are written, so only the handle is left to close."""
+        log, self._log = self._log, None
+        if log is not None:
+            log.close()
 
     def _write(self, p: Params, score: float) -> None:
         if self._log is None:
@@ -338,6 +346,29 @@ class Driver:
     before it still ran with the old buckets. The callable returns None once that optimizer is
     gone (garbage-collected): the driver then stops waiting, discards the sample in progress,
     ends the bucket stage (`Autotuner.drop_buckets`) and announces no bucket size again.
+
+    The wait is bounded (`wait_steps`): the job may keep the optimizer but stop stepping it
+    (a later phase trains with another optimizer, one with `groups=`, or plain allreduces),
+    and tuning must still end. The bound is counted in the unit the sampler counts in, steps
+    of the job (a tensor name reduced again), so it needs no clock, and it counts only steps
+    in which the optimizer completed none of its own (the count restarts whenever its step
+    count moves): while it steps, each of its bucket names is reduced once per step, so the
+    switch, 2 of its steps ahead, never comes near the bound. The bound is as many steps as
+    one evaluation takes (`samples_per_eval` samples of `steps_per_sample` steps: 50 with the
+    defaults; at least 2): a wait that long without one optimizer step means the job has moved
+    on. A job that reduces one name that many times per optimizer step (e.g. a metric per
+    micro-batch) would end the bucket stage early, nothing worse. When the bound is reached,
+    the optimizer is treated as gone for bucket purposes (`_optimizer_gone`; its schedule
+    stays open, and no size is announced any more).
+
+    The size announced for step S stays in every rank's `bucket_plan`, and that is safe: it is
+    never withdrawn on a rank that may apply it (only `Tuning.on_join` withdraws, on every rank
+    at the same round, and only sizes for steps no rank has completed). Every rank had it
+    before any rank completed step S (collective/coordinator/tuning.py), so if the optimizer
+    steps again, every rank re-plans to that size after the same step S and keeps it (no size
+    is announced after it); the driver does not wait for it, so it may fall into later
+    samples. The log's final line names the best size scored, which that optimizer then does
+    not use.
     """
 
     def __init__(self, tuner: Autotuner, steps_per_sample: int,
@@ -351,6 +382,13 @@ class Driver:
         self._bucket = tuner.start.bucket_cap_mb  # the bucket size last published
         self._settle_until = 0
         self._optimizer_lost = False  # the tuned optimizer was dropped (`_optimizer_gone`)
+        # The bound on waiting for a bucket switch, in steps of the job without an optimizer
+        # step (see the docstring); the steps seen since the optimizer's count last moved
+        # (a sampler that closes when one name has been reduced `wait_steps` times), and
+        # that count.
+        self.wait_steps = max(tuner.samples_per_eval * self.sampler.steps_per_sample, 2)
+        self._waited = Sampler(self.wait_steps)
+        self._waited_at = 0
 
     def record(self, names: Iterable[str], nbytes: int) -> None:
         if self.pending:  # new parameters not yet in force: these ran with the old ones
@@ -363,6 +401,17 @@ class Driver:
                 self._optimizer_gone(now)
                 return
             if self.settle and done < self._settle_until:
+                if done != self._waited_at:  # it stepped: count afresh
+                    self._waited_at = done
+                    self._waited.reset(now)
+                if self._waited.add(names, nbytes, now) is not None:
+                    _log.get_logger().info(
+                        "autotune: the optimizer whose bucket size is tuned has not stepped in "
+                        "%d steps of the job; bucket sizes are no longer tuned (if it steps "
+                        "again, it uses %g MB after its step %d)", self.wait_steps,
+                        self._bucket, self._settle_until)
+                    self._optimizer_gone(now)
+                    return
                 self.sampler.reset(now)  # the old buckets are still in use somewhere
                 return
             self._settle_until = 0
@@ -384,8 +433,9 @@ class Driver:
             self._optimizer_gone(self.clock())
 
     def _optimizer_gone(self, now: float) -> None:
-        """The optimizer whose buckets are tuned was dropped: no bucket size is announced from
-        now on and the tuner ends its bucket stage."""
+        """The optimizer whose buckets are tuned was dropped (or not stepped within
+        `wait_steps`): no bucket size is announced from now on and the tuner ends its bucket
+        stage."""
         self.optimizer_steps = None
         self._optimizer_lost = True
         self._settle_until = 0
@@ -393,10 +443,15 @@ class Driver:
         if self.tuner.drop_buckets():
             self.pending = True
 
+    def close(self) -> None:
+        """The job stops (the coordinator's loop ended) before tuning did: closes the log."""
+        self.tuner.close_log()
+
     def publish(self) -> bytes:
         """The parameters to broadcast now; the next sample starts now."""
         self.pending = False
-        self.sampler.reset(self.clock())
+        now = self.clock()
+        self.sampler.reset(now)
         p = self.tuner.params
         if p.bucket_cap_mb != self._bucket:
             self._bucket = p.bucket_cap_mb
@@ -404,12 +459,14 @@ class Driver:
             done = steps() if steps is not None else None
             if done is not None:
                 self._settle_until = done + 2
+                self._waited_at = done
+                self._waited.reset(now)
                 p = replace(p, bucket_from_step=self._settle_until)
             elif not self._optimizer_lost and steps is None:
                 # cannot happen: the bucket stage runs only with an optimizer
                 raise RuntimeError("autotune: a bucket size to publish but no optimizer")
-            # else the optimizer is gone (record() ends the stage at its next call): there
-            # are no buckets to switch, so nothing is announced
+            # else the optimizer is gone or no longer stepped (`_optimizer_gone`; if gone
+            # just now, record() ends the stage at its next call): nothing is announced
         return p.encode()
 
 

@@ -219,8 +219,11 @@ class Coordinator(FastPaths):
                     except Exception:  # noqa: BLE001
                         pass
         finally:
-            self.rt._on_loop_exit(cause)
-            self.stopped.set()
+            try:
+                self.rt._on_loop_exit(cause)
+                self.tuning.close()  # autotune's CSV log, if tuning had not ended
+            finally:
+                self.stopped.set()
 
     # -- one cycle ----------------------------------------------------------------------------
     def run_cycle(self) -> bool:

@@ -40,11 +40,14 @@ which rank 0 submits only after its synchronize number S - 1 ended, i.e. after i
 c <= S - 2 at the retune round; so those requests, and the round that completes the step on any
 rank, come after the retune round, which every rank applies first. (Announcements are never
 overwritten, only appended, so a rank that is a step behind still passes through every size.)
-Rank 0's driver discards samples until its own optimizer has passed S. Bucket sizes are tuned
-only for the first bucketed optimizer of the global set registered with this runtime; a second
-one keeps the configured size (its `register_buckets` returns None) and, if the bucket stage
-has not begun, the stage is skipped (once it has begun, it and the final choice still apply
-to the first optimizer only). Sizes are not tuned at all in elastic jobs (a new worker would
+Rank 0's driver discards samples until its own optimizer has passed S; if that takes longer
+than a bound (the optimizer kept but no longer stepped: `autotune.Driver`), it stops tuning
+bucket sizes as if the optimizer were gone (below), and the size stays announced: every rank
+applies it after step S if the optimizer steps again. Bucket sizes are tuned only for the
+first bucketed optimizer of the global set registered with this runtime; a second one keeps
+the configured size (its `register_buckets` returns None) and, if the bucket stage has not
+begun, the stage is skipped (once it has begun, it and the final choice still apply to the
+first optimizer only). Sizes are not tuned at all in elastic jobs (a new worker would
 plan its buckets from the configuration), and they are held from a join on: a joined rank
 stops counting steps, so from the first round in which a rank has joined the sizes are held
 and an announcement that no rank has applied yet is withdrawn (`on_join`).
@@ -58,6 +61,16 @@ reach every rank at a shared retune round as usual, and no bucket size is announ
 on (a rank whose own optimizer were still alive would keep the size last announced). No later
 optimizer is tuned, whether or not the first one is gone on this rank: registration alone
 decides, so every rank returns alike however its garbage collector runs.
+
+**Optimizers created after tuning ended** (re-created per phase, after a checkpoint reload) plan
+with the configured size, not the tuned one. Handing them the last size in force would need
+every rank to know, at the optimizer's construction, that tuning has ended and which size it
+ended with, and a rank does not: it learns both at a retune round, which its coordinator
+thread applies whenever that round runs, unrelated to where its training thread stands (and
+the optimizer's construction exchanges nothing). One rank may construct after applying the
+final round and another before it, or one may have passed the step a final size was
+announced for and another not; the two would plan different buckets and hang. Registration
+order alone, which is the same everywhere, decides instead.
 """
 from __future__ import annotations
 
@@ -124,6 +137,17 @@ class Tuning:
         """At the coordinator's start: global rank 0 creates the tuner when autotune is on."""
         if self.config.autotune and rank == 0:
             self.driver = autotune.from_config(self.config, self.buckets_ready)
+
+    def close(self) -> None:
+        """The coordinator's loop has ended: closes rank 0's CSV log if tuning had not ended
+        (once it has, the tuner closed it and `driver` is None). Nothing records after the
+        loop's end: every rank agreed on the shutdown or the control plane was aborted."""
+        driver = self.driver
+        if driver is not None:
+            try:
+                driver.close()
+            except OSError as exc:
+                _log.get_logger().warning("autotune: closing the log failed: %s", exc)
 
     def buckets_ready(self) -> bool:
         """Whether a bucketed optimizer's bucket size may be tuned (rank 0's tuner asks)."""

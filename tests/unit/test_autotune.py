@@ -124,6 +124,18 @@ def test_from_config_holds_user_set_knobs_fixed(tmp_path):
                               "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "7"}))
     assert d.tuner.warmup_left == 7 and d.tuner.tune_cycle_time
     assert log.read_text() == CSV_HEADER + "\n"
+    d.close()  # the job stops before tuning ends (the coordinator's loop: Tuning.close)
+    assert d.tuner._log is None and log.read_text() == CSV_HEADER + "\n"
+
+
+def test_csv_log_is_closed_at_once_when_there_is_nothing_to_tune(tmp_path):
+    log = tmp_path / "at.csv"
+    d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(log),
+                              "HOROVOD_FUSION_THRESHOLD": str(8 * MB),
+                              "HOROVOD_CYCLE_TIME": "5", "HOROVOD_CACHE_CAPACITY": "64",
+                              "HOROVOD_BUCKET_CAP_MB": "8"}))
+    assert not d.tuner.active and d.pending
+    assert d.tuner._log is None and log.read_text() == CSV_HEADER + "\n"
 
 
 def test_csv_log_has_horovods_columns_and_ends_with_the_best():
@@ -298,11 +310,12 @@ def test_driver_announces_a_bucket_size_two_steps_ahead_and_waits_for_it():
     assert d.pending and tuner.params.bucket_cap_mb == 1.0
     p = Params.decode(d.publish())
     assert p.bucket_cap_mb == 1.0 and p.bucket_from_step == 7 + 2
-    # Samples are discarded until this rank's optimizer has passed step 9.
-    for s in (7, 8, 8):
+    # Samples are discarded until this rank's optimizer has passed step 9 (three buckets,
+    # each reduced once per step).
+    for s in (7, 8):
         steps[0] = s
-        for _ in range(3):
-            d.record(["b"], 10)
+        for n in ("a", "b", "c"):
+            d.record([n], 10)
     assert tuner.evaluations == 1 and not d.pending
     steps[0] = 9
     d.record(["b"], 10)  # settled: the next sample starts here
@@ -352,8 +365,8 @@ def test_driver_ends_the_bucket_stage_when_the_optimizer_goes_away_mid_switch():
     d.record(["b"], 10)
     d.record(["b"], 10)  # scores 25 MB, moves to 1 MB
     assert Params.decode(d.publish()).bucket_from_step == 9
-    for _ in range(3):
-        d.record(["b"], 10)  # waiting for step 9
+    for n in ("a", "b", "c"):
+        d.record([n], 10)  # waiting for step 9
     assert tuner.evaluations == 1 and not d.pending
     steps[0] = None  # the optimizer is garbage-collected before step 9
     d.record(["b"], 10)
@@ -367,6 +380,51 @@ def test_driver_ends_the_bucket_stage_when_the_optimizer_goes_away_mid_switch():
             p = Params.decode(d.publish())
             assert p.bucket_from_step == 0  # no bucket size is announced again
     assert not tuner.active and {k[2] for k in tuner.scores} == {25.0}
+
+
+def test_driver_stops_waiting_for_an_optimizer_that_is_kept_but_no_longer_stepped():
+    """The tuned optimizer stays alive but its step count never reaches the announced step
+    (the job trains on with something else): after `wait_steps` steps of the job without an
+    optimizer step the driver ends the bucket stage as if the optimizer were gone, announces
+    no size again, and tuning ends. While the optimizer steps, the switch is waited for as
+    before, however many steps of the job that takes."""
+    tuner = Autotuner(8 * MB, 5.0, warmup_samples=0, samples_per_eval=2,
+                      tune_threshold=False, tune_cycle_time=False,
+                      buckets_ready=lambda: True)
+    clock = iter(range(10_000))
+    d = Driver(tuner, steps_per_sample=3, clock=lambda: float(next(clock)))
+    assert d.wait_steps == 2 * 3
+    steps = [7]
+    d.optimizer_steps = lambda: steps[0]
+    while not d.pending:
+        d.record(["b", "c"], 10)  # scores 25 MB, moves to 1 MB
+    assert Params.decode(d.publish()).bucket_from_step == 9
+    # Below the bound between two optimizer steps: the switch takes effect, 1 MB is measured.
+    for s in (7, 8):
+        steps[0] = s
+        for _ in range(d.wait_steps - 1):
+            d.record(["b"], 10)
+    assert not d.pending and d._settle_until == 9 and tuner.evaluations == 1
+    steps[0] = 9
+    while not d.pending:
+        d.record(["b"], 10)
+    assert tuner.evaluations == 2 and tuner.params.bucket_cap_mb == 4.0
+    assert Params.decode(d.publish()).bucket_from_step == 11
+    # The optimizer is no longer stepped: other allreduces (a fused pair, then single ones).
+    d.record(["x", "y"], 10)
+    for _ in range(d.wait_steps - 2):
+        d.record(["x"], 10)
+        assert not d.pending and d._settle_until == 11
+    d.record(["y"], 10)  # not the bound yet: "x" was reduced wait_steps - 1 times
+    assert not d.pending
+    d.record(["x"], 10)  # the bound: the bucket stage ends, the cache stage begins
+    assert d.pending and d.optimizer_steps is None and d._settle_until == 0
+    assert not tuner.tune_bucket and tuner.params == Params(8 * MB, 5.0, True, 25.0, False)
+    while tuner.active:
+        if d.pending:
+            assert Params.decode(d.publish()).bucket_from_step == 0
+        d.record(["x"], 10)
+    assert {k[2] for k in tuner.scores} == {25.0, 1.0} and not tuner.params.active
 
 
 def test_optimizer_gone_between_samples_of_the_bucket_stage_and_before_it():

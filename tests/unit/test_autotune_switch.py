@@ -46,6 +46,9 @@ class FakeDriver:
     def hold_buckets(self) -> None:
         self.held = True
 
+    def close(self) -> None:  # the coordinator's loop ended
+        pass
+
     def record(self, names, nbytes) -> None:
         self.recorded += 1
         if self.toggle_every and self.recorded % self.toggle_every == 0:
@@ -190,6 +193,25 @@ def test_cache_toggled_while_ops_run_through_every_path(extra_set):
 
     out = run_loopback(2, body, dynamic_process_sets=extra_set, timeout=100)
     assert out[0] == out[1] and len(out[0]) >= 10, out
+
+
+def test_csv_log_is_closed_when_the_job_stops_before_tuning_ends(tmp_path):
+    """Rank 0's CSV log is closed when the coordinator's loop ends, tuning unfinished."""
+    from collective.autotune import CSV_HEADER
+
+    log = tmp_path / "at.csv"
+
+    def body(rank):
+        for _ in range(3):
+            hvd.allreduce(np.full(4, 1.0), name="x")
+        driver = current().coordinator.tuning.driver
+        assert (driver is not None) == (rank == 0)
+        return driver.tuner._log if driver is not None else None
+
+    out = run_loopback(2, body, timeout=30, autotune=True, autotune_log=str(log),
+                       autotune_steps_per_sample=1000)
+    assert out[0] is not None and out[0].closed
+    assert log.read_text() == CSV_HEADER + "\n"
 
 
 # -- the bucket size ----------------------------------------------------------------------------
@@ -345,11 +367,14 @@ def test_bucket_size_switches_at_the_same_step_on_every_rank():
     assert len({names for _, names in p0}) >= 3
 
 
-def test_tuning_moves_on_when_the_tuned_optimizer_is_dropped_during_a_bucket_switch():
-    """The optimizer whose buckets are tuned is dropped while a bucket size announced for a
-    later step is pending (rank 0's driver waits for its step count to pass it): training
-    goes on with plain allreduces and no optimizer, and tuning still ends, at the same rounds
-    on every rank; a new DistributedOptimizer afterwards keeps the configured bucket size."""
+@pytest.mark.parametrize("dropped", [True, False], ids=["dropped", "kept-idle"])
+def test_tuning_moves_on_when_the_tuned_optimizer_stops_during_a_bucket_switch(dropped):
+    """The optimizer whose buckets are tuned is dropped, or kept but no longer stepped, while
+    a bucket size announced for a later step is pending (rank 0's driver waits for its step
+    count to pass it): training goes on with plain allreduces, and tuning still ends, at the
+    same rounds on every rank (kept: once the driver's wait runs out); a new
+    DistributedOptimizer afterwards keeps the configured bucket size. A kept optimizer that
+    steps again applies the pending size after the announced step, on every rank alike."""
     torch = pytest.importorskip("torch")
     import gc
 
@@ -371,9 +396,12 @@ def test_tuning_moves_on_when_the_tuned_optimizer_is_dropped_during_a_bucket_swi
                               name="waiting").item() == 1.0:
                 break
             assert step < 200, tuning.retunes
-        del opt
-        gc.collect()
-        assert not tuning.buckets_ready()
+        if dropped:
+            del opt
+            gc.collect()
+            assert not tuning.buckets_ready()
+        else:
+            assert tuning.buckets_ready()  # alive: only the driver's bound ends the wait
         # Training goes on without the optimizer: its gradients reduced one by one.
         after = 0
         while True:
@@ -386,22 +414,39 @@ def test_tuning_moves_on_when_the_tuned_optimizer_is_dropped_during_a_bucket_swi
                 break
             assert after < 300, ("tuning never ended", tuning.retunes)
         # A later optimizer is not tuned (every rank alike): it keeps the configured size.
-        opt2 = thvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                         named_parameters=model.named_parameters())
+        # (Over other parameters when the first one is kept: its hooks are still on these.)
+        model2 = model if dropped else _model()
+        opt2 = thvd.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.01),
+                                         named_parameters=model2.named_parameters())
         assert opt2._hvd_reducer.schedule is None and opt2._hvd_reducer.cap_mb == 25.0
         for s in range(3):
             x, y = _batch(1000 + s, rank)
             opt2.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.functional.mse_loss(model2(x), y).backward()
             opt2.step()
-        return [(r, q) for r, q in tuning.retunes], list(tuning.bucket_plan)
+        del opt2
+        caps = []
+        if not dropped:  # the kept optimizer steps again, through the announced step
+            reducer = opt._hvd_reducer
+            for s in range(3):
+                x, y = _batch(2000 + s, rank)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                caps.append((reducer.schedule.steps, reducer.cap_mb,
+                             tuple(b.name for b in reducer.buckets)))
+        return [(r, q) for r, q in tuning.retunes], list(tuning.bucket_plan), caps
 
     out = run_loopback(2, body, timeout=90, autotune=True, autotune_steps_per_sample=1,
                        autotune_warmup_samples=1, fusion_threshold=64 * 1024 * 1024,
                        cycle_time_ms=0.5)
     assert out[0] == out[1], out
-    retunes, plan = out[0]
+    retunes, plan, caps = out[0]
     assert plan and not retunes[-1][1].active
+    if not dropped:
+        at, cap = plan[-1]
+        assert [c for n, c, _ in caps if n >= at] == [cap] * sum(n >= at for n, _, _ in caps)
+        assert caps[-1][1] == cap and caps[-1][0] >= at
 
 
 def test_a_join_withdraws_a_bucket_size_no_rank_has_applied_and_holds_the_size():
