@@ -18,6 +18,9 @@ Ops:
         the same fast paths.
     `waiting_hook()`: the runtime's `waiting(+1/-1)`, to call around a blocking wait on a
         device op's handle (device requests are then negotiated at once).
+    `gradient_set(names, shapes, dtypes, device, process_set, op, prescale, postscale)`: a
+        fixed list of tensors allreduced every step, one op per member, without per-member
+        requests and handles (collective/gradset.py); None where the job cannot run one.
 
 Device seam (no CuPy here; the NCCL engine owns every CUDA call):
     `DeviceBuffer`, `DeviceResult`, `DeviceOpError`, `record_ready`, `allocation_stream`;
@@ -37,9 +40,12 @@ from ._current import current, current_or_none
 from .config import Config
 from .engines.device import (DeviceBuffer, DeviceOpError, DeviceResult, allocation_stream,
                              record_ready)
+from .gradset import GradientSet
+from .gradset import register as gradient_set
 from .ops import enqueue, run_one, wait_now
 
 __all__ = ["enqueue", "run_one", "wait_now", "waiting_hook", "config", "bucket_schedule",
+           "gradient_set", "GradientSet",
            "DeviceBuffer", "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]
 
 

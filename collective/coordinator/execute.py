@@ -14,6 +14,7 @@ from ..engines import create_engine
 from ..engines.device import release_ready
 from ..entry import Entry
 from ..errors import HorovodInternalError, MismatchError
+from ..gradset import SetChunk
 from ..handle import Handle
 from ..types import CPU_DEVICE, Request, RequestType, Response, ResponseType
 from .state import ProcessSetState, shutdown_error
@@ -38,6 +39,9 @@ def perform(ps: ProcessSetState, resp: Response, tl: Any, device_engine: str,
     Raises:
         whatever the engine raises, after failing the response's handles with it.
     """
+    if type(resp) is SetChunk:
+        _perform_chunk(ps, resp, tl, device_engine, config, tuner)
+        return
     t = resp.type
     if t == _R_ERROR:
         exc = MismatchError(resp.error)
@@ -70,8 +74,35 @@ def perform(ps: ProcessSetState, resp: Response, tl: Any, device_engine: str,
                               dtype=resp.dtype, shape=shape, device=device),
                       z, Handle(name), output=z)
         entries.append(e)
-        if tl is not None:
-            tl.start(name, resp.type.name)
+    _run(ps, resp, entries, engine, tl, tuner)
+
+
+def _perform_chunk(ps: ProcessSetState, chunk: SetChunk, tl: Any, device_engine: str,
+                   config: Any, tuner: Any) -> None:
+    """Agreed members of a gradient set (collective/gradset.py): one in-place allreduce
+    (fused when several), whose completion the set records."""
+    gset = chunk.gset
+    engine = engine_for(ps, gset.device, device_engine, config)
+    handle = Handle("gradient set")  # shared by the chunk's entries
+    entries = gset.entries(chunk, engine, handle)
+    try:
+        _run(ps, chunk.response(), entries, engine, tl, tuner)
+    except BaseException as exc:
+        gset.fail(shutdown_error(exc))
+        raise
+    if handle.exception() is not None:  # the op failed on this rank only (the job goes on)
+        gset.fail(handle.exception())
+        return
+    gset.ran(chunk, handle._result)
+
+
+def _run(ps: ProcessSetState, resp: Response, entries: list[Entry], engine: Any, tl: Any,
+         tuner: Any) -> None:
+    """Runs a data response's entries on `engine` and completes their handles."""
+    t = resp.type
+    if tl is not None:
+        for e in entries:
+            tl.start(e.name, resp.type.name)
     try:
         if t == _R_ALLREDUCE or t == _R_ADASUM:
             engine.allreduce(entries, resp)

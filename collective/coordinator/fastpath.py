@@ -105,7 +105,7 @@ class FastPaths:
             return False
         try:
             go = (self._handoff is None and not self._ended_by_driver and not ps.queue
-                  and not ps.hits and not ps.carry
+                  and not ps.hits and not ps.carry and not any(s.busy() for s in ps.sets)
                   and (ps.stall is None or not ps.stall.due()))
             if go:
                 state, bit = ps.cache.lookup(req)
@@ -125,7 +125,8 @@ class FastPaths:
         return True
 
     def _express_round(self, ps: ProcessSetState, req: Request, bit: int) -> bool:
-        words = np.zeros(1 + (ps.cache.num_bits + 63) // 64, dtype=np.uint64)
+        # Gradient sets' words (after the cache's) stay 0: none of their members is pending.
+        words = np.zeros(1 + (ps.cache.num_bits + 63) // 64 + ps.set_words(), dtype=np.uint64)
         # A round like any: global rank 0 with new autotune parameters clears the retune bit,
         # and the round then ends through `conclude`, which switches them.
         words[0] = ALL_CLEAR ^ NOT_RETUNE if self.tuning.wants_retune(ps) else ALL_CLEAR
@@ -191,7 +192,8 @@ def _left_to_coordinator(ps: ProcessSetState, gpu_bound: bool) -> bool:
         e = ps.table.get(r.name)  # a dict read needs no lock
         if _coordinator_only(r, e is None or e.output is None, gpu_bound):
             return True
-    return False
+    # A gradient set's first device op binds the GPU as well.
+    return not gpu_bound and any(s.device != CPU_DEVICE and s.busy() for s in ps.sets)
 
 
 def _coordinator_only(req: Request, new_output: bool, gpu_bound: bool) -> bool:

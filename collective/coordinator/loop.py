@@ -121,11 +121,17 @@ class Coordinator(FastPaths):
         bucket = min(self.tuning.fusion_threshold, _DEVICE_BUCKET)
         sets = self.rt.member_sets()
         if (window <= 0 or bucket <= 0 or self._waiters > 0 or self.shutdown_requested
-                or not any(ps.queue for ps in sets)):  # a list's truth needs no lock
+                or not any(ps.queue or _set_news(ps) for ps in sets)):  # no lock needed
             self._hold_since = None
             return 0.0
         total = 0
         for ps in sets:
+            for gs in ps.sets:  # gradient sets: their new submits collect like requests
+                if gs.new_bytes:
+                    if gs.device == CPU_DEVICE:
+                        self._hold_since = None
+                        return 0.0
+                    total += gs.new_bytes
             with ps.lock:
                 q = ps.queue
                 old, seen, nbytes = self._scanned.get(ps.id, (None, 0, 0))
@@ -254,3 +260,8 @@ class Coordinator(FastPaths):
     def _perform(self, ps: ProcessSetState, resp: Response) -> None:
         perform(ps, resp, self.timeline if ps.is_global_root else None,
                 self.rt.device_engine_name, self.config, self.tuning.driver)
+
+
+def _set_news(ps: ProcessSetState) -> bool:
+    """Some gradient set of `ps` has submits not yet taken into a round."""
+    return any(gs.new_bytes for gs in ps.sets)

@@ -50,6 +50,12 @@ class Negotiator:
         now = time.monotonic()
         if ps.id != 0 and ps.cache.capacity != self.tuning.cache_capacity:
             self.tuning.sync_cache(ps)  # autotune switched the cache in a global round
+        sets = ps.sets
+        joined = False
+        if sets:
+            joined = ps.join_active and ps.joined_here()
+            for s in sets:
+                s.take(now, tl)
         new = ps.drain()
         cache_on = ps.cache.capacity > 0 and not ps.join_active
         uncached: list[Request] = ps.carry
@@ -90,14 +96,22 @@ class Negotiator:
         if not self.tuning.wants_retune(ps):
             status |= NOT_RETUNE
         words[0] = status
+        if sets:
+            words = np.concatenate([words] + [s.words(joined) for s in sets])
         res = ps.control.allreduce_words(words, "and")
-        return self.conclude(ps, res, uncached, invalid, want_shutdown, tl)
+        return self.conclude(ps, res, uncached, invalid, want_shutdown, tl, joined)
 
     def conclude(self, ps: ProcessSetState, res: np.ndarray, uncached: list[Request],
-                 invalid: set[int], want_shutdown: bool,
-                 tl: Any) -> tuple[list[Response], bool]:
+                 invalid: set[int], want_shutdown: bool, tl: Any,
+                 joined: bool = False) -> tuple[list[Any], bool]:
         """The rest of a negotiation round once the AND of the status words (`res`) is known:
-        the agreed cache hits, and the slow path if any rank sent uncached requests."""
+        the agreed cache hits, the slow path if any rank sent uncached requests, and the
+        gradient sets' agreed members (`SetChunk`s, after the responses; `joined`: this rank
+        contributes zeros to them)."""
+        set_res = None
+        nset = ps.set_words()
+        if nset:
+            res, set_res = res[:len(res) - nset], res[len(res) - nset:]
         hits = ps.hits
         flags = int(res[0])
         any_shutdown = not flags & _NOT_SHUTDOWN
@@ -127,7 +141,23 @@ class Negotiator:
                                   tl)
         if retune:  # a cache switch applies from the next round (tuning.py)
             self.tuning.sync_cache(ps)
+        if set_res is not None:
+            out = (out[0] + self._agree_sets(ps, set_res, joined, threshold, tl), out[1])
         return out
+
+    def _agree_sets(self, ps: ProcessSetState, res: np.ndarray, joined: bool, threshold: int,
+                    tl: Any) -> list[Any]:
+        chunks: list[Any] = []
+        pos = 0
+        for s in ps.sets:
+            agreed = s.agree(res[pos:pos + s.nwords], joined, threshold)
+            pos += s.nwords
+            if tl is not None and not joined:
+                for c in agreed:
+                    for i in c.indices:
+                        tl.negotiate_end(s.names[i])
+            chunks += agreed
+        return chunks
 
     def _slow_path(self, ps: ProcessSetState, uncached: list[Request], common: list[int],
                    want_shutdown: bool, any_shutdown: bool, threshold: int,

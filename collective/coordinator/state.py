@@ -12,7 +12,7 @@ from ..entry import Entry
 from ..errors import HorovodInternalError, ShutdownError
 from ..negotiation import MessageTable, PendingHits, ResponseCache
 from ..stall import StallInspector
-from ..types import Request
+from ..types import Request, RequestType
 
 __all__ = ["ProcessSetState", "shutdown_error"]
 
@@ -41,6 +41,10 @@ class ProcessSetState:
         self.hits = PendingHits()  # cached requests waiting for the other ranks
         self.carry: list[Request] = []  # requests that lost their cache entry; sent next cycle
         self.join_active = False  # some rank of the set has joined (cache suspended)
+        # Registered gradient sets (collective/gradset.py), in registration order; changed
+        # only inside a round, at the same point on every rank.
+        self.sets: list[Any] = []
+        self.set_count = 0  # registrations started on this rank (names their allgathers)
         self.messages = MessageTable(self.size, ranks) if self.is_root else None
         self.stall = StallInspector(config.stall_check_time, config.stall_shutdown_time,
                                     not config.stall_check_disable,
@@ -48,7 +52,15 @@ class ProcessSetState:
         self.is_global_root = is_global_root
 
     def pending(self) -> bool:
-        return bool(self.table)
+        return bool(self.table) or any(s.busy() for s in self.sets)
+
+    def set_words(self) -> int:
+        """Words the gradient sets add to a round's AND vector (after the cache's)."""
+        return sum(s.nwords for s in self.sets)
+
+    def joined_here(self) -> bool:
+        """This rank has joined (its join op is pending) and contributes zeros."""
+        return any(e.request.type == RequestType.JOIN for e in list(self.table.values()))
 
     def pop(self, name: str) -> Entry | None:
         with self.lock:
@@ -65,6 +77,8 @@ class ProcessSetState:
         for e in entries:
             e.handle._set_exception(exc)
         release_ready(entries)
+        for s in self.sets:
+            s.fail(exc)
 
 
 def shutdown_error(cause: BaseException | None) -> BaseException:

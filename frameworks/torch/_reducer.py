@@ -8,8 +8,14 @@ reduced in one of three ways, decided once at wrap time:
   packs the bucket into one flat buffer and enqueues one allreduce (`_buckets.Bucket`);
 * **group** (`groups=`): the last gradient of a group enqueues one grouped allreduce of all of
   its members;
-* **per gradient** (`HOROVOD_BUCKET_CAP_MB=0`, parameters added later, sparse gradients): one
-  in-place allreduce (or a sparse allgather) per gradient.
+* **per gradient** (`HOROVOD_BUCKET_CAP_MB=0`): one in-place allreduce per gradient, fused by
+  the coordinator with whatever else is ready on every rank (Horovod's mode). The parameters of
+  wrap time form a *gradient set* (`collective.adapter.gradient_set`, registered on first use
+  with every rank and again after a re-`init()`): a hook hands its gradient to the set, and
+  `synchronize()` waits for the whole set once, instead of one request, handle and wait per
+  gradient. Parameters added later, sparse gradients (their own allgather; zeros in the set)
+  and jobs that cannot run a set (dynamic process sets, parameters on several devices) take
+  one ordinary op per gradient.
 
 Compression applies to what is sent in every mode. `synchronize()` starts whatever has not
 started (zeros for parameters without a gradient, so no rank hangs), waits for everything and
@@ -33,11 +39,12 @@ from typing import Any
 import torch
 
 import collective
-from collective import ProcessSet, ReduceOp, RequestType, global_process_set
+from collective import ProcessSet, ReduceOp, RequestType, adapter, global_process_set
 
 from .._common import split_list
 from ._buckets import Bucket, plan_buckets
-from ._buffers import enqueue
+from . import _cuda
+from ._buffers import CPU_DEVICE, dtype_of, enqueue, to_collective
 from .functions import broadcast_object
 from .ops import sparse_allreduce_async
 
@@ -51,7 +58,8 @@ TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step t
 class _Slot:
     """One parameter's gradient and its in-flight allreduce."""
 
-    __slots__ = ("param", "name", "delay", "handle", "send", "cctx", "sparse", "group", "bucket")
+    __slots__ = ("param", "name", "delay", "handle", "send", "cctx", "sparse", "group", "bucket",
+                 "member", "queued")
 
     def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
         self.param = param
@@ -63,6 +71,8 @@ class _Slot:
         self.sparse = False  # the gradient was sparse and went through sparse_as_dense
         self.group: _Group | None = None
         self.bucket: Bucket | None = None
+        self.member = -1  # index in the reducer's gradient set (-1: not a member)
+        self.queued = False  # handed to the gradient set this step
 
 
 class _Group:
@@ -105,6 +115,8 @@ class GradientReducer:
         self.cap_mb = 0.0  # the bucket size of the current plan (0: no buckets)
         self._bucketed: list[_Slot] = []  # the slots the buckets cover (those at wrap time)
         self.schedule: Any = None  # autotune's bucket schedule (see the module docstring)
+        self.members: list[_Slot] = []  # the gradient set's slots, in member order
+        self.gset: Any = None  # the registered set (None: not registered with this runtime)
 
     # -- setup ----------------------------------------------------------------------------------
     def add(self, param: torch.Tensor, name: str) -> _Slot:
@@ -141,7 +153,14 @@ class GradientReducer:
             self.groups.append(group)
 
     def form_buckets(self, cap_mb: float) -> None:
-        if cap_mb <= 0 or not self.slots:
+        """Buckets of `cap_mb` MB; per-gradient mode (a gradient set) when `cap_mb` <= 0."""
+        if not self.slots:
+            return
+        if cap_mb <= 0:
+            if len({s.param.device for s in self.slots}) == 1:
+                self.members = list(self.slots)
+                for i, s in enumerate(self.members):
+                    s.member = i
             return
         self._bucketed = list(self.slots)
         self._plan(cap_mb)
@@ -176,6 +195,9 @@ class GradientReducer:
         slot.delay -= 1
         if slot.delay:
             return
+        if slot.member >= 0:
+            self._submit(slot)
+            return
         bucket = slot.bucket
         if bucket is not None:
             grad = slot.param.grad
@@ -197,6 +219,60 @@ class GradientReducer:
             complete = group.ready == len(group.slots)
         if complete:
             self._launch_group(group)
+
+    # -- gradient set -----------------------------------------------------------------------------
+    def _live_set(self) -> Any:
+        """The gradient set, registered with the running job (collective: every rank reaches
+        this at its first gradient, or first synchronize, after `init()`)."""
+        gs = self.gset
+        if gs is not None and gs.error is None:
+            return gs
+        self.gset = None
+        members = self.members
+        dtypes: dict[torch.dtype, Any] = {}
+        for s in members:
+            if s.param.dtype not in dtypes:
+                probe = torch.zeros(1, dtype=s.param.dtype, device=s.param.device)
+                dtypes[s.param.dtype] = dtype_of(self.compression.compress(probe)[0])
+        device = members[0].param.device
+        pre, post = self.scale
+        self.gset = adapter.gradient_set(
+            [f"allreduce.{s.name}" for s in members], [tuple(s.param.shape) for s in members],
+            [dtypes[s.param.dtype] for s in members],
+            device.index if device.type == "cuda" else CPU_DEVICE, self.process_set, self.op,
+            pre, post)
+        return self.gset
+
+    def _submit(self, slot: _Slot) -> None:
+        """Hands a member's final gradient (zeros if it has none) to the gradient set."""
+        gs = self.gset
+        if gs is None or gs.error is not None:
+            gs = self._live_set()
+            if gs is None:  # this job cannot run a gradient set: one op per gradient
+                for s in self.members:
+                    s.member = -1
+                self.members = []
+                self._launch(slot)
+                return
+        p = slot.param
+        grad = p.grad
+        if grad is not None and grad.requires_grad:
+            raise AssertionError("DistributedOptimizer does not support gradients that require "
+                                 "grad (backward(create_graph=True))")
+        if grad is not None and grad.is_sparse and not self.sparse_as_dense:
+            self._launch(slot)  # its own (sparse) reduction; zeros in the set
+            send = self.compression.compress(torch.zeros(p.shape, dtype=p.dtype,
+                                                         device=p.device))[0]
+        else:
+            send = self._prepare(slot)
+        a = to_collective(send)
+        i = slot.member
+        if a.dtype != gs.dtypes[i] or send.numel() != gs.sizes[i]:
+            raise ValueError(f"the gradient of {slot.name!r} ({send.dtype}, {send.numel()} "
+                             f"elements to send) does not match its parameter "
+                             f"({gs.dtypes[i].label}, {gs.sizes[i]} elements)")
+        gs.submit(i, a.tensor, a.ready_event)
+        slot.queued = True
 
     def _launch_bucket(self, bucket: Bucket) -> None:
         flat = bucket.pack()
@@ -265,7 +341,11 @@ class GradientReducer:
             HorovodInternalError: an allreduce failed (e.g. a rank died or shapes differ).
         """
         try:
+            if self.members:
+                self._finish_set()
             for slot in self.slots:
+                if slot.member >= 0:
+                    continue
                 if slot.group is None and slot.bucket is None and slot.handle is None:
                     self._launch(slot)
             for bucket in self.buckets:
@@ -279,7 +359,8 @@ class GradientReducer:
                 bucket.handle.wait()
                 bucket.unpack(self.compression.decompress(bucket.send, bucket.cctx))
             for slot in self.slots:
-                if slot.group is not None or (slot.bucket is not None and slot.handle is None):
+                if slot.member >= 0 or slot.group is not None or (
+                        slot.bucket is not None and slot.handle is None):
                     continue
                 if isinstance(slot.handle, collective.Handle):
                     slot.handle.wait()
@@ -297,10 +378,37 @@ class GradientReducer:
                 if cap != self.cap_mb:
                     self._replan(cap)
 
+    def _finish_set(self) -> None:
+        """The gradient set's part of `synchronize`: submits the members not submitted yet,
+        waits for all of them and writes the results back."""
+        for slot in list(self.members):
+            if not self.members:
+                break
+            if not slot.queued:
+                self._submit(slot)
+        if not self.members:  # the job cannot run a set: _submit fell back to ordinary ops
+            return
+        done = self.gset.wait()
+        if done is not None and self.members[0].param.is_cuda:
+            _cuda.settle(done)  # the current stream waits for the set's last op
+        for slot in self.members:
+            if slot.handle is not None:  # sparse: a function that waits and sums
+                self._write_back(slot, slot.handle())
+            else:
+                self._write_back(slot)
+
     def reset(self) -> None:
         """Forgets in-flight reductions and restarts the pass count."""
+        gs = self.gset
+        if gs is not None and gs.partial():
+            # Reset mid-step (not after a completed synchronize): members of this step are in
+            # flight. The set is retired (it takes no part in later rounds' agreements) and a
+            # new one registers on first use.
+            gs.retire()
+            self.gset = None
         for slot in self.slots:
             slot.delay = self.passes
+            slot.queued = False
             slot.handle = slot.send = slot.cctx = None
         for group in self.groups:
             group.ready = 0

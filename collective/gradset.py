@@ -1,0 +1,371 @@
+"""Gradient sets: a fixed list of tensors allreduced every step, one op per member as in
+Horovod's per-gradient mode, without a request, table entry and handle per member and step.
+
+`DistributedOptimizer` without buckets (`HOROVOD_BUCKET_CAP_MB=0`) reduces each gradient as
+soon as backward produces it, and the coordinator fuses whatever is ready on every rank. Through
+the ordinary op path each gradient of each step costs a request, a tensor-table entry, a handle,
+a cache lookup, a ready event and a stream wait, most of it while backward's own kernel launches
+wait for the GIL. A gradient set moves that work out of the step:
+
+* **registration** (`register`, once per optimizer and runtime; collective): every rank
+  allgathers a fingerprint per member (name, shape, dtype, reduce op, scaling), so a different
+  model on some rank fails here with the member and the ranks named, never later as a hang.
+  The set becomes part of its process set's negotiation at the point where that allgather
+  completes, which is the same round on every rank;
+* **submit** (a gradient hook): stores the tensor, appends the member's index to a deque and
+  nudges the coordinator; nothing else;
+* **negotiation** (collective/coordinator/negotiate.py): each set adds one bit per member to the
+  round's AND vector, after the response cache's bits. Members set on every rank are agreed;
+  every rank cuts them, in member order, into fused ops of up to the fusion threshold (the
+  same rules as `fusion.plan_fusion`: one dtype per op, a device member of `ALONE_BYTES` or more
+  alone), so no rank-0 plan travels;
+* **execution** (collective/coordinator/execute.py): an agreed chunk runs on the engine like a
+  fused response, in place; a device member's ready event (recorded by its hook) orders the
+  engine's stream after the kernels that produced it;
+* **wait** (the optimizer's `synchronize`): blocks until every member of the step has run and
+  returns the last op's completion; the caller's stream waits on that one event.
+
+A rank that joined (`hvd.join()`) contributes zeros: its bits are all set, and it runs every
+agreed chunk with zero tensors. Members submitted here but not by every rank after
+`HOROVOD_STALL_CHECK_TIME_SECONDS` are named in a warning on this rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import _current, _log
+from .entry import Entry
+from .errors import HorovodInternalError
+from .fusion import ALONE_BYTES
+from .handle import Handle
+from .types import CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response, ResponseType
+
+__all__ = ["GradientSet", "SetChunk", "register", "MISMATCH"]
+
+_log_ = _log.get_logger()
+
+MISMATCH = ("DistributedOptimizer's gradients differ across ranks: {detail}. Every rank must "
+            "wrap the same model's parameters, in the same order, with the same names, dtypes "
+            "and options (named_parameters, op, gradient_predivide_factor, compression).")
+
+
+class SetChunk:
+    """Agreed members of one gradient set that run as one (fused) allreduce."""
+
+    __slots__ = ("gset", "indices", "joined")
+
+    def __init__(self, gset: "GradientSet", indices: list[int], joined: bool) -> None:
+        self.gset = gset
+        self.indices = indices
+        self.joined = joined  # this rank joined: contribute zeros
+
+    def response(self) -> Response:
+        s, idx = self.gset, self.indices
+        return Response(ResponseType.ALLREDUCE, [s.names[i] for i in idx],
+                        s.dtypes[idx[0]], s.device, [s.sizes[i] for i in idx], s.op,
+                        s.prescale, s.postscale, shapes=[s.shapes[i] for i in idx])
+
+
+class GradientSet:
+    """One registered list of tensors (see the module docstring). User threads call `submit`
+    and `wait`; the coordinator calls the rest while the set is `active`."""
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                 dtypes: Sequence[DataType], device: int, op: ReduceOp, prescale: float,
+                 postscale: float, stall_time: float) -> None:
+        self.names = list(names)
+        self.shapes = [tuple(s) for s in shapes]
+        self.dtypes = list(dtypes)
+        self.device = device
+        self.op = op
+        self.prescale = prescale
+        self.postscale = postscale
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.nbytes = [n * d.itemsize for n, d in zip(self.sizes, self.dtypes)]
+        self.n = len(self.names)
+        self.nwords = (self.n + 63) // 64
+        self.full = (1 << self.n) - 1
+        self.stall_time = stall_time
+        self.active = False
+        self.retired = False  # dropped by its owner mid-step: no part in later agreements
+        self.wake: Callable[[bool], None] | None = None  # the coordinator's wake(held)
+        self.waiting: Callable[[int], None] | None = None  # the coordinator's waiting(delta)
+        # Shared with user threads:
+        self.tensors: list[Any] = [None] * self.n  # this step's engine views
+        self.ready: list[Any] = [None] * self.n  # ready events of device members
+        self._new: deque[int] = deque()  # submitted, not yet taken into a round
+        self.new_bytes = 0
+        self._submitted = 0  # bit mask of this step's submits (user side)
+        self._left = self.n  # members not yet run this step (coordinator side)
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.completion: Any = None  # the last op's completion (device: a DeviceResult)
+        # Coordinator only:
+        self.mask = 0  # submitted on this rank, not yet agreed
+        self._since = 0.0  # when the oldest pending member was submitted
+        self._warned = False
+
+    # -- user side ------------------------------------------------------------------------------
+    def submit(self, i: int, tensor: Any, ready: Any = None) -> None:
+        """Member `i`'s tensor for this step (an engine view: numpy array or device buffer)
+        and, for a device member, its ready event (as `Entry.ready_event`). Any thread; once
+        per member and step.
+
+        Raises:
+            ValueError: member `i` was already submitted this step.
+        """
+        bit = 1 << i
+        if self._submitted & bit:
+            raise ValueError(f"gradient {self.names[i]!r} was submitted twice in one step")
+        self._submitted |= bit
+        self.tensors[i] = tensor
+        self.ready[i] = ready
+        self._new.append(i)
+        self.new_bytes += self.nbytes[i]
+        wake = self.wake
+        if wake is not None:
+            wake(self.device != CPU_DEVICE)
+
+    def missing(self) -> list[int]:
+        """Members not submitted this step (user side)."""
+        sub = self._submitted
+        return [i for i in range(self.n) if not sub >> i & 1]
+
+    def wait(self) -> Any:
+        """Blocks until every member of this step has run; returns the last op's completion
+        (None for host sets) and starts the next step.
+
+        Raises:
+            HorovodInternalError / ShutdownError: an op failed, or the job ended.
+        """
+        if not self._done.is_set() and self.error is None:
+            waiting = self.waiting
+            if waiting is not None:
+                waiting(1)  # the coordinator negotiates at once instead of collecting
+            try:
+                self._done.wait()
+            finally:
+                if waiting is not None:
+                    waiting(-1)
+        if self.error is not None:
+            raise self.error
+        done = self.completion
+        self.tensors = [None] * self.n
+        self.ready = [None] * self.n
+        self.completion = None
+        self._submitted = 0
+        self._left = self.n
+        self._done.clear()
+        return done
+
+    def partial(self) -> bool:
+        """Some members were submitted this step and `wait` has not returned (user side)."""
+        return bool(self._submitted)
+
+    def retire(self) -> None:
+        """Drops the set mid-step (its owner reset): from the next round on its bits are 0 on
+        this rank, so its pending members never run; a new set takes its place."""
+        self.retired = True
+
+    def fail(self, exc: BaseException) -> None:
+        """Fails the current and every later `wait` (the job ended or an op failed)."""
+        if self.error is None:
+            self.error = exc
+        self._done.set()
+
+    # -- coordinator side -----------------------------------------------------------------------
+    def busy(self) -> bool:
+        """Members submitted on this rank and not yet run."""
+        return not self.retired and bool(self.mask or self._new)
+
+    def take(self, now: float, tl: Any = None) -> None:
+        """Moves this step's new submits into the pending mask (start of a round)."""
+        new = self._new
+        if self.retired:
+            new.clear()
+            self.mask = 0
+            self.tensors = [None] * self.n
+            self.ready = [None] * self.n
+            return
+        if new:
+            if not self.mask:
+                self._since = now
+            mask = self.mask
+            while new:
+                i = new.popleft()
+                mask |= 1 << i
+                if tl is not None:
+                    tl.negotiate_start(self.names[i], "ALLREDUCE")
+            self.mask = mask
+            self.new_bytes = 0
+        if self.mask and self.stall_time > 0 and not self._warned \
+                and now - self._since > self.stall_time:
+            self._warned = True
+            names = [self.names[i] for i in _indices(self.mask)]
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5
+                                           else "")
+            _log_.warning(
+                "One or more ranks did not submit gradients that this rank submitted %.0f s "
+                "ago: %s. Every rank must call backward() and optimizer.step() (or "
+                "synchronize()) the same number of times; a rank that runs out of data should "
+                "call hvd.join().", now - self._since, shown)
+
+    def words(self, joined: bool) -> np.ndarray:
+        """This rank's bits for a round: its pending members (all members once it joined)."""
+        mask = 0 if self.retired else self.full if joined else self.mask
+        return np.frombuffer(mask.to_bytes(8 * self.nwords, "little"), dtype="<u8")
+
+    def agree(self, res: np.ndarray, joined: bool, threshold: int) -> list[SetChunk]:
+        """The members set in the round's AND result `res` (this set's words), cut into fused
+        ops in member order; they leave the pending mask."""
+        common = int.from_bytes(res.astype("<u8", copy=False).tobytes(), "little")
+        common &= self.full if joined else self.mask
+        if not common or self.retired:
+            return []
+        if not joined:
+            self.mask &= ~common
+            self._warned = False
+            if self.mask:
+                self._since = time.monotonic()
+        return [SetChunk(self, idx, joined) for idx in self._cut(_indices(common), threshold)]
+
+    def _cut(self, members: list[int], threshold: int) -> list[list[int]]:
+        chunks: list[list[int]] = []
+        cur: list[int] = []
+        cur_bytes = 0
+        dtype = None
+        alone = ALONE_BYTES if self.device != CPU_DEVICE and ALONE_BYTES > 0 else 0
+        for i in members:
+            nb = self.nbytes[i]
+            if alone and nb >= alone:
+                chunks.append([i])
+                continue
+            if cur and (self.dtypes[i] != dtype or cur_bytes + nb > threshold):
+                chunks.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append(i)
+            cur_bytes += nb
+            dtype = self.dtypes[i]
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def entries(self, chunk: SetChunk, engine: Any, handle: Handle) -> list[Entry]:
+        """The engine entries of a chunk: in-place ops on this step's tensors (zeros on a
+        rank that joined)."""
+        out = []
+        joined = chunk.joined
+        for i in chunk.indices:
+            if joined:
+                t, ev = engine.zeros(self.shapes[i], self.dtypes[i], self.device), None
+            else:
+                t, ev = self.tensors[i], self.ready[i]
+            req = Request(0, RequestType.ALLREDUCE, self.names[i], self.dtypes[i],
+                          self.shapes[i], self.device, -1, self.op, self.prescale,
+                          self.postscale)
+            out.append(Entry(req, t, handle, t, ready_event=ev))
+        return out
+
+    def ran(self, chunk: SetChunk, completion: Any) -> None:
+        """A chunk was launched (coordinator)."""
+        if chunk.joined:
+            return
+        self.completion = completion
+        self._left -= len(chunk.indices)
+        if self._left <= 0:
+            self._done.set()
+
+
+def _indices(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def _fingerprint(name: str, shape: tuple[int, ...], dtype: DataType, device: bool,
+                 op: ReduceOp, prescale: float, postscale: float) -> int:
+    text = f"{name}|{shape}|{dtype.name}|{device}|{int(op)}|{prescale!r}|{postscale!r}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
+             dtypes: Sequence[DataType], device: int, process_set: Any, op: ReduceOp,
+             prescale: float, postscale: float) -> GradientSet | None:
+    """Registers a gradient set with the running job (collective over `process_set`: every
+    member rank calls it at the same point of its op sequence). None when the job cannot run
+    one (not initialised, dynamic process sets): the caller then submits ordinary ops.
+
+    Raises:
+        ValueError: the members differ across ranks (names, shapes, dtypes, op, scaling).
+        HorovodInternalError / ShutdownError: the job failed or ended.
+    """
+    rt: Any = _current.current_or_none()
+    if rt is None or rt.dynamic_process_sets or rt.shut_down:
+        return None
+    state = rt.process_set_state(process_set, "DistributedOptimizer")
+    cfg = rt.config
+    gset = GradientSet(names, shapes, dtypes, device, op, prescale, postscale,
+                       0.0 if cfg.stall_check_disable else cfg.stall_check_time)
+    coord = rt.coordinator
+    gset.wake = coord.wake
+    gset.waiting = coord.waiting
+    prints = np.array([len(gset.names)] + [
+        _fingerprint(n, s, d, device != CPU_DEVICE, op, prescale, postscale)
+        for n, s, d in zip(gset.names, gset.shapes, gset.dtypes)], dtype=np.uint64)
+    state.set_count = getattr(state, "set_count", 0) + 1
+    name = f"ringvod.gradient_set.{state.set_count}"
+    req = Request(state.rank, RequestType.ALLGATHER, name, DataType.INT64, prints.shape)
+    entry = Entry(req, prints.view(np.int64), Handle(name))
+    verdict: list[str] = []
+
+    def activate(h: Handle) -> None:
+        # Runs where the allgather completes: inside the same round on every rank, so every
+        # rank adds the set's bits to the same next round.
+        if h.exception() is not None:
+            return
+        problem = _compare(np.asarray(h._result).view(np.uint64), prints, gset.names,
+                           state.ranks, state.rank)
+        if problem:
+            verdict.append(problem)
+            return
+        gset.active = True
+        state.sets.append(gset)
+
+    entry.handle.add_done_callback(activate)
+    rt.submit(state, [entry])
+    entry.handle.wait()
+    if verdict:
+        raise ValueError(MISMATCH.format(detail=verdict[0]))
+    if not gset.active:  # pragma: no cover - the handle completed without its callback
+        raise HorovodInternalError(f"gradient set {name} did not register")
+    return gset
+
+
+def _compare(gathered: np.ndarray, mine: np.ndarray, names: list[str], ranks: list[int],
+             me: int) -> str:
+    """'' when every rank registered the same members, else what differs."""
+    blocks, pos = [], 0
+    for _ in ranks:
+        n = int(gathered[pos])
+        blocks.append(gathered[pos + 1:pos + 1 + n])
+        pos += 1 + n
+    ref = blocks[0]
+    for r, b in enumerate(blocks):
+        if len(b) != len(ref):
+            return (f"rank {ranks[0]} has {len(ref)} parameters with gradients, rank "
+                    f"{ranks[r]} has {len(b)}")
+    for i in range(len(ref)):
+        differ = [ranks[r] for r, b in enumerate(blocks) if b[i] != ref[i]]
+        if differ:
+            return (f"parameter {i} ({names[i]!r} on rank {ranks[me]}) has a different name, "
+                    f"shape, dtype or option on rank(s) {differ} than on rank {ranks[0]}")
+    return ""

@@ -1,0 +1,174 @@
+"""Per-gradient mode's gradient set (`HOROVOD_BUCKET_CAP_MB=0`, collective/gradset.py) under
+real ranks: uneven steps with `join`, a different model on one rank, a re-`init()`, a reset
+in the middle of a step, a stalled rank, and ordinary ops in between. Launched by
+tests/parallel/test_torch_driver.py with `HOROVOD_BUCKET_CAP_MB=0`.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import horovod.torch as hvd_module
+from tests.parallel._torch_util import init_world
+
+
+@pytest.fixture(scope="module")
+def hvd():
+    init_world()
+    return hvd_module
+
+
+def _model(seed: int = 0, width: int = 6) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, 4))
+
+
+def _opt(hvd, model, **kw):
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                    named_parameters=model.named_parameters(), **kw)
+
+
+def _data(n: int, steps: int, seed: int = 9):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n * 4, 8, generator=g), torch.randn(n * 4, 4, generator=g))
+            for _ in range(steps)]
+
+
+def _step(hvd, model, opt, x, y) -> None:
+    r = hvd.rank()
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x[r * 4:(r + 1) * 4]), y[r * 4:(r + 1) * 4]).backward()
+    opt.step()
+
+
+def _same_on_every_rank(hvd, model, name: str) -> None:
+    for p in model.parameters():
+        gathered = hvd.allgather(p.detach().reshape(1, -1), name=name)
+        assert torch.equal(gathered[0], gathered[-1])
+
+
+def test_the_set_is_used(hvd) -> None:
+    model = _model()
+    opt = _opt(hvd, model)
+    for x, y in _data(hvd.size(), 2):
+        _step(hvd, model, opt, x, y)
+    gs = opt._hvd_reducer.gset
+    assert gs is not None and gs.active and gs.n == 4
+    assert gs.names[0] == "allreduce.0.weight"
+    _same_on_every_rank(hvd, model, "used.check")
+
+
+def test_uneven_steps_with_join(hvd) -> None:
+    # Rank r takes r + 2 steps, then joins: from each join on, the joined ranks contribute
+    # zeros, and the gradient is still averaged over every rank.
+    r, n = hvd.rank(), hvd.size()
+    model = _model(1)
+    opt = _opt(hvd, model)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    data = _data(n, n + 1)
+    for step, (x, y) in enumerate(data[:r + 2]):
+        _step(hvd, model, opt, x, y)
+        ref_opt.zero_grad()
+        active = [k for k in range(n) if step < k + 2]  # ranks still stepping
+        loss = sum(torch.nn.functional.mse_loss(ref(x[k * 4:(k + 1) * 4]), y[k * 4:(k + 1) * 4])
+                   for k in active) / n
+        loss.backward()
+        ref_opt.step()
+    assert hvd.join() == n - 1
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=n - 1)
+    for x, y in _data(n, 2, seed=3):  # steps together after the join
+        _step(hvd, model, opt, x, y)
+    _same_on_every_rank(hvd, model, "join.check")
+
+
+def test_different_model_on_one_rank_fails_everywhere(hvd) -> None:
+    # The last rank's second layer is wider: every rank gets a ValueError naming the first
+    # parameter that differs and the ranks, at the first backward, instead of a hang.
+    n = hvd.size()
+    model = _model(2, width=7 if hvd.rank() == n - 1 else 6)
+    opt = _opt(hvd, model)
+    x, y = _data(n, 1)[0]
+    with pytest.raises(ValueError, match=r"gradients differ across ranks: parameter 0 "
+                                         r"\('allreduce.0.weight' on rank \d\) .* on rank\(s\) "
+                                         rf"\[{n - 1}\] than on rank 0"):
+        _step(hvd, model, opt, x, y)
+    opt._hvd_reducer.reset()
+    ok = _model(2)
+    ok_opt = _opt(hvd, ok)
+    _step(hvd, ok, ok_opt, x, y)  # the job goes on
+    _same_on_every_rank(hvd, ok, "mismatch.check")
+
+
+def test_optimizer_survives_reinit(hvd) -> None:
+    # hvd.shutdown() then hvd.init(): the optimizer registers its set with the new runtime.
+    model = _model(3)
+    opt = _opt(hvd, model)
+    data = _data(hvd.size(), 4)
+    for x, y in data[:2]:
+        _step(hvd, model, opt, x, y)
+    first = opt._hvd_reducer.gset
+    hvd.shutdown()
+    hvd.init()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for x, y in data[2:]:
+        _step(hvd, model, opt, x, y)
+    assert opt._hvd_reducer.gset is not first
+    _same_on_every_rank(hvd, model, "reinit.check")
+
+
+def test_reset_in_the_middle_of_a_step(hvd) -> None:
+    # Every rank runs backward, then changes backward_passes_per_step before stepping (a
+    # reset mid-step): the half-done step is dropped and the next steps agree.
+    model = _model(4)
+    opt = _opt(hvd, model)
+    data = _data(hvd.size(), 3)
+    r = hvd.rank()
+    x, y = data[0]
+    torch.nn.functional.mse_loss(model(x[r * 4:(r + 1) * 4]), y[r * 4:(r + 1) * 4]).backward()
+    opt.set_backward_passes_per_step(1)
+    for x, y in data[1:]:
+        _step(hvd, model, opt, x, y)
+    _same_on_every_rank(hvd, model, "reset.check")
+
+
+def test_unused_parameter_and_ordinary_ops_between(hvd) -> None:
+    # A parameter without a gradient contributes zeros; ordinary ops run between steps.
+    model = _model(5)
+    extra = torch.nn.Parameter(torch.ones(3))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(list(model.parameters()) + [extra], lr=0.05),
+        named_parameters=list(model.named_parameters()) + [("extra", extra)])
+    for i, (x, y) in enumerate(_data(hvd.size(), 3)):
+        _step(hvd, model, opt, x, y)
+        total = hvd.allreduce(torch.ones(2), op=hvd.Sum, name=f"between.{i}")
+        assert torch.equal(total, torch.full((2,), float(hvd.size())))
+    assert torch.equal(extra.grad, torch.zeros(3))
+    _same_on_every_rank(hvd, model, "unused.check")
+
+
+def test_stalled_rank_is_named(hvd, caplog) -> None:
+    # The last rank steps late: the others warn about the gradients waiting for it.
+    import time
+    model = _model(6)
+    opt = _opt(hvd, model)
+    (x, y), (x2, y2) = _data(hvd.size(), 2)
+    _step(hvd, model, opt, x2, y2)  # registers the set
+    if hvd.rank() == hvd.size() - 1:
+        time.sleep(2.5)
+    logger = logging.getLogger("horovod")  # does not propagate: attach caplog to it
+    logger.addHandler(caplog.handler)
+    try:
+        _step(hvd, model, opt, x, y)
+    finally:
+        logger.removeHandler(caplog.handler)
+    if hvd.rank() != hvd.size() - 1:
+        assert "did not submit gradients that this rank submitted" in caplog.text
+        assert "allreduce.0.weight" in caplog.text
+    _same_on_every_rank(hvd, model, "stall.check")
