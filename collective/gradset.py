@@ -244,6 +244,9 @@ class GradientSet:
         for i in members:
             nb = self.nbytes[i]
             if alone and nb >= alone:
+                if cur:
+                    chunks.append(cur)
+                    cur, cur_bytes = [], 0
                 chunks.append([i])
                 continue
             if cur and (self.dtypes[i] != dtype or cur_bytes + nb > threshold):

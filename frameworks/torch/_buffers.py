@@ -22,8 +22,8 @@ from collective.adapter import run_one as _run_one
 
 from . import _cuda  # torch-only (no CuPy); imported here, not per call
 
-__all__ = ["CollectiveArgs", "dtype_of", "check_tensor", "to_collective", "from_collective",
-           "enqueue", "run_one", "CPU_DEVICE"]
+__all__ = ["CollectiveArgs", "dtype_of", "check_tensor", "to_collective", "engine_view",
+           "from_collective", "enqueue", "run_one", "CPU_DEVICE"]
 
 CPU_DEVICE = -1
 
@@ -125,6 +125,15 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None) -> C
     # In-place ops pass the very same view as output: engines test `output is tensor`.
     out = None if output is None else view if output is tensor else _host_view(output)
     return CollectiveArgs(view, dtype, view.shape, CPU_DEVICE, None, None, out)
+
+
+def engine_view(tensor: torch.Tensor) -> tuple[Any, Any]:
+    """(engine view, ready event) of a contiguous tensor whose dtype the caller checked: what
+    a gradient set is handed per gradient (`to_collective` without the checks and the
+    argument record). The ready event is None for host tensors."""
+    if tensor.is_cuda:
+        return _cuda.engine_view(tensor)
+    return _host_view(tensor), None
 
 
 def from_collective(result: Any, like: torch.Tensor) -> torch.Tensor:

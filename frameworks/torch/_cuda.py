@@ -30,7 +30,7 @@ from collective import Handle
 from collective.adapter import (DeviceBuffer, DeviceResult, allocation_stream, record_ready,
                                 waiting_hook)
 
-__all__ = ["to_collective", "from_collective", "wrap_handle", "settle"]
+__all__ = ["to_collective", "engine_view", "from_collective", "wrap_handle", "settle"]
 
 _streams: dict[tuple[int, int], Any] = {}  # (stream handle, device) -> torch ExternalStream
 # The current stream's handle without building a torch.cuda.Stream (a few µs per op).
@@ -85,6 +85,17 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(dev))
     return buf, dev, ev, out
+
+
+def engine_view(tensor: torch.Tensor) -> tuple[DeviceBuffer, Any]:
+    """(buffer, ready event) of a contiguous CUDA tensor, as `to_collective` without an
+    output (a gradient set's submit)."""
+    dev = tensor.get_device()
+    ev = record_ready(dev, _current_stream(dev))
+    if ev is None:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+    return DeviceBuffer(tensor.data_ptr(), tensor.nbytes, tuple(tensor.shape), tensor), ev
 
 
 _stream_objects: dict[tuple[int, int], Any] = {}  # (raw handle, device) -> torch.cuda.Stream

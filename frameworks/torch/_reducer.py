@@ -44,7 +44,7 @@ from collective import ProcessSet, ReduceOp, RequestType, adapter, global_proces
 from .._common import split_list
 from ._buckets import Bucket, plan_buckets
 from . import _cuda
-from ._buffers import CPU_DEVICE, dtype_of, enqueue, to_collective
+from ._buffers import CPU_DEVICE, dtype_of, engine_view, enqueue
 from .functions import broadcast_object
 from .ops import sparse_allreduce_async
 
@@ -117,6 +117,7 @@ class GradientReducer:
         self.schedule: Any = None  # autotune's bucket schedule (see the module docstring)
         self.members: list[_Slot] = []  # the gradient set's slots, in member order
         self.gset: Any = None  # the registered set (None: not registered with this runtime)
+        self._expect: list[tuple[torch.dtype, int]] = []  # per member: dtype and size sent
 
     # -- setup ----------------------------------------------------------------------------------
     def add(self, param: torch.Tensor, name: str) -> _Slot:
@@ -229,16 +230,17 @@ class GradientReducer:
             return gs
         self.gset = None
         members = self.members
-        dtypes: dict[torch.dtype, Any] = {}
+        sent: dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> the dtype sent
         for s in members:
-            if s.param.dtype not in dtypes:
+            if s.param.dtype not in sent:
                 probe = torch.zeros(1, dtype=s.param.dtype, device=s.param.device)
-                dtypes[s.param.dtype] = dtype_of(self.compression.compress(probe)[0])
+                sent[s.param.dtype] = self.compression.compress(probe)[0].dtype
+        self._expect = [(sent[s.param.dtype], s.param.numel()) for s in members]
         device = members[0].param.device
         pre, post = self.scale
         self.gset = adapter.gradient_set(
             [f"allreduce.{s.name}" for s in members], [tuple(s.param.shape) for s in members],
-            [dtypes[s.param.dtype] for s in members],
+            [dtype_of(torch.empty(0, dtype=sent[s.param.dtype])) for s in members],
             device.index if device.type == "cuda" else CPU_DEVICE, self.process_set, self.op,
             pre, post)
         return self.gset
@@ -265,13 +267,13 @@ class GradientReducer:
                                                          device=p.device))[0]
         else:
             send = self._prepare(slot)
-        a = to_collective(send)
         i = slot.member
-        if a.dtype != gs.dtypes[i] or send.numel() != gs.sizes[i]:
+        dtype, numel = self._expect[i]
+        if send.dtype != dtype or send.numel() != numel:
             raise ValueError(f"the gradient of {slot.name!r} ({send.dtype}, {send.numel()} "
-                             f"elements to send) does not match its parameter "
-                             f"({gs.dtypes[i].label}, {gs.sizes[i]} elements)")
-        gs.submit(i, a.tensor, a.ready_event)
+                             f"elements to send) does not match its parameter ({dtype}, "
+                             f"{numel} elements)")
+        gs.submit(i, *engine_view(send))
         slot.queued = True
 
     def _launch_bucket(self, bucket: Bucket) -> None:

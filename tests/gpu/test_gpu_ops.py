@@ -46,13 +46,13 @@ def need_gpus(n: int) -> None:
                      f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})", "gpu")
 
 
-def launch(target: str, mode: str, timeout: float = 240, **kw):
+def launch(target: str, mode: str, timeout: float = 240, env: dict | None = None, **kw):
     need_gpus(2)
     if mode == "mpi":
         reason = mpi_available()
         if reason:
             skip_or_fail(reason, "mpi")
-    return run_spmd(target, 2, timeout, mode=mode, env=GPU_ENV, **kw)
+    return run_spmd(target, 2, timeout, mode=mode, env={**GPU_ENV, **(env or {})}, **kw)
 
 
 # -- drivers --------------------------------------------------------------------------------------
@@ -67,12 +67,23 @@ def test_gpu_spmd(mode: str) -> None:
 @pytest.mark.spmd_driver
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["mpi", "tcp"])
-@pytest.mark.parametrize("what", ["allreduce", "train"])
+def test_gpu_per_gradient_mode(mode: str) -> None:
+    # Horovod's per-gradient mode (no buckets): the optimizer's gradient set on the GPU.
+    launch(__file__, mode, timeout=120, env={"HOROVOD_BUCKET_CAP_MB": "0"},
+           args=["--maxfail=1000", "-k", "training_equality or joins or reinit or batch_norm"])
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["mpi", "tcp"])
+@pytest.mark.parametrize("what", ["allreduce", "train", "train-per-gradient"])
 def test_gpu_killed_peer_ends_job(mode: str, what: str) -> None:
-    # "train": DistributedOptimizer steps, whose bucket allreduces wait on the GPU for the dead
-    # peer; the job must end all the same.
+    # "train": DistributedOptimizer steps, whose bucket allreduces (or, per gradient, gradient
+    # set ops) wait on the GPU for the dead peer; the job must end all the same.
+    pg = what == "train-per-gradient"
     res = launch(os.path.join(HERE, "_killed_peer.py"), mode, timeout=120, check=False,
-                 args=[what])
+                 args=["train" if pg else what],
+                 env={"HOROVOD_BUCKET_CAP_MB": "0"} if pg else None)
     assert not res.timed_out, "a killed peer left the job hanging:\n" + res.report()
     assert res.returncode != 0, res.report()
     assert res.duration < 90, res.report()

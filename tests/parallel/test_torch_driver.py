@@ -54,6 +54,20 @@ def test_torch_optimizer_per_gradient_mode() -> None:
 
 
 @pytest.mark.spmd_driver
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode,np_", [("mpi", 2), ("tcp", 3)], ids=["mpi-np2", "tcp-np3"])
+def test_torch_gradient_set(mode: str, np_: int) -> None:
+    """Per-gradient mode's gradient set: join, a different model on one rank, re-init, a reset
+    mid-step, a stalled rank (tests/parallel/test_torch_gradset.py)."""
+    if mode == "mpi":
+        reason = mpi_available()
+        if reason:
+            skip_or_fail(reason, "mpi")
+    run_spmd("tests/parallel/test_torch_gradset.py", np_, 120, mode=mode,
+             env={"HOROVOD_BUCKET_CAP_MB": "0", "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"})
+
+
+@pytest.mark.spmd_driver
 @pytest.mark.mpi
 @pytest.mark.timeout(150)
 def test_examples_run_unchanged_with_horovod_torch() -> None:

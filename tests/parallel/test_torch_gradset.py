@@ -14,6 +14,8 @@ import torch
 import horovod.torch as hvd_module
 from tests.parallel._torch_util import init_world
 
+pytestmark = [pytest.mark.spmd, pytest.mark.timeout(60)]
+
 
 @pytest.fixture(scope="module")
 def hvd():

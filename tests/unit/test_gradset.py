@@ -1,0 +1,158 @@
+"""`collective.gradset.GradientSet` on its own: bits per round, agreement, fused chunks, joined
+ranks, retirement, the per-step cycle and the registration check (no runtime)."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from collective.errors import ShutdownError
+from collective.fusion import ALONE_BYTES
+from collective.gradset import GradientSet, _compare, _fingerprint
+from collective.types import DataType, ReduceOp
+
+F32, F16 = DataType.FLOAT32, DataType.FLOAT16
+
+
+def _set(shapes, dtypes=None, device=0, n_names=None):
+    dtypes = dtypes or [F32] * len(shapes)
+    names = n_names or [f"allreduce.p{i}" for i in range(len(shapes))]
+    return GradientSet(names, shapes, dtypes, device, ReduceOp.AVERAGE, 1.0, 1.0, 0.0)
+
+
+def _all_ones(gs):
+    return np.full(gs.nwords, np.uint64(2**64 - 1), dtype=np.uint64)
+
+
+def test_submitted_members_become_bits_and_agreed_ones_leave():
+    gs = _set([(4,)] * 70)  # two words
+    assert gs.nwords == 2
+    for i in (0, 3, 65):
+        gs.submit(i, f"t{i}")
+    assert gs.busy() and not gs.words(False).any()  # not taken yet
+    gs.take(0.0)
+    w = gs.words(False)
+    assert int(w[0]) == 0b1001 and int(w[1]) == 0b10
+    # Another rank has 3 and 65 only: those two run, 0 waits.
+    other = np.array([0b1000, 0b10], dtype=np.uint64)
+    chunks = gs.agree(w & other, False, 1 << 20)
+    assert [c.indices for c in chunks] == [[3, 65]]
+    assert gs.mask == 1 and gs.busy()
+    assert chunks[0].response().names == ["allreduce.p3", "allreduce.p65"]
+    assert chunks[0].response().sizes == [4, 4]
+
+
+def test_chunks_follow_the_fusion_rules():
+    big = ALONE_BYTES // 4
+    gs = _set([(10,), (10,), (big,), (10,), (10,), (10,)], [F32, F32, F32, F32, F16, F16])
+    for i in range(6):
+        gs.submit(i, i)
+    gs.take(0.0)
+    chunks = gs.agree(_all_ones(gs), False, 1 << 30)
+    # the large device member alone, a dtype change cuts
+    assert [c.indices for c in chunks] == [[0, 1], [2], [3], [4, 5]]
+    # threshold: 40 + 40 bytes > 60 cuts after each member
+    gs2 = _set([(10,)] * 3)
+    for i in range(3):
+        gs2.submit(i, i)
+    gs2.take(0.0)
+    assert [c.indices for c in gs2.agree(_all_ones(gs2), False, 60)] == [[0], [1], [2]]
+    # host sets fuse large members too
+    gs3 = _set([(10,), (big,)], device=-1)
+    for i in range(2):
+        gs3.submit(i, i)
+    gs3.take(0.0)
+    assert [c.indices for c in gs3.agree(_all_ones(gs3), False, 1 << 30)] == [[0, 1]]
+
+
+def test_a_joined_rank_offers_every_member_and_keeps_no_state():
+    gs = _set([(4,)] * 3)
+    assert int(gs.words(True)[0]) == 0b111
+    chunks = gs.agree(np.array([0b101], dtype=np.uint64), True, 1 << 20)
+    assert [c.indices for c in chunks] == [[0, 2]] and chunks[0].joined
+    assert gs.mask == 0
+    gs.ran(chunks[0], "done")  # zeros ran: this rank's own step is not advanced
+    assert gs.completion is None and gs._left == 3
+
+
+def test_step_cycle_wait_and_next_step():
+    gs = _set([(4,)] * 2, device=-1)
+    gs.submit(0, "a")
+    gs.submit(1, "b")
+    with pytest.raises(ValueError, match="submitted twice"):
+        gs.submit(1, "b")
+    assert gs.partial() and gs.missing() == []
+    gs.take(0.0)
+    (chunk,) = gs.agree(_all_ones(gs), False, 1 << 20)
+    got = []
+    t = threading.Thread(target=lambda: got.append(gs.wait()))
+    t.start()
+    gs.ran(chunk, "completion")
+    t.join(5)
+    assert got == ["completion"]
+    assert not gs.partial() and gs.tensors == [None, None] and gs.missing() == [0, 1]
+    gs.submit(0, "a2")  # the next step
+    assert gs.missing() == [1]
+
+
+def test_failure_reaches_the_waiter_and_every_later_wait():
+    gs = _set([(4,)], device=-1)
+    gs.submit(0, "a")
+    gs.fail(ShutdownError())
+    with pytest.raises(ShutdownError):
+        gs.wait()
+    with pytest.raises(ShutdownError):
+        gs.wait()
+
+
+def test_a_retired_set_offers_nothing_and_releases_its_tensors():
+    gs = _set([(4,)] * 2)
+    gs.submit(0, "a")
+    gs.take(0.0)
+    gs.retire()
+    assert not gs.busy()
+    assert not gs.words(False).any() and not gs.words(True).any()
+    assert gs.agree(_all_ones(gs), False, 1 << 20) == []
+    gs.submit(1, "b")
+    gs.take(0.0)
+    assert gs.tensors == [None, None] and gs.mask == 0
+
+
+def test_stall_warning_names_the_waiting_gradients(caplog):
+    import logging
+    gs = GradientSet(["allreduce.a", "allreduce.b"], [(1,), (1,)], [F32, F32], -1,
+                     ReduceOp.SUM, 1.0, 1.0, 5.0)
+    gs.submit(1, "b")
+    gs.take(100.0)
+    logger = logging.getLogger("horovod")
+    logger.addHandler(caplog.handler)
+    try:
+        gs.take(103.0)
+        assert "did not submit" not in caplog.text
+        gs.take(106.0)
+        gs.take(107.0)  # once per stall
+    finally:
+        logger.removeHandler(caplog.handler)
+    warned = {id(r): r.getMessage() for r in caplog.records}  # a record may come twice
+    assert len(warned) == 1
+    (text,) = warned.values()
+    assert "did not submit gradients" in text
+    assert "allreduce.b" in text and "allreduce.a" not in text
+
+
+def test_registration_check_names_the_parameter_and_ranks():
+    names = ["allreduce.w", "allreduce.b"]
+
+    def prints(shapes):
+        return np.array([len(shapes)] + [_fingerprint(n, s, F32, True, ReduceOp.AVERAGE, 1.0, 1.0)
+                                         for n, s in zip(names, shapes)], dtype=np.uint64)
+    a = prints([(3, 2), (3,)])
+    b = prints([(3, 2), (4,)])
+    assert _compare(np.concatenate([a, a, a]), a, names, [0, 1, 2], 1) == ""
+    msg = _compare(np.concatenate([a, b, b]), a, names, [0, 1, 2], 0)
+    assert msg == ("parameter 1 ('allreduce.b' on rank 0) has a different name, shape, dtype "
+                   "or option on rank(s) [1, 2] than on rank 0")
+    short = np.array([1, a[1]], dtype=np.uint64)
+    assert _compare(np.concatenate([a, short]), a, names, [4, 6], 0) == (
+        "rank 4 has 2 parameters with gradients, rank 6 has 1")
