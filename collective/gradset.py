@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _current, _log
-from .entry import Entry
+from .entry import Entry, default_allocate
 from .errors import HorovodInternalError
 from .fusion import ALONE_BYTES
 from .handle import Handle
@@ -78,7 +78,8 @@ class GradientSet:
 
     def __init__(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]],
                  dtypes: Sequence[DataType], device: int, op: ReduceOp, prescale: float,
-                 postscale: float, stall_time: float) -> None:
+                 postscale: float, stall_time: float,
+                 allocate: Callable[[tuple, Any], Any] | None = None) -> None:
         self.names = list(names)
         self.shapes = [tuple(s) for s in shapes]
         self.dtypes = list(dtypes)
@@ -92,6 +93,7 @@ class GradientSet:
         self.nwords = (self.n + 63) // 64
         self.full = (1 << self.n) - 1
         self.stall_time = stall_time
+        self.allocate = allocate or default_allocate  # the engine's fusion buffer comes from it
         self.active = False
         self.retired = False  # dropped by its owner mid-step: no part in later agreements
         self.wake: Callable[[bool], None] | None = None  # the coordinator's wake(held)
@@ -272,7 +274,7 @@ class GradientSet:
             req = Request(0, RequestType.ALLREDUCE, self.names[i], self.dtypes[i],
                           self.shapes[i], self.device, -1, self.op, self.prescale,
                           self.postscale)
-            out.append(Entry(req, t, handle, t, ready_event=ev))
+            out.append(Entry(req, t, handle, t, self.allocate, ready_event=ev))
         return out
 
     def ran(self, chunk: SetChunk, completion: Any) -> None:
@@ -302,10 +304,13 @@ def _fingerprint(name: str, shape: tuple[int, ...], dtype: DataType, device: boo
 
 def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
              dtypes: Sequence[DataType], device: int, process_set: Any, op: ReduceOp,
-             prescale: float, postscale: float) -> GradientSet | None:
+             prescale: float, postscale: float,
+             allocate: Callable[[tuple, Any], Any] | None = None) -> GradientSet | None:
     """Registers a gradient set with the running job (collective over `process_set`: every
-    member rank calls it at the same point of its op sequence). None when the job cannot run
-    one (not initialised, dynamic process sets): the caller then submits ordinary ops.
+    member rank calls it at the same point of its op sequence). `allocate`: as
+    `Entry.allocate`, for the engine's buffers (the framework's allocator). None when the job
+    cannot run one (not initialised, dynamic process sets): the caller then submits ordinary
+    ops.
 
     Raises:
         ValueError: the members differ across ranks (names, shapes, dtypes, op, scaling).
@@ -317,7 +322,7 @@ def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
     state = rt.process_set_state(process_set, "DistributedOptimizer")
     cfg = rt.config
     gset = GradientSet(names, shapes, dtypes, device, op, prescale, postscale,
-                       0.0 if cfg.stall_check_disable else cfg.stall_check_time)
+                       0.0 if cfg.stall_check_disable else cfg.stall_check_time, allocate)
     coord = rt.coordinator
     gset.wake = coord.wake
     gset.waiting = coord.waiting

@@ -242,7 +242,7 @@ class GradientReducer:
             [f"allreduce.{s.name}" for s in members], [tuple(s.param.shape) for s in members],
             [dtype_of(torch.empty(0, dtype=sent[s.param.dtype])) for s in members],
             device.index if device.type == "cuda" else CPU_DEVICE, self.process_set, self.op,
-            pre, post)
+            pre, post, _cuda.allocate if device.type == "cuda" else None)
         return self.gset
 
     def _submit(self, slot: _Slot) -> None:
