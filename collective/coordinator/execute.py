@@ -4,7 +4,8 @@ Errors and join/barrier responses complete their handles directly. Data response
 entries out of the tensor table (a rank that joined contributes zeros of the agreed shape) and
 run on the process set's host engine or, for device buffers, its device engine, created on the
 first device response (every rank of the set gets that response at the same point, so the
-engine's collective setup lines up).
+engine's collective setup lines up). A gradient set's agreed members (`SetChunk`) run the same
+way, as one in-place (fused) allreduce whose entries the set builds (collective/gradset.py).
 """
 from __future__ import annotations
 

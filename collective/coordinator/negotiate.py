@@ -2,9 +2,11 @@
 
 A round drains the set's queue, looks each request up in the response cache and contributes one
 word vector to a bitwise-AND allreduce: four inverted status bits (shutdown, uncached work,
-invalid entry, autotune parameters to switch to: tuning.py) and one bit per cached response this
-rank has a request for (autotune may switch the cache off and on between rounds: tuning.py).
-Bits set everywhere are ready on every rank. If any rank has uncached work, the slow path
+invalid entry, autotune parameters to switch to: tuning.py), one bit per cached response this
+rank has a request for (autotune may switch the cache off and on between rounds: tuning.py)
+and, after those, one bit per member of each registered gradient set (collective/gradset.py).
+Bits set everywhere are ready on every rank; a gradient set's agreed members become
+`SetChunk`s, run after the round's responses. If any rank has uncached work, the slow path
 gathers the uncached requests at the set's rank 0, whose message table validates and orders
 them, fuses the ready responses (`fusion.plan_fusion`) and broadcasts the list; every rank then
 updates its cache the same way. The message encoding is `collective.negotiation`'s.

@@ -110,8 +110,6 @@ class BucketSchedule:
     def step_done(self) -> float:
         """Counts one completed synchronize(); returns the bucket size of the next step."""
         self.steps += 1
-        if not self._tuning.bucket_plan:
-            return self.initial
         return self.cap_at(self.steps)
 
 
@@ -228,7 +226,7 @@ class Tuning:
         p = autotune.Params.decode(data)
         self.fusion_threshold = p.fusion_threshold
         self.cycle_time = max(p.cycle_time_ms, 0.0) / 1000.0
-        self.cache_capacity = (self.config.cache_capacity or 1024) if p.cache_enabled else 0
+        self.cache_capacity = self.config.cache_capacity if p.cache_enabled else 0
         if p.bucket_from_step > 0:
             self.bucket_plan.append((p.bucket_from_step, p.bucket_cap_mb))
         self.retunes.append((self.rounds, p))

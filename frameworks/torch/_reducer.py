@@ -337,7 +337,8 @@ class GradientReducer:
     # -- step -----------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Starts every reduction not started yet, waits for all of them and writes the results
-        into `p.grad`; the next step starts afresh whatever happens.
+        into `p.grad`; the next step starts afresh whatever happens (after a failure, autotune
+        no longer changes the bucket size).
 
         Raises:
             HorovodInternalError: an allreduce failed (e.g. a rank died or shapes differ).
@@ -373,12 +374,19 @@ class GradientReducer:
                 group.handle.wait()
                 for slot in group.slots:
                     self._write_back(slot)
-        finally:
+        except BaseException:
             self.reset()
-            if self.schedule is not None:  # autotune: the bucket size of the next step
-                cap = self.schedule.step_done()
-                if cap != self.cap_mb:
-                    self._replan(cap)
+            if self.schedule is not None:
+                # Ranks may disagree on whether this step completed: stop tuning the bucket
+                # size rather than count a step some ranks may not count.
+                self.schedule.close()
+                self.schedule = None
+            raise
+        self.reset()
+        if self.schedule is not None:  # autotune: the bucket size of the next step
+            cap = self.schedule.step_done()
+            if cap != self.cap_mb:
+                self._replan(cap)
 
     def _finish_set(self) -> None:
         """The gradient set's part of `synchronize`: submits the members not submitted yet,

@@ -208,3 +208,41 @@ def test_add_param_group_after_wrapping_is_averaged():
     (a0, b0), (a1, b1) = run_loopback(2, body, timeout=60)
     torch.testing.assert_close(b0, torch.full((1, 2), 1.5))
     assert torch.equal(a0, a1) and torch.equal(b0, b1)
+
+
+class _Schedule:
+    """A bucket schedule's interface as the reducer uses it."""
+
+    def __init__(self) -> None:
+        self.closed, self.steps = False, 0
+
+    def step_done(self) -> float:
+        self.steps += 1
+        return 0.0
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_failed_synchronize_stops_bucket_tuning_instead_of_counting_a_step():
+    from collective import ReduceOp, global_process_set
+    from collective.errors import HorovodInternalError
+    from frameworks.torch._reducer import GradientReducer
+
+    def reducer():
+        return GradientReducer(ft.Compression.none, ReduceOp.AVERAGE, (1.0, 1.0),
+                               global_process_set, False, 1)
+    ok = reducer()
+    ok.schedule = sched = _Schedule()
+    ok.synchronize()
+    assert sched.steps == 1 and not sched.closed
+    bad = reducer()
+    bad.schedule = sched = _Schedule()
+    bad.members = [object()]  # a gradient set whose wait fails
+
+    def fail() -> None:
+        raise HorovodInternalError("a peer died")
+    bad._finish_set = fail
+    with pytest.raises(HorovodInternalError, match="a peer died"):
+        bad.synchronize()
+    assert sched.closed and sched.steps == 0 and bad.schedule is None
