@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _current, _log
+from .engines.device import release_events
 from .entry import Entry, default_allocate
 from .errors import HorovodInternalError
 from .fusion import ALONE_BYTES
@@ -96,6 +97,8 @@ class GradientSet:
         self.allocate = allocate or default_allocate  # the engine's fusion buffer comes from it
         self.active = False
         self.retired = False  # dropped by its owner mid-step: no part in later agreements
+        self._sent_retired = False  # `retired` as this round's bits were sent (coordinator)
+        self.runtime: Any = None  # the runtime it is registered with
         self.wake: Callable[[bool], None] | None = None  # the coordinator's wake(held)
         self.waiting: Callable[[int], None] | None = None  # the coordinator's waiting(delta)
         # Shared with user threads:
@@ -166,6 +169,11 @@ class GradientSet:
         self._done.clear()
         return done
 
+    def current(self) -> bool:
+        """Registered with the runtime this thread's ops go to (not one shut down and
+        replaced by a later `init()`)."""
+        return self.runtime is not None and _current.current_or_none() is self.runtime
+
     def partial(self) -> bool:
         """Some members were submitted this step and `wait` has not returned (user side)."""
         return bool(self._submitted)
@@ -193,7 +201,8 @@ class GradientSet:
             new.clear()
             self.mask = 0
             self.tensors = [None] * self.n
-            self.ready = [None] * self.n
+            ready, self.ready = self.ready, [None] * self.n
+            release_events(ready)
             return
         if new:
             if not self.mask:
@@ -220,7 +229,10 @@ class GradientSet:
 
     def words(self, joined: bool) -> np.ndarray:
         """This rank's bits for a round: its pending members (all members once it joined)."""
-        mask = 0 if self.retired else self.full if joined else self.mask
+        # `retired` may change while the round is in flight (the owner resets on its thread):
+        # the agreement must follow what this round sent.
+        self._sent_retired = retired = self.retired
+        mask = 0 if retired else self.full if joined else self.mask
         return np.frombuffer(mask.to_bytes(8 * self.nwords, "little"), dtype="<u8")
 
     def agree(self, res: np.ndarray, joined: bool, threshold: int) -> list[SetChunk]:
@@ -228,7 +240,7 @@ class GradientSet:
         ops in member order; they leave the pending mask."""
         common = int.from_bytes(res.astype("<u8", copy=False).tobytes(), "little")
         common &= self.full if joined else self.mask
-        if not common or self.retired:
+        if not common or self._sent_retired:
             return []
         if not joined:
             self.mask &= ~common
@@ -274,7 +286,9 @@ class GradientSet:
             req = Request(0, RequestType.ALLREDUCE, self.names[i], self.dtypes[i],
                           self.shapes[i], self.device, -1, self.op, self.prescale,
                           self.postscale)
-            out.append(Entry(req, t, handle, t, self.allocate, ready_event=ev))
+            # A joined rank's zeros are the engine's own arrays: its default allocator.
+            out.append(Entry(req, t, handle, t, default_allocate if joined else self.allocate,
+                             ready_event=ev))
         return out
 
     def ran(self, chunk: SetChunk, completion: Any) -> None:
@@ -316,21 +330,26 @@ def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
         ValueError: the members differ across ranks (names, shapes, dtypes, op, scaling).
         HorovodInternalError / ShutdownError: the job failed or ended.
     """
-    rt: Any = _current.current_or_none()
-    if rt is None or rt.dynamic_process_sets or rt.shut_down:
+    rt: Any = _current.current()
+    if rt.shut_down:
+        from .coordinator.state import shutdown_error  # the coordinator imports this module
+        raise shutdown_error(rt.cause)
+    if rt.dynamic_process_sets:
         return None
     state = rt.process_set_state(process_set, "DistributedOptimizer")
     cfg = rt.config
     gset = GradientSet(names, shapes, dtypes, device, op, prescale, postscale,
                        0.0 if cfg.stall_check_disable else cfg.stall_check_time, allocate)
+    gset.runtime = rt
     coord = rt.coordinator
     gset.wake = coord.wake
     gset.waiting = coord.waiting
     prints = np.array([len(gset.names)] + [
         _fingerprint(n, s, d, device != CPU_DEVICE, op, prescale, postscale)
         for n, s, d in zip(gset.names, gset.shapes, gset.dtypes)], dtype=np.uint64)
-    state.set_count = getattr(state, "set_count", 0) + 1
-    name = f"ringvod.gradient_set.{state.set_count}"
+    # Numbered by the registrations completed so far, which every rank counts alike (an attempt
+    # that fails, e.g. while a rank is joined, counts nowhere).
+    name = f"ringvod.gradient_set.{state.set_count + 1}"
     req = Request(state.rank, RequestType.ALLGATHER, name, DataType.INT64, prints.shape)
     entry = Entry(req, prints.view(np.int64), Handle(name))
     verdict: list[str] = []
@@ -343,8 +362,10 @@ def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
         problem = _compare(np.asarray(h._result).view(np.uint64), prints, gset.names,
                            state.ranks, state.rank)
         if problem:
+            state.set_count += 1  # completed on every rank, as a failure
             verdict.append(problem)
             return
+        state.set_count += 1
         gset.active = True
         state.sets.append(gset)
 

@@ -99,7 +99,8 @@ class Negotiator:
             status |= NOT_RETUNE
         words[0] = status
         if sets:
-            words = np.concatenate([words] + [s.words(joined) for s in sets])
+            words = np.concatenate([words] + [s.words(joined) for s in sets]
+                                   + [np.array([int(joined)], dtype=np.uint64)])
         res = ps.control.allreduce_words(words, "and")
         return self.conclude(ps, res, uncached, invalid, want_shutdown, tl, joined)
 
@@ -150,6 +151,8 @@ class Negotiator:
     def _agree_sets(self, ps: ProcessSetState, res: np.ndarray, joined: bool, threshold: int,
                     tl: Any) -> list[Any]:
         chunks: list[Any] = []
+        if int(res[-1]) & 1:  # every rank has joined: nobody has gradients to reduce
+            return chunks
         pos = 0
         for s in ps.sets:
             agreed = s.agree(res[pos:pos + s.nwords], joined, threshold)

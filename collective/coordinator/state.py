@@ -55,8 +55,9 @@ class ProcessSetState:
         return bool(self.table) or any(s.busy() for s in self.sets)
 
     def set_words(self) -> int:
-        """Words the gradient sets add to a round's AND vector (after the cache's)."""
-        return sum(s.nwords for s in self.sets)
+        """Words the gradient sets add to a round's AND vector (after the cache's): each set's,
+        then one whose bit says this rank has joined (set everywhere: nothing to reduce)."""
+        return sum(s.nwords for s in self.sets) + 1 if self.sets else 0
 
     def joined_here(self) -> bool:
         """This rank has joined (its join op is pending) and contributes zeros."""

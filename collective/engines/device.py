@@ -28,7 +28,7 @@ from ..errors import CollectiveError
 
 __all__ = ["DeviceBuffer", "DeviceResult", "DeviceOpError", "allocation_stream",
            "set_allocation_stream", "pointer_of", "record_ready", "release_ready",
-           "set_ready_events"]
+           "set_ready_events", "release_events"]
 
 
 
@@ -171,6 +171,17 @@ def release_ready(entries: Any) -> None:
         ev = e.ready_event
         if type(ev) is int and e.request.group_id < 0:
             e.ready_event = None  # once only
+            pool.release(ev)
+
+
+def release_events(events: Any) -> None:
+    """Gives back pooled ready events (raw ints) that no op will wait on (None and events not
+    from the pool are skipped). Any thread."""
+    pool = _ready_events
+    if pool is None:
+        return
+    for ev in events:
+        if type(ev) is int:
             pool.release(ev)
 
 

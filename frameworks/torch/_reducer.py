@@ -40,6 +40,7 @@ import torch
 
 import collective
 from collective import ProcessSet, ReduceOp, RequestType, adapter, global_process_set
+from collective.errors import MismatchError
 
 from .._common import split_list
 from ._buckets import Bucket, plan_buckets
@@ -117,6 +118,7 @@ class GradientReducer:
         self.schedule: Any = None  # autotune's bucket schedule (see the module docstring)
         self.members: list[_Slot] = []  # the gradient set's slots, in member order
         self.gset: Any = None  # the registered set (None: not registered with this runtime)
+        self._ordinary = False  # this step's members go through ordinary ops (`_live_set`)
         self._expect: list[tuple[torch.dtype, int]] = []  # per member: dtype and size sent
 
     # -- setup ----------------------------------------------------------------------------------
@@ -223,11 +225,23 @@ class GradientReducer:
 
     # -- gradient set -----------------------------------------------------------------------------
     def _live_set(self) -> Any:
-        """The gradient set, registered with the running job (collective: every rank reaches
-        this at its first gradient, or first synchronize, after `init()`)."""
+        """The gradient set, registered with the running job if it is not (collective: every
+        rank gets here at its first gradient, or first synchronize, after `init()` or a reset).
+        None when this step's gradients go through ordinary ops instead (`_ordinary`): a rank
+        has joined, so the registration cannot complete now (a later step registers), or the
+        job cannot run a set at all (dynamic process sets: then never again).
+
+        Raises:
+            NotInitializedError / ShutdownError: no running job.
+            HorovodInternalError / ShutdownError: this step's set failed on this rank (its
+                `synchronize()` raises the same; a reset or the next step starts afresh).
+            ValueError: the ranks' parameters differ (`collective.gradset.MISMATCH`).
+        """
         gs = self.gset
         if gs is not None and gs.error is None:
             return gs
+        if gs is not None and gs.partial() and gs.current():
+            raise gs.error  # never a new set in the middle of a step that failed
         self.gset = None
         members = self.members
         sent: dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> the dtype sent
@@ -238,24 +252,38 @@ class GradientReducer:
         self._expect = [(sent[s.param.dtype], s.param.numel()) for s in members]
         device = members[0].param.device
         pre, post = self.scale
-        self.gset = adapter.gradient_set(
-            [f"allreduce.{s.name}" for s in members], [tuple(s.param.shape) for s in members],
-            [dtype_of(torch.empty(0, dtype=sent[s.param.dtype])) for s in members],
-            device.index if device.type == "cuda" else CPU_DEVICE, self.process_set, self.op,
-            pre, post, _cuda.allocate if device.type == "cuda" else None)
-        return self.gset
+        try:
+            gs = adapter.gradient_set(
+                [f"allreduce.{s.name}" for s in members],
+                [tuple(s.param.shape) for s in members],
+                [dtype_of(torch.empty(0, dtype=sent[s.param.dtype])) for s in members],
+                device.index if device.type == "cuda" else CPU_DEVICE, self.process_set,
+                self.op, pre, post, _cuda.allocate if device.type == "cuda" else None)
+        except MismatchError:
+            # The registration's allgather is refused while a rank is joined: this step's
+            # gradients go through ordinary ops (joined ranks contribute zeros to those).
+            self._ordinary = True
+            return None
+        if gs is None:
+            for s in members:
+                s.member = -1
+            self.members = []
+            self._ordinary = True
+            return None
+        for s in members:
+            s.queued = False  # nothing of this step is in the new set yet
+        self.gset = gs
+        return gs
 
     def _submit(self, slot: _Slot) -> None:
         """Hands a member's final gradient (zeros if it has none) to the gradient set."""
         gs = self.gset
         if gs is None or gs.error is not None:
             gs = self._live_set()
-            if gs is None:  # this job cannot run a gradient set: one op per gradient
-                for s in self.members:
-                    s.member = -1
-                self.members = []
-                self._launch(slot)
-                return
+        if gs is None or self._ordinary:
+            self._launch(slot)
+            slot.queued = True
+            return
         p = slot.param
         grad = p.grad
         if grad is not None and grad.requires_grad:
@@ -346,8 +374,9 @@ class GradientReducer:
         try:
             if self.members:
                 self._finish_set()
+            in_set = not self._ordinary
             for slot in self.slots:
-                if slot.member >= 0:
+                if slot.member >= 0 and in_set:
                     continue
                 if slot.group is None and slot.bucket is None and slot.handle is None:
                     self._launch(slot)
@@ -362,7 +391,7 @@ class GradientReducer:
                 bucket.handle.wait()
                 bucket.unpack(self.compression.decompress(bucket.send, bucket.cctx))
             for slot in self.slots:
-                if slot.member >= 0 or slot.group is not None or (
+                if (slot.member >= 0 and in_set) or slot.group is not None or (
                         slot.bucket is not None and slot.handle is None):
                     continue
                 if isinstance(slot.handle, collective.Handle):
@@ -392,11 +421,9 @@ class GradientReducer:
         """The gradient set's part of `synchronize`: submits the members not submitted yet,
         waits for all of them and writes the results back."""
         for slot in list(self.members):
-            if not self.members:
-                break
             if not slot.queued:
                 self._submit(slot)
-        if not self.members:  # the job cannot run a set: _submit fell back to ordinary ops
+        if self._ordinary:  # this step went through ordinary ops (_live_set)
             return
         done = self.gset.wait()
         if done is not None and self.members[0].param.is_cuda:
@@ -416,6 +443,7 @@ class GradientReducer:
             # new one registers on first use.
             gs.retire()
             self.gset = None
+        self._ordinary = False
         for slot in self.slots:
             slot.delay = self.passes
             slot.queued = False

@@ -174,3 +174,76 @@ def test_stalled_rank_is_named(hvd, caplog) -> None:
         assert "did not submit gradients that this rank submitted" in caplog.text
         assert "allreduce.0.weight" in caplog.text
     _same_on_every_rank(hvd, model, "stall.check")
+
+
+def test_a_rank_joins_before_the_set_registers(hvd) -> None:
+    # The last rank has no data this epoch and joins at once: the others' first step cannot
+    # register the set (a joined rank takes no part in the registration) and goes through
+    # ordinary ops, with zeros from the joined rank; after the join the set registers.
+    n, r = hvd.size(), hvd.rank()
+    model = _model(7)
+    opt = _opt(hvd, model)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    x, y = _data(n, 1)[0]
+    if r != n - 1:
+        _step(hvd, model, opt, x, y)
+        assert opt._hvd_reducer.gset is None
+    ref_opt.zero_grad()
+    (sum(torch.nn.functional.mse_loss(ref(x[k * 4:(k + 1) * 4]), y[k * 4:(k + 1) * 4])
+         for k in range(n - 1)) / n).backward()
+    ref_opt.step()
+    assert hvd.join() != n - 1  # the joined rank was the first to join
+    if r != n - 1:
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for x, y in _data(n, 2, seed=4):
+        _step(hvd, model, opt, x, y)
+    assert opt._hvd_reducer.gset is not None
+    _same_on_every_rank(hvd, model, "joinfirst.check")
+
+
+def test_every_rank_joined_reduces_nothing(hvd) -> None:
+    # Staggered joins: once every rank has joined, no gradient-set chunk runs (before, the
+    # round in which the last rank joined reduced the whole model as zeros).
+    import time
+    import collective.coordinator.execute as execute
+    model = _model(8)
+    opt = _opt(hvd, model)
+    x, y = _data(hvd.size(), 1)[0]
+    _step(hvd, model, opt, x, y)
+    ran = []
+    original = execute._perform_chunk
+
+    def spy(ps, chunk, *args):
+        ran.append(chunk.joined)
+        return original(ps, chunk, *args)
+    execute._perform_chunk = spy
+    try:
+        time.sleep(0.2 * hvd.rank())
+        hvd.join()
+    finally:
+        execute._perform_chunk = original
+    assert ran == []
+
+
+def test_a_failure_in_backward_then_reinit(hvd) -> None:
+    # As in elastic training: the job ends while this rank is still in backward (its hooks
+    # then raise), the optimizer is reset, and after init() the ranks register a new set.
+    model = _model(9)
+    opt = _opt(hvd, model)
+    data = _data(hvd.size(), 3)
+    _step(hvd, model, opt, *data[0])
+    r = hvd.rank()
+    hvd.shutdown()
+    if r == 0:
+        x, y = data[1]
+        with pytest.raises(Exception, match="has not been initialized|shut down"):
+            torch.nn.functional.mse_loss(model(x[:4]), y[:4]).backward()
+    opt.load_state_dict(opt.state_dict())  # elastic's restore resets the optimizer
+    assert len(opt._hvd_reducer.members) == 4
+    hvd.init()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    _step(hvd, model, opt, *data[2])
+    _same_on_every_rank(hvd, model, "failure.check")

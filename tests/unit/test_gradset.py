@@ -156,3 +156,34 @@ def test_registration_check_names_the_parameter_and_ranks():
     short = np.array([1, a[1]], dtype=np.uint64)
     assert _compare(np.concatenate([a, short]), a, names, [4, 6], 0) == (
         "rank 4 has 2 parameters with gradients, rank 6 has 1")
+
+
+def test_retiring_while_a_round_is_in_flight_follows_what_the_round_sent():
+    # The owner retires on its thread while the coordinator waits for the round's AND: the
+    # bits were sent, so the agreed members still run (every rank runs the same chunks).
+    gs = _set([(4,)] * 2)
+    gs.submit(0, "a")
+    gs.submit(1, "b")
+    gs.take(0.0)
+    sent = gs.words(False)
+    gs.retire()
+    assert [c.indices for c in gs.agree(sent, False, 1 << 20)] == [[0, 1]]
+    # The next round sends nothing and agrees on nothing.
+    gs.take(0.0)
+    assert not gs.words(False).any()
+    assert gs.agree(_all_ones(gs), False, 1 << 20) == []
+
+
+def test_no_chunks_once_every_rank_has_joined():
+    from collective.coordinator.negotiate import Negotiator
+
+    class PS:
+        pass
+    gs = _set([(4,)] * 2)
+    ps = PS()
+    ps.sets = [gs]
+    n = Negotiator.__new__(Negotiator)
+    res = np.array([0b11, 1], dtype=np.uint64)  # all bits, and every rank joined
+    assert n._agree_sets(ps, res, True, 1 << 20, None) == []
+    res[-1] = 0  # some rank is still training: the joined rank runs zeros with it
+    assert [c.indices for c in n._agree_sets(ps, res, True, 1 << 20, None)] == [[0, 1]]
