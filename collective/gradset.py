@@ -199,6 +199,7 @@ class GradientSet:
         new = self._new
         if self.retired:
             new.clear()
+            self.new_bytes = 0  # or the loop's fusion window keeps waking for it
             self.mask = 0
             self.tensors = [None] * self.n
             ready, self.ready = self.ready, [None] * self.n
@@ -282,7 +283,10 @@ class GradientSet:
             if joined:
                 t, ev = engine.zeros(self.shapes[i], self.dtypes[i], self.device), None
             else:
+                # The engine gives the event back to its pool once it waited on it: forget it
+                # here, so that a retired set does not give it back a second time.
                 t, ev = self.tensors[i], self.ready[i]
+                self.ready[i] = None
             req = Request(0, RequestType.ALLREDUCE, self.names[i], self.dtypes[i],
                           self.shapes[i], self.device, -1, self.op, self.prescale,
                           self.postscale)

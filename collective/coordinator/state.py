@@ -44,7 +44,7 @@ class ProcessSetState:
         # Registered gradient sets (collective/gradset.py), in registration order; changed
         # only inside a round, at the same point on every rank.
         self.sets: list[Any] = []
-        self.set_count = 0  # registrations started on this rank (names their allgathers)
+        self.set_count = 0  # registrations completed (names the next one's allgather)
         self.messages = MessageTable(self.size, ranks) if self.is_root else None
         self.stall = StallInspector(config.stall_check_time, config.stall_shutdown_time,
                                     not config.stall_check_disable,

@@ -278,8 +278,8 @@ class GradientReducer:
     def _submit(self, slot: _Slot) -> None:
         """Hands a member's final gradient (zeros if it has none) to the gradient set."""
         gs = self.gset
-        if gs is None or gs.error is not None:
-            gs = self._live_set()
+        if not self._ordinary and (gs is None or gs.error is not None):
+            gs = self._live_set()  # once per step at most: it sets _ordinary when it fails
         if gs is None or self._ordinary:
             self._launch(slot)
             slot.queued = True

@@ -187,3 +187,89 @@ def test_no_chunks_once_every_rank_has_joined():
     assert n._agree_sets(ps, res, True, 1 << 20, None) == []
     res[-1] = 0  # some rank is still training: the joined rank runs zeros with it
     assert [c.indices for c in n._agree_sets(ps, res, True, 1 << 20, None)] == [[0, 1]]
+
+
+def test_events_the_engine_waited_on_are_not_given_back_again_by_a_retire():
+    import collective.engines.device as device
+
+    class Pool:
+        def __init__(self):
+            self.free = []
+
+        def release(self, ev):
+            self.free.append(ev)
+
+    class Engine:
+        def zeros(self, *args):
+            return None
+    saved = device._ready_events
+    pool = Pool()
+    device.set_ready_events(pool)
+    try:
+        gs = _set([(2,)] * 3)
+        gs.submit(0, "a", 101)
+        gs.submit(1, "b", 102)
+        gs.take(0.0)
+        for chunk in gs.agree(np.array([0b01], dtype=np.uint64), False, 1 << 20):
+            for e in gs.entries(chunk, Engine(), None):
+                pool.release(e.ready_event)  # the NCCL engine, once its stream waited
+        gs.retire()
+        gs.take(1.0)
+        assert sorted(pool.free) == [101, 102]  # 102 never ran: given back by the retire
+        assert gs.new_bytes == 0 and not gs.busy()
+    finally:
+        device.set_ready_events(saved)
+
+
+def _reducer_with_members(monkeypatch, register):
+    """A per-gradient GradientReducer over three CPU parameters whose gradient set comes from
+    `register` and whose ordinary ops complete at once (no runtime)."""
+    from collective import Handle, ReduceOp, adapter, global_process_set
+    from frameworks.torch._reducer import GradientReducer
+    import frameworks.torch as ft
+    torch = pytest.importorskip("torch")
+    r = GradientReducer(ft.Compression.none, ReduceOp.AVERAGE, (1.0, 1.0), global_process_set,
+                        False, 1)
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    for i, p in enumerate(params):
+        r.add(p, f"p{i}")
+        p.grad = torch.ones(2)
+    r.form_buckets(0)
+    monkeypatch.setattr(adapter, "gradient_set", register)
+    launched = []
+
+    def launch(slot):
+        launched.append(slot.name)
+        slot.send = slot.param.grad
+        slot.handle = Handle(slot.name)
+        slot.handle._set_result(None)
+    r._launch = launch
+    return r, launched
+
+
+def test_a_step_that_cannot_register_tries_once(monkeypatch):
+    from collective.errors import MismatchError
+    attempts = []
+
+    def refused(*args, **kwargs):  # as while a rank is joined
+        attempts.append(1)
+        raise MismatchError("Allgather is not supported with Join at this time.")
+    r, launched = _reducer_with_members(monkeypatch, refused)
+    for step in range(2):
+        for slot in r.members:
+            slot.delay = 1
+            r.on_grad(slot)
+        r.synchronize()
+        assert len(attempts) == step + 1  # one attempt per step, not per gradient
+    assert launched == ["p0", "p1", "p2"] * 2 and len(r.members) == 3
+
+
+def test_a_job_without_gradient_sets_falls_back_from_synchronize(monkeypatch):
+    # Dynamic process sets: no set at all. Registration first tried inside synchronize (no
+    # hook fired) must not try again for the next members.
+    attempts = []
+    r, launched = _reducer_with_members(monkeypatch, lambda *a, **k: attempts.append(1))
+    r.synchronize()
+    assert attempts == [1] and launched == ["p0", "p1", "p2"] and r.members == []
+    r.synchronize()  # later steps: ordinary ops, no attempt
+    assert attempts == [1] and launched == ["p0", "p1", "p2"] * 2
