@@ -42,9 +42,9 @@ import numpy as np
 from . import _current, _log
 from .engines.device import release_events
 from .entry import Entry, default_allocate
-from .errors import HorovodInternalError
 from .fusion import ALONE_BYTES
 from .handle import Handle
+from .negotiation import bit_indices
 from .types import CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response, ResponseType
 
 __all__ = ["GradientSet", "SetChunk", "register", "MISMATCH"]
@@ -75,7 +75,7 @@ class SetChunk:
 
 class GradientSet:
     """One registered list of tensors (see the module docstring). User threads call `submit`
-    and `wait`; the coordinator calls the rest while the set is `active`."""
+    and `wait`; the coordinator calls the rest once the set is in its process set's `sets`."""
 
     def __init__(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]],
                  dtypes: Sequence[DataType], device: int, op: ReduceOp, prescale: float,
@@ -95,7 +95,6 @@ class GradientSet:
         self.full = (1 << self.n) - 1
         self.stall_time = stall_time
         self.allocate = allocate or default_allocate  # the engine's fusion buffer comes from it
-        self.active = False
         self.retired = False  # dropped by its owner mid-step: no part in later agreements
         self._sent_retired = False  # `retired` as this round's bits were sent (coordinator)
         self.runtime: Any = None  # the runtime it is registered with
@@ -136,11 +135,6 @@ class GradientSet:
         wake = self.wake
         if wake is not None:
             wake(self.device != CPU_DEVICE)
-
-    def missing(self) -> list[int]:
-        """Members not submitted this step (user side)."""
-        sub = self._submitted
-        return [i for i in range(self.n) if not sub >> i & 1]
 
     def wait(self) -> Any:
         """Blocks until every member of this step has run; returns the last op's completion
@@ -219,7 +213,7 @@ class GradientSet:
         if self.mask and self.stall_time > 0 and not self._warned \
                 and now - self._since > self.stall_time:
             self._warned = True
-            names = [self.names[i] for i in _indices(self.mask)]
+            names = [self.names[i] for i in bit_indices(self.mask)]
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5
                                            else "")
             _log_.warning(
@@ -248,7 +242,7 @@ class GradientSet:
             self._warned = False
             if self.mask:
                 self._since = time.monotonic()
-        return [SetChunk(self, idx, joined) for idx in self._cut(_indices(common), threshold)]
+        return [SetChunk(self, idx, joined) for idx in self._cut(bit_indices(common), threshold)]
 
     def _cut(self, members: list[int], threshold: int) -> list[list[int]]:
         chunks: list[list[int]] = []
@@ -303,15 +297,6 @@ class GradientSet:
         self._left -= len(chunk.indices)
         if self._left <= 0:
             self._done.set()
-
-
-def _indices(mask: int) -> list[int]:
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return out
 
 
 def _fingerprint(name: str, shape: tuple[int, ...], dtype: DataType, device: bool,
@@ -370,7 +355,6 @@ def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
             verdict.append(problem)
             return
         state.set_count += 1
-        gset.active = True
         state.sets.append(gset)
 
     entry.handle.add_done_callback(activate)
@@ -378,8 +362,6 @@ def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
     entry.handle.wait()
     if verdict:
         raise ValueError(MISMATCH.format(detail=verdict[0]))
-    if not gset.active:  # pragma: no cover - the handle completed without its callback
-        raise HorovodInternalError(f"gradient set {name} did not register")
     return gset
 
 

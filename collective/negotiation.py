@@ -21,7 +21,8 @@ from .types import (CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Respon
 from .wire import MAX_DIMS, MAX_STR_BYTES, WireError
 
 __all__ = ["CacheState", "ResponseCache", "MessageTable", "PendingHits", "encode_requests",
-           "decode_requests", "decode_gathered", "encode_responses", "decode_responses", "CACHEABLE"]
+           "decode_requests", "decode_gathered", "encode_responses", "decode_responses", "CACHEABLE",
+           "bit_indices"]
 
 CACHEABLE = (ResponseType.ALLREDUCE, ResponseType.ALLGATHER, ResponseType.ADASUM,
              ResponseType.ALLTOALL)
@@ -548,6 +549,16 @@ class MessageTable:
         return r
 
 
+def bit_indices(mask: int) -> list[int]:
+    """The positions of the bits set in `mask`, ascending (a loop over set bits only)."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
 class PendingHits:
     """Requests found in the response cache, waiting until every rank has them.
 
@@ -598,11 +609,7 @@ class PendingHits:
         if not self._mask:
             return []
         both = int.from_bytes(res[1:].astype("<u8", copy=False).tobytes(), "little") & self._mask
-        bits = []
-        while both:
-            low = both & -both
-            bits.append(low.bit_length() - 1)
-            both ^= low
+        bits = bit_indices(both)
         for b in bits:
             self.pop(b)
         return bits

@@ -123,7 +123,9 @@ def _run(ps: ProcessSetState, resp: Response, entries: list[Entry], engine: Any,
             if tl is not None:
                 out = e.output
                 tl.end(e.name, resp.dtype.label, tuple(getattr(out, "shape", ())))
-            e.handle._set_result(engine.finish(e))
+            h = e.handle
+            if not h.done():  # a gradient set's chunk shares one handle: complete it once
+                h._set_result(engine.finish(e))
     except BaseException as exc:
         # These entries already left the table, so the loop's exit path (fail_all) cannot
         # reach them: fail them here or their waiters hang forever.

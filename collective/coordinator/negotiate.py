@@ -20,7 +20,8 @@ import numpy as np
 
 from .. import _log
 from ..fusion import plan_fusion
-from ..negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, decode_gathered,
+from ..negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, bit_indices,
+                           decode_gathered,
                            decode_responses, encode_requests, encode_responses)
 from ..types import Request, RequestType, Response, ResponseType
 from .state import ProcessSetState
@@ -226,10 +227,4 @@ def check_stall(ps: ProcessSetState) -> bool:
 
 
 def _bits(words: np.ndarray) -> list[int]:
-    out = []
-    for i, w in enumerate(words[1:].tolist()):
-        while w:
-            low = w & -w
-            out.append(i * 64 + low.bit_length() - 1)
-            w ^= low
-    return out
+    return bit_indices(int.from_bytes(words[1:].astype("<u8", copy=False).tobytes(), "little"))

@@ -79,23 +79,23 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None
             raise ValueError(f"output on {output.device} for an input on {tensor.device}")
         else:
             out = _buffer(output)
-    # The engine's recycled raw event once it is loaded (cheaper); a torch event before.
+    return buf, dev, _ready_event(dev), out
+
+
+def _ready_event(dev: int) -> Any:
+    """An event recorded now on `dev`'s current stream: the engine's recycled raw event once
+    it is loaded (cheaper), a torch event before."""
     ev = record_ready(dev, _current_stream(dev))
     if ev is None:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(dev))
-    return buf, dev, ev, out
+    return ev
 
 
 def engine_view(tensor: torch.Tensor) -> tuple[DeviceBuffer, Any]:
     """(buffer, ready event) of a contiguous CUDA tensor, as `to_collective` without an
     output (a gradient set's submit)."""
-    dev = tensor.get_device()
-    ev = record_ready(dev, _current_stream(dev))
-    if ev is None:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
-    return DeviceBuffer(tensor.data_ptr(), tensor.nbytes, tuple(tensor.shape), tensor), ev
+    return _buffer(tensor), _ready_event(tensor.get_device())
 
 
 _stream_objects: dict[tuple[int, int], Any] = {}  # (raw handle, device) -> torch.cuda.Stream

@@ -59,7 +59,8 @@ def test_the_set_is_used(hvd) -> None:
     for x, y in _data(hvd.size(), 2):
         _step(hvd, model, opt, x, y)
     gs = opt._hvd_reducer.gset
-    assert gs is not None and gs.active and gs.n == 4
+    assert gs is not None and gs.n == 4 and gs in gs.runtime.process_set_state(
+        hvd.global_process_set, "test").sets
     assert gs.names[0] == "allreduce.0.weight"
     _same_on_every_rank(hvd, model, "used.check")
 
