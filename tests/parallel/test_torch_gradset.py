@@ -47,6 +47,15 @@ def _step(hvd, model, opt, x, y) -> None:
     opt.step()
 
 
+def _ref_step(ref, ref_opt, x, y, ranks: list[int], n: int) -> None:
+    """The reference step of an average over `n` ranks of which only `ranks` have data (the
+    others joined and contribute zeros)."""
+    ref_opt.zero_grad()
+    (sum(torch.nn.functional.mse_loss(ref(x[k * 4:(k + 1) * 4]), y[k * 4:(k + 1) * 4])
+         for k in ranks) / n).backward()
+    ref_opt.step()
+
+
 def _same_on_every_rank(hvd, model, name: str) -> None:
     for p in model.parameters():
         gathered = hvd.allgather(p.detach().reshape(1, -1), name=name)
@@ -76,12 +85,7 @@ def test_uneven_steps_with_join(hvd) -> None:
     data = _data(n, n + 1)
     for step, (x, y) in enumerate(data[:r + 2]):
         _step(hvd, model, opt, x, y)
-        ref_opt.zero_grad()
-        active = [k for k in range(n) if step < k + 2]  # ranks still stepping
-        loss = sum(torch.nn.functional.mse_loss(ref(x[k * 4:(k + 1) * 4]), y[k * 4:(k + 1) * 4])
-                   for k in active) / n
-        loss.backward()
-        ref_opt.step()
+        _ref_step(ref, ref_opt, x, y, [k for k in range(n) if step < k + 2], n)
     assert hvd.join() == n - 1
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
@@ -190,10 +194,7 @@ def test_a_rank_joins_before_the_set_registers(hvd) -> None:
     if r != n - 1:
         _step(hvd, model, opt, x, y)
         assert opt._hvd_reducer.gset is None
-    ref_opt.zero_grad()
-    (sum(torch.nn.functional.mse_loss(ref(x[k * 4:(k + 1) * 4]), y[k * 4:(k + 1) * 4])
-         for k in range(n - 1)) / n).backward()
-    ref_opt.step()
+    _ref_step(ref, ref_opt, x, y, list(range(n - 1)), n)
     assert hvd.join() != n - 1  # the joined rank was the first to join
     if r != n - 1:
         for p, q in zip(model.parameters(), ref.parameters()):
