@@ -27,7 +27,9 @@ wait for the GIL. A gradient set moves that work out of the step:
 
 A rank that joined (`hvd.join()`) contributes zeros: its bits are all set, and it runs every
 agreed chunk with zero tensors. Members submitted here but not by every rank after
-`HOROVOD_STALL_CHECK_TIME_SECONDS` are named in a warning on this rank.
+`HOROVOD_STALL_CHECK_TIME_SECONDS` are named in a warning on this rank; after
+`HOROVOD_STALL_SHUTDOWN_TIME_SECONDS` (when set) this rank also names them in an error and
+asks for the job to shut down (`stalled`), which its next global round tells every rank.
 """
 from __future__ import annotations
 
@@ -80,7 +82,8 @@ class GradientSet:
     def __init__(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]],
                  dtypes: Sequence[DataType], device: int, op: ReduceOp, prescale: float,
                  postscale: float, stall_time: float,
-                 allocate: Callable[[tuple, Any], Any] | None = None) -> None:
+                 allocate: Callable[[tuple, Any], Any] | None = None,
+                 shutdown_time: float = 0.0) -> None:
         self.names = list(names)
         self.shapes = [tuple(s) for s in shapes]
         self.dtypes = list(dtypes)
@@ -94,6 +97,8 @@ class GradientSet:
         self.nwords = (self.n + 63) // 64
         self.full = (1 << self.n) - 1
         self.stall_time = stall_time
+        self.shutdown_time = shutdown_time  # 0: a stall never shuts the job down
+        self.stalled = False  # a member waited past shutdown_time: the job must shut down
         self.allocate = allocate or default_allocate  # the engine's fusion buffer comes from it
         self.retired = False  # dropped by its owner mid-step: no part in later agreements
         self._sent_retired = False  # `retired` as this round's bits were sent (coordinator)
@@ -210,17 +215,26 @@ class GradientSet:
                     tl.negotiate_start(self.names[i], "ALLREDUCE")
             self.mask = mask
             self.new_bytes = 0
-        if self.mask and self.stall_time > 0 and not self._warned \
-                and now - self._since > self.stall_time:
+        if not self.mask or self.stall_time <= 0:
+            return
+        age = now - self._since
+        if not self._warned and age > self.stall_time:
             self._warned = True
-            names = [self.names[i] for i in bit_indices(self.mask)]
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5
-                                           else "")
             _log_.warning(
                 "One or more ranks did not submit gradients that this rank submitted %.0f s "
                 "ago: %s. Every rank must call backward() and optimizer.step() (or "
                 "synchronize()) the same number of times; a rank that runs out of data should "
-                "call hvd.join().", now - self._since, shown)
+                "call hvd.join().", age, self._pending_names())
+        if self.shutdown_time > 0 and not self.stalled and age >= self.shutdown_time:
+            self.stalled = True
+            _log_.error(
+                "Gradients submitted on this rank waited %.0f s for other ranks, longer than "
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (%g s): %s. Will shutdown.", age,
+                self.shutdown_time, self._pending_names())
+
+    def _pending_names(self) -> str:
+        names = [self.names[i] for i in bit_indices(self.mask)]
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
     def words(self, joined: bool) -> np.ndarray:
         """This rank's bits for a round: its pending members (all members once it joined)."""
@@ -327,8 +341,11 @@ def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
         return None
     state = rt.process_set_state(process_set, "DistributedOptimizer")
     cfg = rt.config
-    gset = GradientSet(names, shapes, dtypes, device, op, prescale, postscale,
-                       0.0 if cfg.stall_check_disable else cfg.stall_check_time, allocate)
+    warn = 0.0 if cfg.stall_check_disable else cfg.stall_check_time
+    # As the stall inspector: no shutdown without warnings, or below the warning time.
+    stop = cfg.stall_shutdown_time if warn > 0 and cfg.stall_shutdown_time >= warn else 0.0
+    gset = GradientSet(names, shapes, dtypes, device, op, prescale, postscale, warn, allocate,
+                       shutdown_time=stop)
     gset.runtime = rt
     coord = rt.coordinator
     gset.wake = coord.wake

@@ -253,6 +253,8 @@ class Coordinator(FastPaths):
     def _negotiate(self, ps: ProcessSetState) -> tuple[list[Response], bool]:
         if ps.is_root and check_stall(ps):
             self.shutdown_requested = True  # travels with the next global negotiation
+        if ps.sets and any(s.stalled for s in ps.sets):
+            self.shutdown_requested = True  # a gradient set's stall (collective/gradset.py)
         tl = self.timeline if ps.is_global_root else None
         return self.negotiator.round(ps, tl, self.shutdown_requested and ps.id == 0)
 

@@ -68,6 +68,22 @@ def test_torch_gradient_set(mode: str, np_: int) -> None:
 
 
 @pytest.mark.spmd_driver
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode,np_", [("mpi", 2), ("tcp", 3)], ids=["mpi-np2", "tcp-np3"])
+def test_torch_gradient_set_stall_shutdown(mode: str, np_: int) -> None:
+    """A rank that stops stepping in per-gradient mode: HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
+    ends the job on every rank with an error instead of a hang."""
+    if mode == "mpi":
+        reason = mpi_available()
+        if reason:
+            skip_or_fail(reason, "mpi")
+    run_spmd("tests/parallel/test_torch_gradset.py", np_, 90, mode=mode,
+             env={"HOROVOD_BUCKET_CAP_MB": "0", "HOROVOD_STALL_CHECK_TIME_SECONDS": "1",
+                  "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"},
+             args=["-k", "test_stall_shutdown_ends_the_step"])
+
+
+@pytest.mark.spmd_driver
 @pytest.mark.mpi
 @pytest.mark.timeout(150)
 def test_examples_run_unchanged_with_horovod_torch() -> None:

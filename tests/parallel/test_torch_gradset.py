@@ -1,12 +1,15 @@
 """Per-gradient mode's gradient set (`HOROVOD_BUCKET_CAP_MB=0`, collective/gradset.py) under
 real ranks: uneven steps with `join`, a different model on one rank, a re-`init()`, a reset
 in the middle of a step, a stalled rank, and ordinary ops in between. Launched by
-tests/parallel/test_torch_driver.py with `HOROVOD_BUCKET_CAP_MB=0`.
+tests/parallel/test_torch_driver.py with `HOROVOD_BUCKET_CAP_MB=0`; the stall shutdown test
+alone, with `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS` (it ends the job).
 """
 from __future__ import annotations
 
 import copy
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -162,7 +165,6 @@ def test_unused_parameter_and_ordinary_ops_between(hvd) -> None:
 
 def test_stalled_rank_is_named(hvd, caplog) -> None:
     # The last rank steps late: the others warn about the gradients waiting for it.
-    import time
     model = _model(6)
     opt = _opt(hvd, model)
     (x, y), (x2, y2) = _data(hvd.size(), 2)
@@ -179,6 +181,27 @@ def test_stalled_rank_is_named(hvd, caplog) -> None:
         assert "did not submit gradients that this rank submitted" in caplog.text
         assert "allreduce.0.weight" in caplog.text
     _same_on_every_rank(hvd, model, "stall.check")
+
+
+def test_stall_shutdown_ends_the_step(hvd) -> None:
+    # The last rank stops stepping: with HOROVOD_STALL_SHUTDOWN_TIME_SECONDS the others' step
+    # fails after that time instead of waiting for ever, and the stalled rank's next op fails.
+    limit = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0"))
+    if limit <= 0:
+        pytest.skip("run alone, with HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (it ends the job)")
+    model = _model(8)
+    opt = _opt(hvd, model)
+    (x, y), (x2, y2) = _data(hvd.size(), 2)
+    _step(hvd, model, opt, x2, y2)  # registers the set
+    if hvd.rank() == hvd.size() - 1:
+        time.sleep(limit + 3)
+        with pytest.raises(hvd.HorovodInternalError):
+            hvd.allreduce(torch.ones(1), name="after.stall")
+        return
+    start = time.monotonic()
+    with pytest.raises(hvd.HorovodInternalError):
+        _step(hvd, model, opt, x, y)
+    assert time.monotonic() - start < limit + 2.5
 
 
 def test_a_rank_joins_before_the_set_registers(hvd) -> None:
