@@ -100,7 +100,9 @@ class GradientSet:
         self.shutdown_time = shutdown_time  # 0: a stall never shuts the job down
         self.stalled = False  # a member waited past shutdown_time: the job must shut down
         self.allocate = allocate or default_allocate  # the engine's fusion buffer comes from it
-        self.retired = False  # dropped by its owner mid-step: no part in later agreements
+        # Dropped by its owner mid-step: no part in later agreements; once retired on every
+        # rank it leaves the rounds (`ProcessSetState.set_flags`).
+        self.retired = False
         self._sent_retired = False  # `retired` as this round's bits were sent (coordinator)
         self.runtime: Any = None  # the runtime it is registered with
         self.wake: Callable[[bool], None] | None = None  # the coordinator's wake(held)

@@ -24,7 +24,7 @@ from ..negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, bit_indices,
                            decode_gathered,
                            decode_responses, encode_requests, encode_responses)
 from ..types import Request, RequestType, Response, ResponseType
-from .state import ProcessSetState
+from .state import ProcessSetState, flag_words
 from .tuning import Tuning
 
 __all__ = ["Negotiator", "check_stall", "ALL_CLEAR", "NOT_RETUNE"]
@@ -101,7 +101,7 @@ class Negotiator:
         words[0] = status
         if sets:
             words = np.concatenate([words] + [s.words(joined) for s in sets]
-                                   + [np.array([int(joined)], dtype=np.uint64)])
+                                   + [ps.set_flags(joined)])
         res = ps.control.allreduce_words(words, "and")
         return self.conclude(ps, res, uncached, invalid, want_shutdown, tl, joined)
 
@@ -152,17 +152,22 @@ class Negotiator:
     def _agree_sets(self, ps: ProcessSetState, res: np.ndarray, joined: bool, threshold: int,
                     tl: Any) -> list[Any]:
         chunks: list[Any] = []
-        if int(res[-1]) & 1:  # every rank has joined: nobody has gradients to reduce
-            return chunks
-        pos = 0
-        for s in ps.sets:
-            agreed = s.agree(res[pos:pos + s.nwords], joined, threshold)
-            pos += s.nwords
-            if tl is not None and not joined:
-                for c in agreed:
-                    for i in c.indices:
-                        tl.negotiate_end(s.names[i])
-            chunks += agreed
+        sets = ps.sets
+        nflag = flag_words(len(sets))
+        flags = int.from_bytes(res[len(res) - nflag:].astype("<u8", copy=False).tobytes(),
+                               "little")
+        if not flags & 1:  # some rank has gradients to reduce (not every rank joined)
+            pos = 0
+            for s in sets:
+                agreed = s.agree(res[pos:pos + s.nwords], joined, threshold)
+                pos += s.nwords
+                if tl is not None and not joined:
+                    for c in agreed:
+                        for i in c.indices:
+                            tl.negotiate_end(s.names[i])
+                chunks += agreed
+        if flags >> 1:  # sets retired on every rank leave the rounds, on every rank alike
+            ps.sets = [s for k, s in enumerate(sets) if not flags >> (k + 1) & 1]
         return chunks
 
     def _slow_path(self, ps: ProcessSetState, uncached: list[Request], common: list[int],

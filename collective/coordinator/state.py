@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
+
 from .. import _log
 from ..engines.device import release_ready
 from ..entry import Entry
@@ -56,8 +58,20 @@ class ProcessSetState:
 
     def set_words(self) -> int:
         """Words the gradient sets add to a round's AND vector (after the cache's): each set's,
-        then one whose bit says this rank has joined (set everywhere: nothing to reduce)."""
-        return sum(s.nwords for s in self.sets) + 1 if self.sets else 0
+        then the flag words (`set_flags`)."""
+        n = len(self.sets)
+        return sum(s.nwords for s in self.sets) + flag_words(n) if n else 0
+
+    def set_flags(self, joined: bool) -> np.ndarray:
+        """The flag words of a round: bit 0, this rank has joined (set everywhere: nothing to
+        reduce); bit 1 + k, set k was retired here (set everywhere: every rank drops it after
+        this round). Call after the sets' `words`, which fix what a round sends."""
+        flags = int(joined)
+        for k, s in enumerate(self.sets):
+            if s._sent_retired:
+                flags |= 2 << k
+        return np.frombuffer(flags.to_bytes(8 * flag_words(len(self.sets)), "little"),
+                             dtype="<u8")
 
     def joined_here(self) -> bool:
         """This rank has joined (its join op is pending) and contributes zeros."""
@@ -90,3 +104,8 @@ def shutdown_error(cause: BaseException | None) -> BaseException:
     err = ShutdownError()
     err.__cause__ = cause
     return err
+
+
+def flag_words(nsets: int) -> int:
+    """Flag words of a round with `nsets` gradient sets (`ProcessSetState.set_flags`)."""
+    return (nsets + 64) // 64

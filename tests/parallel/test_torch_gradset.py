@@ -142,10 +142,16 @@ def test_reset_in_the_middle_of_a_step(hvd) -> None:
     r = hvd.rank()
     x, y = data[0]
     torch.nn.functional.mse_loss(model(x[r * 4:(r + 1) * 4]), y[r * 4:(r + 1) * 4]).backward()
+    old = opt._hvd_reducer.gset
+    state = old.runtime.member_sets()[0]
+    assert old in state.sets
     opt.set_backward_passes_per_step(1)
     for x, y in data[1:]:
         _step(hvd, model, opt, x, y)
     _same_on_every_rank(hvd, model, "reset.check")
+    # Retired on every rank: the old set left the rounds (its words are no longer sent).
+    assert old.retired and old not in state.sets
+    assert opt._hvd_reducer.gset in state.sets
 
 
 def test_unused_parameter_and_ordinary_ops_between(hvd) -> None:
