@@ -26,12 +26,16 @@ far:
    value included), only when one optimizer of the global process set reduces its gradients in
    buckets (`buckets_ready()` says so when the stage begins; otherwise the stage is skipped);
 4. the response cache on and off (the setting not yet scored);
-5. the best `confirm` candidates measured once more; the highest mean score wins.
+5. a run-off: the best `confirm` candidates and the starting values measured once more; the
+   highest mean score among them wins, the starting values' first score left out. The best
+   first scores of many are partly luck, which a second score pulls back, so a set scored
+   once does not compete with them; and the starting values are scored first of all, as the
+   job's warm-up ends, so that score says little about them.
 
 At most `max_samples` parameter sets are scored (`HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`); the
 cycle-time stage is shortened to leave room for the later stages (with the default 20: the
-threshold grid (9 with the default start), 4 cycle times, 3 bucket sizes, 1 cache setting, 3
-confirmations). A knob set through the environment or `hvdrun` (a value other than its
+threshold grid (9 with the default start), 3 cycle times, 3 bucket sizes, 1 cache setting, 3
+confirmations and the starting values). A knob set through the environment or `hvdrun` (a value other than its
 default) is held fixed, as in Horovod; so is the bucket size of an optimizer with `groups=`, in
 per-gradient mode (`HOROVOD_BUCKET_CAP_MB=0`) or over another process set. When the search ends
 the best values stay in force, are logged and end the CSV log.
@@ -173,6 +177,7 @@ class Autotuner:
         self.evaluations = 0
         self._stage = 0
         self._queue: list[Key] = []
+        self._confirmed: list[Key] = []  # the run-off's sets (the confirm stage)
         if log is not None:
             log.write(CSV_HEADER + "\n")
             log.flush()
@@ -216,23 +221,38 @@ class Autotuner:
         grid = [k for k in grid if k not in self.scores]
         # Room for the later stages: as many bucket sizes as the grid has, one cache setting.
         later = len(self._bucket_grid(best)) + (1 if self.tune_cache else 0)
-        room = self.max_samples - self.evaluations - self.confirm - later
+        room = self.max_samples - self.evaluations - self._kept() - later
         return grid[:max(room, 0)]
 
     def _bucket_stage(self) -> list[Key]:
         best = self._best()
-        room = (self.max_samples - self.evaluations - self.confirm
+        room = (self.max_samples - self.evaluations - self._kept()
                 - (1 if self.tune_cache else 0))
         return self._bucket_grid(best)[:max(room, 0)]
 
     def _cache_stage(self) -> list[Key]:
-        room = self.max_samples - self.evaluations - self.confirm
+        room = self.max_samples - self.evaluations - self._kept()
         return self._cache_grid(self._best())[:max(room, 0)]
+
+    def _kept(self) -> int:
+        """Evaluations the earlier stages leave for the confirm stage: `confirm`, plus one
+        for the starting values."""
+        return self.confirm + 1 if self.confirm else 0
 
     def _confirm_stage(self) -> list[Key]:
         ranked = sorted(self.scores, key=lambda k: -_mean(self.scores[k]))
         room = self.max_samples - self.evaluations
-        return ranked[:max(min(self.confirm, room), 0)] if len(ranked) > 1 else []
+        n = max(min(self.confirm, room), 0)
+        if len(ranked) <= 1 or n == 0:
+            return []
+        picks = ranked[:n]
+        start = self.start.key
+        if start in self.scores and start not in picks:
+            # What the job runs without autotune gets a second score too (room for it was
+            # kept: `_kept`).
+            picks = picks[:room - 1] + [start] if len(picks) >= room else picks + [start]
+        self._confirmed = picks
+        return list(picks)
 
     def _next_stage(self) -> list[Key]:
         self._stage += 1
@@ -296,8 +316,10 @@ class Autotuner:
         return self._advance()
 
     def _finish(self) -> bool:
-        best = self._best()
-        score = _mean(self.scores[best])
+        # The sets of the run-off compete (all sets when the search ended before it).
+        again = [k for k in self._confirmed if len(self.scores[k]) > 1]
+        best = max(again, key=self._final_score) if again else self._best()
+        score = self._final_score(best)
         self.active = False
         self.params = Params.of(best, active=False)
         self._write(self.params, score)
@@ -313,6 +335,14 @@ class Autotuner:
             s.cycle_time_ms, s.bucket_cap_mb, "on" if s.cache_enabled else "off",
             _fmt(self.scores.get(s.key)))
         return True
+
+    def _final_score(self, key: Key) -> float:
+        """The mean score of `key`; for the starting values, once measured again, without
+        their first score (taken first of all, as the job's warm-up ends)."""
+        scores = self.scores[key]
+        if key == self.start.key and len(scores) > 1:
+            scores = scores[1:]
+        return _mean(scores)
 
     def close_log(self) -> None:
         """Closes the CSV log (when the search ends, or when the job stops before it does);
