@@ -269,6 +269,27 @@ def test_the_run_off_decides_and_the_start_is_in_it():
     assert tuner.params == Params(128 * MB, 1.0, False)
 
 
+def test_run_off_keeps_the_best_start_under_noise():
+    # Where the starting values are best (5% above every other setting), each score is 10%
+    # noisy and the start's first score reads 20% low (the job's warm-up): over 200 searches
+    # the chosen setting averages 0.973 of the best (the search before the run-off: 0.950,
+    # it almost never went back to the start).
+    ratios = []
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        tuner = Autotuner(128 * MB, 1.0, warmup_samples=3, max_samples=20,
+                          buckets_ready=lambda: True)
+        start = tuner.start.key
+        while tuner.active:
+            p = tuner.params
+            true = 100.0 if p.key == start else 95.0
+            dip = 0.8 if tuner.evaluations == 0 else 1.0
+            score = true * dip * (1 + 0.1 * rng.standard_normal())
+            tuner.add_sample(1e6, 1.0 / max(score, 1e-3))
+        ratios.append((100.0 if tuner.params.key == start else 95.0) / 100.0)
+    assert float(np.mean(ratios)) >= 0.965, float(np.mean(ratios))
+
+
 def test_four_knob_search_under_noise():
     ratios = []
     for seed in range(50):
