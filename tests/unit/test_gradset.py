@@ -303,3 +303,42 @@ def test_a_job_without_gradient_sets_falls_back_from_synchronize(monkeypatch):
     assert attempts == [1] and launched == ["p0", "p1", "p2"] and r.members == []
     r.synchronize()  # later steps: ordinary ops, no attempt
     assert attempts == [1] and launched == ["p0", "p1", "p2"] * 2
+
+
+def test_a_set_retired_between_take_and_words_of_its_last_round_gives_back_its_events():
+    # Review (a227601): the round that removes a set retired on every rank may be the one in
+    # whose take() it was not yet retired on this rank (the owner retired between take() and
+    # words()). It leaves ps.sets after that round, so no later take() gives back its tensors
+    # and pooled ready events.
+    import collective.engines.device as device
+    from collective.coordinator.negotiate import Negotiator
+    from collective.coordinator.state import ProcessSetState
+
+    class Pool:
+        def __init__(self):
+            self.free = []
+
+        def release(self, ev):
+            self.free.append(ev)
+
+    class PS:
+        set_flags = ProcessSetState.set_flags
+
+    saved = device._ready_events
+    pool = Pool()
+    device.set_ready_events(pool)
+    try:
+        gs = _set([(2,)] * 2)
+        ps = PS()
+        ps.sets = [gs]
+        gs.submit(0, "a", 101)
+        gs.take(0.0)  # round R: not retired yet
+        gs.retire()  # the owner resets on its thread
+        sent = np.concatenate([gs.words(False), ps.set_flags(False)])
+        assert int(sent[-1]) == 0b10  # retired here; every other rank sent the same
+        n = Negotiator.__new__(Negotiator)
+        assert n._agree_sets(ps, sent, False, 1 << 20, None) == []
+        assert ps.sets == []  # left the rounds: take() never runs for it again
+        assert pool.free == [101] and gs.tensors == [None, None]
+    finally:
+        device.set_ready_events(saved)
