@@ -199,12 +199,7 @@ class GradientSet:
         """Moves this step's new submits into the pending mask (start of a round)."""
         new = self._new
         if self.retired:
-            new.clear()
-            self.new_bytes = 0  # or the loop's fusion window keeps waking for it
-            self.mask = 0
-            self.tensors = [None] * self.n
-            ready, self.ready = self.ready, [None] * self.n
-            release_events(ready)
+            self.drop()
             return
         if new:
             if not self.mask:
@@ -227,16 +222,32 @@ class GradientSet:
                 "ago: %s. Every rank must call backward() and optimizer.step() (or "
                 "synchronize()) the same number of times; a rank that runs out of data should "
                 "call hvd.join().", age, self._pending_names())
-        if self.shutdown_time > 0 and not self.stalled and age >= self.shutdown_time:
+
+    def _check_shutdown(self, now: float) -> None:
+        """After a round that agreed none of this rank's pending members: asks for the job to
+        shut down once they have waited HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (`stalled`; the
+        coordinator's next global round tells every rank)."""
+        age = now - self._since
+        if age >= self.shutdown_time:
             self.stalled = True
             _log_.error(
-                "Gradients submitted on this rank waited %.0f s for other ranks, longer than "
-                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (%g s): %s. Will shutdown.", age,
+                "Gradients submitted on this rank have waited %.1f s for other ranks, "
+                "reaching HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (%g s): %s. Will shutdown.", age,
                 self.shutdown_time, self._pending_names())
 
     def _pending_names(self) -> str:
         names = [self.names[i] for i in bit_indices(self.mask)]
         return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    def drop(self) -> None:
+        """Forgets this step's submits of a retired set and gives back their ready events
+        (coordinator: each round's `take`, and where the set leaves the rounds)."""
+        self._new.clear()
+        self.new_bytes = 0  # or the loop's fusion window keeps waking for it
+        self.mask = 0
+        self.tensors = [None] * self.n
+        ready, self.ready = self.ready, [None] * self.n
+        release_events(ready)
 
     def words(self, joined: bool) -> np.ndarray:
         """This rank's bits for a round: its pending members (all members once it joined)."""
@@ -251,7 +262,11 @@ class GradientSet:
         ops in member order; they leave the pending mask."""
         common = int.from_bytes(res.astype("<u8", copy=False).tobytes(), "little")
         common &= self.full if joined else self.mask
-        if not common or self._sent_retired:
+        if self._sent_retired:
+            return []
+        if not common:
+            if self.mask and self.shutdown_time > 0 and not self.stalled:
+                self._check_shutdown(time.monotonic())
             return []
         if not joined:
             self.mask &= ~common

@@ -167,7 +167,13 @@ class Negotiator:
                             tl.negotiate_end(s.names[i])
                 chunks += agreed
         if flags >> 1:  # sets retired on every rank leave the rounds, on every rank alike
-            ps.sets = [s for k, s in enumerate(sets) if not flags >> (k + 1) & 1]
+            keep = []
+            for k, s in enumerate(sets):
+                if flags >> (k + 1) & 1:
+                    s.drop()  # retired after this round's take: nothing else would release
+                else:
+                    keep.append(s)
+            ps.sets = keep
         return chunks
 
     def _slow_path(self, ps: ProcessSetState, uncached: list[Request], common: list[int],

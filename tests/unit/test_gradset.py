@@ -142,33 +142,37 @@ def test_stall_warning_names_the_waiting_gradients(caplog):
 
 
 def test_stall_past_the_shutdown_time_asks_for_shutdown(caplog):
+    # Checked after each round's agreement: only members that round left pending count.
     import logging
-    gs = GradientSet(["allreduce.a", "allreduce.b"], [(1,), (1,)], [F32, F32], -1,
-                     ReduceOp.SUM, 1.0, 1.0, 2.0, shutdown_time=4.0)
-    gs.submit(0, "a")
-    gs.take(100.0)
+    import time
+
+    def stalled_set(pending_for: float) -> GradientSet:
+        gs = GradientSet(["allreduce.a", "allreduce.b"], [(1,), (1,)], [F32, F32], -1,
+                         ReduceOp.SUM, 1.0, 1.0, 2.0, shutdown_time=4.0)
+        gs.submit(0, "a")
+        gs.take(time.monotonic() - pending_for)
+        return gs
+
+    none = np.zeros(1, dtype="<u8")
     logger = logging.getLogger("horovod")
     logger.addHandler(caplog.handler)
     try:
-        gs.take(103.0)
-        assert not gs.stalled  # warned, not yet past the shutdown time
-        gs.take(104.5)
+        early = stalled_set(3.0)
+        assert early.agree(none, False, 1 << 20) == [] and not early.stalled
+        late = stalled_set(4.5)
+        assert late.agree(none, False, 1 << 20) == [] and late.stalled
+        late.agree(none, False, 1 << 20)  # once
+        # Agreed in the round that would have passed the limit: no shutdown.
+        agreed = stalled_set(10.0)
+        assert len(agreed.agree(_all_ones(agreed), False, 1 << 20)) == 1
+        assert not agreed.stalled and agreed.mask == 0
     finally:
         logger.removeHandler(caplog.handler)
-    assert gs.stalled
     errors = {r.getMessage() for r in caplog.records if r.levelno == logging.ERROR}
     assert len(errors) == 1
     (text,) = errors
     assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (4 s)" in text and "Will shutdown" in text
     assert "allreduce.a" in text and "allreduce.b" not in text
-    # Agreed in time: no shutdown.
-    gs2 = GradientSet(["allreduce.a"], [(1,)], [F32], -1, ReduceOp.SUM, 1.0, 1.0, 2.0,
-                      shutdown_time=4.0)
-    gs2.submit(0, "a")
-    gs2.take(100.0)
-    gs2.agree(_all_ones(gs2), False, 1 << 20)
-    gs2.take(110.0)
-    assert not gs2.stalled
 
 
 def test_registration_check_names_the_parameter_and_ranks():
