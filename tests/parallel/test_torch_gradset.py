@@ -238,7 +238,6 @@ def test_a_rank_joins_before_the_set_registers(hvd) -> None:
 def test_every_rank_joined_reduces_nothing(hvd) -> None:
     # Staggered joins: once every rank has joined, no gradient-set chunk runs (before, the
     # round in which the last rank joined reduced the whole model as zeros).
-    import time
     import collective.coordinator.execute as execute
     model = _model(8)
     opt = _opt(hvd, model)

@@ -223,36 +223,43 @@ def test_no_chunks_once_every_rank_has_joined():
     assert [c.indices for c in n._agree_sets(ps, res, True, 1 << 20, None)] == [[0, 1]]
 
 
-def test_events_the_engine_waited_on_are_not_given_back_again_by_a_retire():
+class _Pool:
+    """Stands in for the NCCL engine's ready-event pool: records what is given back."""
+
+    def __init__(self):
+        self.free = []
+
+    def release(self, ev):
+        self.free.append(ev)
+
+
+@pytest.fixture
+def pool():
     import collective.engines.device as device
-
-    class Pool:
-        def __init__(self):
-            self.free = []
-
-        def release(self, ev):
-            self.free.append(ev)
-
-    class Engine:
-        def zeros(self, *args):
-            return None
     saved = device._ready_events
-    pool = Pool()
-    device.set_ready_events(pool)
-    try:
-        gs = _set([(2,)] * 3)
-        gs.submit(0, "a", 101)
-        gs.submit(1, "b", 102)
-        gs.take(0.0)
-        for chunk in gs.agree(np.array([0b01], dtype=np.uint64), False, 1 << 20):
-            for e in gs.entries(chunk, Engine(), None):
-                pool.release(e.ready_event)  # the NCCL engine, once its stream waited
-        gs.retire()
-        gs.take(1.0)
-        assert sorted(pool.free) == [101, 102]  # 102 never ran: given back by the retire
-        assert gs.new_bytes == 0 and not gs.busy()
-    finally:
-        device.set_ready_events(saved)
+    p = _Pool()
+    device.set_ready_events(p)
+    yield p
+    device.set_ready_events(saved)
+
+
+class _Engine:
+    def zeros(self, *args):
+        return None
+
+
+def test_events_the_engine_waited_on_are_not_given_back_again_by_a_retire(pool):
+    gs = _set([(2,)] * 3)
+    gs.submit(0, "a", 101)
+    gs.submit(1, "b", 102)
+    gs.take(0.0)
+    for chunk in gs.agree(np.array([0b01], dtype=np.uint64), False, 1 << 20):
+        for e in gs.entries(chunk, _Engine(), None):
+            pool.release(e.ready_event)  # the NCCL engine, once its stream waited
+    gs.retire()
+    gs.take(1.0)
+    assert sorted(pool.free) == [101, 102]  # 102 never ran: given back by the retire
+    assert gs.new_bytes == 0 and not gs.busy()
 
 
 def _reducer_with_members(monkeypatch, register):
@@ -309,40 +316,25 @@ def test_a_job_without_gradient_sets_falls_back_from_synchronize(monkeypatch):
     assert attempts == [1] and launched == ["p0", "p1", "p2"] * 2
 
 
-def test_a_set_retired_between_take_and_words_of_its_last_round_gives_back_its_events():
-    # Review (a227601): the round that removes a set retired on every rank may be the one in
-    # whose take() it was not yet retired on this rank (the owner retired between take() and
-    # words()). It leaves ps.sets after that round, so no later take() gives back its tensors
-    # and pooled ready events.
-    import collective.engines.device as device
+def test_a_set_retired_between_take_and_words_of_its_last_round_gives_back_its_events(pool):
+    # The round that removes a set retired on every rank may be the one in whose take() it was
+    # not yet retired on this rank (the owner retired between take() and words()). It leaves
+    # ps.sets after that round, so no later take() would give back its tensors and events.
     from collective.coordinator.negotiate import Negotiator
     from collective.coordinator.state import ProcessSetState
-
-    class Pool:
-        def __init__(self):
-            self.free = []
-
-        def release(self, ev):
-            self.free.append(ev)
 
     class PS:
         set_flags = ProcessSetState.set_flags
 
-    saved = device._ready_events
-    pool = Pool()
-    device.set_ready_events(pool)
-    try:
-        gs = _set([(2,)] * 2)
-        ps = PS()
-        ps.sets = [gs]
-        gs.submit(0, "a", 101)
-        gs.take(0.0)  # round R: not retired yet
-        gs.retire()  # the owner resets on its thread
-        sent = np.concatenate([gs.words(False), ps.set_flags(False)])
-        assert int(sent[-1]) == 0b10  # retired here; every other rank sent the same
-        n = Negotiator.__new__(Negotiator)
-        assert n._agree_sets(ps, sent, False, 1 << 20, None) == []
-        assert ps.sets == []  # left the rounds: take() never runs for it again
-        assert pool.free == [101] and gs.tensors == [None, None]
-    finally:
-        device.set_ready_events(saved)
+    gs = _set([(2,)] * 2)
+    ps = PS()
+    ps.sets = [gs]
+    gs.submit(0, "a", 101)
+    gs.take(0.0)  # this round's take: not retired yet
+    gs.retire()  # the owner resets on its thread
+    sent = np.concatenate([gs.words(False), ps.set_flags(False)])
+    assert int(sent[-1]) == 0b10  # retired here; every other rank sent the same
+    n = Negotiator.__new__(Negotiator)
+    assert n._agree_sets(ps, sent, False, 1 << 20, None) == []
+    assert ps.sets == []  # left the rounds: take() never runs for it again
+    assert pool.free == [101] and gs.tensors == [None, None]
