@@ -35,10 +35,11 @@ far:
 At most `max_samples` parameter sets are scored (`HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`); the
 cycle-time stage is shortened to leave room for the later stages (with the default 20: the
 threshold grid (9 with the default start), 3 cycle times, 3 bucket sizes, 1 cache setting, 3
-confirmations and the starting values). A knob set through the environment or `hvdrun` (a value other than its
-default) is held fixed, as in Horovod; so is the bucket size of an optimizer with `groups=`, in
-per-gradient mode (`HOROVOD_BUCKET_CAP_MB=0`) or over another process set. When the search ends
-the best values stay in force, are logged and end the CSV log.
+confirmations and the starting values). A knob set through the environment or `hvdrun` (a
+value other than its default) is held fixed, as in Horovod; so is the bucket size of an
+optimizer with `groups=`, in per-gradient mode (`HOROVOD_BUCKET_CAP_MB=0`) or over another
+process set. When the search ends the best values stay in force, are logged and end the CSV
+log.
 
 The CSV log has Horovod's columns (`CSV_HEADER`: hierarchical_allreduce,
 hierarchical_allgather, torus_allreduce, cache_enabled, cycle_time_ms, tensor_fusion_threshold
@@ -249,8 +250,8 @@ class Autotuner:
         start = self.start.key
         if start in self.scores and start not in picks:
             # What the job runs without autotune gets a second score too (room for it was
-            # kept: `_kept`).
-            picks = picks[:room - 1] + [start] if len(picks) >= room else picks + [start]
+            # kept: `_kept`), in the last pick's place if there is no room for both.
+            picks = picks[:min(n, room - 1)] + [start]
         self._confirmed = picks
         return list(picks)
 

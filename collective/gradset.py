@@ -46,7 +46,7 @@ from .engines.device import release_events
 from .entry import Entry, default_allocate
 from .fusion import ALONE_BYTES
 from .handle import Handle
-from .negotiation import bit_indices
+from .negotiation import bit_indices, words_to_int
 from .types import CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response, ResponseType
 
 __all__ = ["GradientSet", "SetChunk", "register", "MISMATCH"]
@@ -212,8 +212,12 @@ class GradientSet:
                     tl.negotiate_start(self.names[i], "ALLREDUCE")
             self.mask = mask
             self.new_bytes = 0
-        if not self.mask or self.stall_time <= 0:
-            return
+
+    def _check_stall(self, now: float) -> None:
+        """After a round that agreed none of this rank's pending members: names them in a
+        warning once they have waited HOROVOD_STALL_CHECK_TIME_SECONDS, and asks for the job to
+        shut down once they have waited HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (`stalled`; the
+        coordinator's next global round tells every rank)."""
         age = now - self._since
         if not self._warned and age > self.stall_time:
             self._warned = True
@@ -222,13 +226,7 @@ class GradientSet:
                 "ago: %s. Every rank must call backward() and optimizer.step() (or "
                 "synchronize()) the same number of times; a rank that runs out of data should "
                 "call hvd.join().", age, self._pending_names())
-
-    def _check_shutdown(self, now: float) -> None:
-        """After a round that agreed none of this rank's pending members: asks for the job to
-        shut down once they have waited HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (`stalled`; the
-        coordinator's next global round tells every rank)."""
-        age = now - self._since
-        if age >= self.shutdown_time:
+        if self.shutdown_time > 0 and not self.stalled and age >= self.shutdown_time:
             self.stalled = True
             _log_.error(
                 "Gradients submitted on this rank have waited %.1f s for other ranks, "
@@ -260,13 +258,13 @@ class GradientSet:
     def agree(self, res: np.ndarray, joined: bool, threshold: int) -> list[SetChunk]:
         """The members set in the round's AND result `res` (this set's words), cut into fused
         ops in member order; they leave the pending mask."""
-        common = int.from_bytes(res.astype("<u8", copy=False).tobytes(), "little")
+        common = words_to_int(res)
         common &= self.full if joined else self.mask
         if self._sent_retired:
             return []
         if not common:
-            if self.mask and self.shutdown_time > 0 and not self.stalled:
-                self._check_shutdown(time.monotonic())
+            if self.mask and self.stall_time > 0:
+                self._check_stall(time.monotonic())
             return []
         if not joined:
             self.mask &= ~common

@@ -549,6 +549,11 @@ class MessageTable:
         return r
 
 
+def words_to_int(words: np.ndarray) -> int:
+    """A round's bit words (uint64, word 0 lowest) as one Python int."""
+    return int.from_bytes(words.astype("<u8", copy=False).tobytes(), "little")
+
+
 def bit_indices(mask: int) -> list[int]:
     """The positions of the bits set in `mask`, ascending (a loop over set bits only)."""
     out = []
@@ -608,7 +613,7 @@ class PendingHits:
         """Removes and returns (ascending) the bits set in the AND result `res`."""
         if not self._mask:
             return []
-        both = int.from_bytes(res[1:].astype("<u8", copy=False).tobytes(), "little") & self._mask
+        both = words_to_int(res[1:]) & self._mask
         bits = bit_indices(both)
         for b in bits:
             self.pop(b)

@@ -21,8 +21,8 @@ import numpy as np
 from .. import _log
 from ..fusion import plan_fusion
 from ..negotiation import (CACHEABLE, EVICTION_WARNING, CacheState, bit_indices,
-                           decode_gathered,
-                           decode_responses, encode_requests, encode_responses)
+                           decode_gathered, decode_responses, encode_requests, encode_responses,
+                           words_to_int)
 from ..types import Request, RequestType, Response, ResponseType
 from .state import ProcessSetState, flag_words
 from .tuning import Tuning
@@ -154,8 +154,7 @@ class Negotiator:
         chunks: list[Any] = []
         sets = ps.sets
         nflag = flag_words(len(sets))
-        flags = int.from_bytes(res[len(res) - nflag:].astype("<u8", copy=False).tobytes(),
-                               "little")
+        flags = words_to_int(res[len(res) - nflag:])
         if not flags & 1:  # some rank has gradients to reduce (not every rank joined)
             pos = 0
             for s in sets:
@@ -238,4 +237,4 @@ def check_stall(ps: ProcessSetState) -> bool:
 
 
 def _bits(words: np.ndarray) -> list[int]:
-    return bit_indices(int.from_bytes(words[1:].astype("<u8", copy=False).tobytes(), "little"))
+    return bit_indices(words_to_int(words[1:]))

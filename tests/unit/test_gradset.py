@@ -120,18 +120,22 @@ def test_a_retired_set_offers_nothing_and_releases_its_tensors():
 
 
 def test_stall_warning_names_the_waiting_gradients(caplog):
+    # Checked after each round's agreement, as the shutdown below.
     import logging
+    import time
     gs = GradientSet(["allreduce.a", "allreduce.b"], [(1,), (1,)], [F32, F32], -1,
                      ReduceOp.SUM, 1.0, 1.0, 5.0)
     gs.submit(1, "b")
-    gs.take(100.0)
+    gs.take(time.monotonic() - 3.0)
+    none = np.zeros(1, dtype="<u8")
     logger = logging.getLogger("horovod")
     logger.addHandler(caplog.handler)
     try:
-        gs.take(103.0)
+        gs.agree(none, False, 1 << 20)
         assert "did not submit" not in caplog.text
-        gs.take(106.0)
-        gs.take(107.0)  # once per stall
+        gs._since -= 3.0  # now waiting for 6 s
+        gs.agree(none, False, 1 << 20)
+        gs.agree(none, False, 1 << 20)  # once per stall
     finally:
         logger.removeHandler(caplog.handler)
     warned = {id(r): r.getMessage() for r in caplog.records}  # a record may come twice
