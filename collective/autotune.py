@@ -334,7 +334,7 @@ class Autotuner:
             "" if any(k[2] != s.bucket_cap_mb for k in self.scores) else " (not tuned)",
             "on" if best[3] else "off (0)", score, s.fusion_threshold / _MB,
             s.cycle_time_ms, s.bucket_cap_mb, "on" if s.cache_enabled else "off",
-            _fmt(self.scores.get(s.key)))
+            f"{self._final_score(s.key):.1f} bytes/us" if s.key in self.scores else "not scored")
         return True
 
     def _final_score(self, key: Key) -> float:
@@ -503,10 +503,6 @@ class Driver:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
-
-
-def _fmt(xs: list[float] | None) -> str:
-    return "not scored" if not xs else f"{_mean(xs):.1f} bytes/us"
 
 
 def from_config(config: Config, buckets_ready: Callable[[], bool] = lambda: False) -> Driver:
