@@ -9,6 +9,8 @@ installed from carried wheels) and then runs one of these parts::
     python3 benchmarks/gpu_suite.py phases [--gpus 2] [--configs fp32] [--cycles 1,2.5,10]
                                            [--rounds 1] [--model resnet50]
     python3 benchmarks/gpu_suite.py timeline [--gpus 2] [--configs fp32] [--one-gpu]
+    python3 benchmarks/gpu_suite.py ab --base REV|DIR [--gpus 2] [--configs fp32+pg]
+                                       [--rounds 5] [--ddp] [--model resnet50]
 
 * `sweep`: float32 allreduce 1 KiB – 1 GiB at N GPUs (`gpu_allreduce.py` under
   `mpirun -np N`): ringvod vs raw CuPy NCCL vs torch.distributed in the same processes, then a
@@ -30,6 +32,14 @@ installed from carried wheels) and then runs one of these parts::
   mode at each `--cycles` cycle time (`HOROVOD_CYCLE_TIME`), each run with `--phases` (host
   time of forward, backward and step, and the GPU's tail after step, median of 20 steps); the
   variants alternate direction per round; `phases_<model>.json`.
+* `ab`: is a change faster? Paired training runs of this checkout's library ("current") and
+  another ("base": a git revision, exported with `git archive` into $OUT, or a folder holding
+  a copy of `collective/`, `frameworks/`, `horovod/` and `launcher/`, e.g. where git is
+  missing), both ringvod, in the same processes' environment but for `PYTHONPATH`; which goes
+  first alternates per round. `--ddp` adds a DDP run per round. The table gives each pair's
+  ratio current ÷ base, their median, the ratio of the summed throughputs and the pairs'
+  spread: a change earns its place only if it beats the base by more than that spread;
+  `ab.json`.
 * `timeline`: one profiled training step per configuration, ringvod and DDP at N GPUs (with
   `--one-gpu` ringvod at 1 GPU too), each run also timed with its host time per step phase:
   `timeline_<model>_<config>_<impl>_<N>gpu.png` (kernels per stream, NCCL in red) and the
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import io
 import os
 import re
 import shlex
@@ -49,6 +60,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -311,6 +323,91 @@ def memory_table(s: Suite, rows: list[dict], configs: list[str]) -> None:
     s.say(format_table(["config", "GPUs", "impl"] + [h for _, h in _MEM_COLS], out))
 
 
+# -- A/B of two libraries ----------------------------------------------------------------------
+LIBRARY = ("collective", "frameworks", "horovod", "launcher")
+
+
+def base_library(base: str, out: str) -> str:
+    """The folder holding the base library: `base` itself when it is one, else git revision
+    `base` of this checkout exported into `out`.
+
+    Raises:
+        ValueError: `base` is neither such a folder nor a revision git can export.
+    """
+    if os.path.isdir(base):
+        missing = [d for d in LIBRARY if not os.path.isdir(os.path.join(base, d))]
+        if missing:
+            raise ValueError(f"--base {base}: no {', '.join(missing)} in that folder")
+        return os.path.abspath(base)
+    p = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", base, *LIBRARY],
+                       capture_output=True, check=False)
+    if p.returncode:
+        raise ValueError(f"--base {base}: neither a folder nor a revision git can export "
+                         f"({p.stderr.decode(errors='replace').strip()})")
+    dest = os.path.join(out, "ab_base_" + re.sub(r"[^\w.-]", "_", base))
+    shutil.rmtree(dest, ignore_errors=True)
+    with tarfile.open(fileobj=io.BytesIO(p.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+def ab(s: Suite, n: int, configs: list[str], rounds: int, iters: int, base: str,
+       model: str = "resnet50", extra: list[str] | None = None, ddp: bool = False
+       ) -> list[dict]:
+    """Paired runs of `base`'s library and this checkout's (see the module docstring); rows
+    per run, and a table per configuration."""
+    path = os.environ.get("PYTHONPATH", "")
+    sides = {"base": {"PYTHONPATH": os.pathsep.join(x for x in (base, REPO, path) if x)},
+             "current": {"PYTHONPATH": os.pathsep.join(x for x in (REPO, path) if x)}}
+    # Which library each side imports, as a script in benchmarks/ does (its folder first on
+    # sys.path, not the working directory): a side that would import the other's stops here.
+    probe = "import sys; sys.path[0] = sys.argv[1]; import collective; print(collective.__file__)"
+    for side, env in sides.items():
+        where = s.run([PY, "-c", probe, HERE], 60, env).strip()
+        s.say(f"-- {side}: {where}")
+        if not where.startswith(os.path.join(base if side == "base" else REPO, "")):
+            s.say(f"!! the {side} side does not import its own library; nothing was run")
+            return []
+    keep = MODELS[model][3]
+    rows = []
+    for rnd in range(1, rounds + 1):
+        for cfg in configs:
+            order = ["base", "current"] if rnd % 2 else ["current", "base"]
+            for side in order + (["DDP"] if ddp else []):
+                if s.left() < keep:
+                    s.say(f"-- budget spent: skipping {cfg} {side}, round {rnd}")
+                    continue
+                impl = "DDP" if side == "DDP" else "ringvod"
+                v, mem = train_run(s, n, impl, cfg, iters, model, extra, sides.get(side))
+                rows.append({"gpus": n, "config": cfg, "side": side, "round": rnd,
+                             "model": model, "img_s": v, "phases_ms": mem.get("phases")})
+    ab_table(s, rows, model)
+    return rows
+
+
+def ab_table(s: Suite, rows: list[dict], model: str = "resnet50") -> None:
+    unit = MODELS[model][1]
+    for cfg in dict.fromkeys(r["config"] for r in rows):
+        got = {(r["round"], r["side"]): r["img_s"] for r in rows if r["config"] == cfg}
+        ddp = any(side == "DDP" for _, side in got)
+        table, pairs = [], []
+        for rnd in sorted({r for r, _ in got}):
+            b, c, d = got.get((rnd, "base")), got.get((rnd, "current")), got.get((rnd, "DDP"))
+            if b and c:
+                pairs.append((b, c))
+            line = [rnd, b or "-", c or "-", f"{c / b:.3f}" if b and c else "-"]
+            table.append(line + ([f"{c / d:.3f}" if c and d else "-"] if ddp else []))
+        s.say(f"\n{model} {cfg}, {rows[0]['gpus']} GPUs, {unit}: current vs base, per round")
+        s.say(format_table(["round", "base", "current", "current/base"]
+                           + (["current/DDP"] if ddp else []), table))
+        if pairs:
+            ratios = [c / b for b, c in pairs]
+            summed = sum(c for _, c in pairs) / sum(b for b, _ in pairs)
+            s.say(f"{cfg}: {len(pairs)} pairs, current/base median "
+                  f"{statistics.median(ratios):.3f}, summed throughputs {summed:.3f}, pairs "
+                  f"{min(ratios):.3f} to {max(ratios):.3f}")
+
+
 # -- one profiled step -------------------------------------------------------------------------
 def timeline(s: Suite, n: int, configs: list[str], model: str = "resnet50",
              one_gpu: bool = False, extra: list[str] | None = None) -> None:
@@ -379,7 +476,7 @@ def phases(s: Suite, n: int, configs: list[str], cycles: list[float], rounds: in
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["sweep", "resnet", "phases", "timeline"])
+    p.add_argument("part", choices=["sweep", "resnet", "phases", "timeline", "ab"])
     p.add_argument("--gpus", type=int, default=2, help="GPUs for the sweep / ResNet-50")
     p.add_argument("--quick", action="store_true", help="sweep: up to 256 MiB, fewer iterations")
     p.add_argument("--configs", default="fp32,bf16",
@@ -396,6 +493,9 @@ def main() -> int:
                    "'--device cpu --batch 2 --seq 16 --layers 1 --warmup 1' (a smoke test)")
     p.add_argument("--cycles", default="1,2.5,10",
                    help="phases: cycle times (ms) for ringvod's per-gradient runs")
+    p.add_argument("--base", help="ab: the library to compare with (a git revision, or a folder "
+                   "with collective/, frameworks/, horovod/ and launcher/)")
+    p.add_argument("--ddp", action="store_true", help="ab: a DDP run per round too")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole part")
     a = p.parse_args()
     out = os.environ.get("OUT") or os.path.join(REPO, "out")
@@ -406,7 +506,26 @@ def main() -> int:
     if unknown:
         p.error(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}, each "
                 f"optionally with {PG}")
-    if a.part == "sweep":
+    if a.part == "ab":
+        if not a.base:
+            p.error("ab needs --base (a git revision or a folder with a copy of the library)")
+        try:
+            base = base_library(a.base, out)
+        except ValueError as exc:
+            p.error(str(exc))
+        if not os.path.isdir(a.base):  # the commit, as this checkout's git resolves it
+            rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", a.base + "^{commit}"],
+                                 capture_output=True, text=True, check=False).stdout.strip()
+            a.base = f"{a.base} ({rev})" if rev and rev != a.base else a.base
+        s.say(f"== {a.model}: this checkout's library vs {a.base} at {a.gpus} GPUs, configs "
+              f"{','.join(configs)}")
+        rows = ab(s, a.gpus, configs, a.rounds, a.iters, base, a.model,
+                  shlex.split(a.script_args), a.ddp)
+        write_results(os.path.join(out, "ab.json"), "gpu_ab", rows,
+                      params={"model": a.model, "iters": a.iters, "gpus": a.gpus,
+                              "rounds": a.rounds, "base": a.base, "ddp": a.ddp,
+                              "unit": MODELS[a.model][1], "script_args": a.script_args})
+    elif a.part == "sweep":
         sweep(s, a.gpus, a.quick)
     elif a.part == "timeline":
         timeline(s, a.gpus, configs, a.model, a.one_gpu, shlex.split(a.script_args))

