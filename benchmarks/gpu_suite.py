@@ -9,8 +9,8 @@ installed from carried wheels) and then runs one of these parts::
     python3 benchmarks/gpu_suite.py phases [--gpus 2] [--configs fp32] [--cycles 1,2.5,10]
                                            [--rounds 1] [--model resnet50]
     python3 benchmarks/gpu_suite.py timeline [--gpus 2] [--configs fp32] [--one-gpu]
-    python3 benchmarks/gpu_suite.py ab --base REV|DIR [--gpus 2] [--configs fp32+pg]
-                                       [--rounds 5] [--ddp] [--model resnet50]
+    python3 benchmarks/gpu_suite.py ab --base REV|DIR [--gpus 2] [--configs fp32,bf16]
+                                       [--rounds 2] [--ddp] [--model resnet50]
 
 * `sweep`: float32 allreduce 1 KiB – 1 GiB at N GPUs (`gpu_allreduce.py` under
   `mpirun -np N`): ringvod vs raw CuPy NCCL vs torch.distributed in the same processes, then a
@@ -38,8 +38,8 @@ installed from carried wheels) and then runs one of these parts::
   missing), both ringvod, in the same processes' environment but for `PYTHONPATH`; which goes
   first alternates per round. `--ddp` adds a DDP run per round. The table gives each pair's
   ratio current ÷ base, their median, the ratio of the summed throughputs and the pairs'
-  spread: a change earns its place only if it beats the base by more than that spread;
-  `ab.json`.
+  spread: a change earns its place only if it beats the base by more than that spread (give
+  it five rounds or more: `run_gpu_suite.sh ab` runs five); `ab.json`.
 * `timeline`: one profiled training step per configuration, ringvod and DDP at N GPUs (with
   `--one-gpu` ringvod at 1 GPU too), each run also timed with its host time per step phase:
   `timeline_<model>_<config>_<impl>_<N>gpu.png` (kernels per stream, NCCL in red) and the
@@ -344,7 +344,8 @@ def base_library(base: str, out: str) -> str:
     if p.returncode:
         raise ValueError(f"--base {base}: neither a folder nor a revision git can export "
                          f"({p.stderr.decode(errors='replace').strip()})")
-    dest = os.path.join(out, "ab_base_" + re.sub(r"[^\w.-]", "_", base))
+    # Absolute: the runs' working directory is the repository, not the caller's.
+    dest = os.path.abspath(os.path.join(out, "ab_base_" + re.sub(r"[^\w.-]", "_", base)))
     shutil.rmtree(dest, ignore_errors=True)
     with tarfile.open(fileobj=io.BytesIO(p.stdout)) as tar:
         tar.extractall(dest, filter="data")
@@ -498,7 +499,8 @@ def main() -> int:
     p.add_argument("--ddp", action="store_true", help="ab: a DDP run per round too")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole part")
     a = p.parse_args()
-    out = os.environ.get("OUT") or os.path.join(REPO, "out")
+    # Absolute: the runs work in the repository folder, whatever the caller's folder is.
+    out = os.path.abspath(os.environ.get("OUT") or os.path.join(REPO, "out"))
     os.makedirs(out, exist_ok=True)
     s = Suite(out, a.budget)
     configs = [c for c in a.configs.split(",") if c]
