@@ -35,8 +35,10 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
                ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _library  # noqa: E402
+
+_library.use_checkout()  # a copy on PYTHONPATH first, else this checkout
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

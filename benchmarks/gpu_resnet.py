@@ -11,7 +11,8 @@ allreduce per gradient, fused by the runtime) instead of gradient buckets. Launc
     mpirun --allow-run-as-root --bind-to none -np 2 -x NCCL_NVLS_ENABLE=0 \
         python benchmarks/gpu_resnet.py [--model transformer] [--amp] [--compression fp16|bf16]
 
-Prints `MODEL ...` (parameter tensors and count), then `RESULT impl=ringvod world=.. amp=..
+Prints `LIBRARY <folder>` (where ringvod was imported from: a copy named on `PYTHONPATH`,
+else this checkout; `_library.py`), `MODEL ...` (parameter tensors and count), then `RESULT impl=ringvod world=.. amp=..
 compression=.. batch=.. img_per_sec_total=.. model=.. unit=..` (the key says img but the
 number is in `unit`: img/s or samples/s), then `MEMORY impl=ringvod ...`: the peak of torch's
 allocator after warm-up, the device's used memory and what ringvod holds (CuPy pool, the NCCL
@@ -33,8 +34,11 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
+
+import _library
+
+_library.use_checkout()  # a copy on PYTHONPATH first, else this checkout
 
 import _models
 import torch
@@ -67,6 +71,7 @@ def main() -> int:
     w = _models.build(a.model, device, a.batch, seq=a.seq, layers=a.layers,
                       vocab=a.vocab)
     if rank == 0:
+        print(f"LIBRARY {_library.where()}", flush=True)
         print(w.describe(a.model), flush=True)
     model = w.model
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

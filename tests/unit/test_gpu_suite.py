@@ -73,29 +73,30 @@ def test_timeline_part_runs_each_implementation_and_keeps_its_trace(tmp_path, mo
 
 def test_ab_part_alternates_the_libraries_and_reports_the_pairs(tmp_path, monkeypatch,
                                                                 capsys):
-    """`ab` runs the base library (first on PYTHONPATH) and this checkout's in pairs, which
-    goes first alternating, and reports each pair's ratio, the median and the spread."""
+    """`ab` runs the base library (named on PYTHONPATH) and this checkout's in pairs, which
+    goes first alternating, checks the library each run imported, and reports each pair's
+    ratio, the median and the spread."""
     base = gpu_suite.base_library("HEAD", str(tmp_path))  # a revision, exported with git
     assert os.path.isfile(os.path.join(base, "collective", "__init__.py"))
     assert gpu_suite.base_library(base, str(tmp_path / "x")) == base  # a folder as it is
+    os.makedirs(tmp_path / "partial" / "collective")
     with pytest.raises(ValueError, match="no frameworks"):
-        os.makedirs(tmp_path / "partial" / "collective")
         gpu_suite.base_library(str(tmp_path / "partial"), str(tmp_path))
     with pytest.raises(ValueError, match="neither a folder nor a revision"):
         gpu_suite.base_library("no-such-revision-xyz", str(tmp_path))
+    with pytest.raises(ValueError, match="this checkout"):
+        gpu_suite.base_library(gpu_suite.REPO, str(tmp_path))
 
-    s = gpu_suite.Suite(str(tmp_path), 60.0)
+    s = gpu_suite.Suite(str(tmp_path), 600.0)
     order = []
     speed = iter([100.0, 110.0, 121.0, 100.0, 90.0, 99.0])  # in run order: 1.1, 1.21, 1.1
 
     def fake_run(cmd, timeout, env=None):
-        if "-c" in cmd:  # which library each side imports
-            first = env["PYTHONPATH"].split(os.pathsep)[0]
-            return os.path.join(first, "collective", "__init__.py") + "\n"
         side = "base" if env["PYTHONPATH"].startswith(base) else "current"
         order.append(side)
         v = next(speed)
-        return (f"RESULT impl=ringvod world=2 amp=False compression=none batch=64 "
+        return (f"LIBRARY {env['PYTHONPATH'].split(os.pathsep)[0]}\n"
+                f"RESULT impl=ringvod world=2 amp=False compression=none batch=64 "
                 f"img_per_sec_total={v} windows={v} model=resnet50 unit=img/s\n")
 
     monkeypatch.setattr(s, "run", fake_run)
@@ -104,15 +105,39 @@ def test_ab_part_alternates_the_libraries_and_reports_the_pairs(tmp_path, monkey
     assert order == ["base", "current", "current", "base", "base", "current"]
     got = {(r["round"], r["side"]): r["img_s"] for r in rows}
     assert got[(1, "current")] / got[(1, "base")] == pytest.approx(1.1)
+    assert "ringvod (base, round 1): 100 img/s" in out
     assert "fp32+pg: 3 pairs, current/base median 1.100" in out
-    assert f"-- base: {base}" in out
 
-    # A base side that would import this checkout's library (e.g. the folder is not a copy
-    # of it) runs nothing.
-    monkeypatch.setattr(s, "run", lambda cmd, timeout, env=None: os.path.join(
-        gpu_suite.REPO, "collective", "__init__.py"))
-    assert gpu_suite.ab(s, 2, ["fp32+pg"], 1, 60, base) == []
-    assert "the base side does not import its own library" in capsys.readouterr().out
+    # A run that imported the other side's library (the script's own checkout first on
+    # sys.path, say) is not counted, and the part stops.
+    s = gpu_suite.Suite(str(tmp_path), 600.0)
+    monkeypatch.setattr(s, "run", lambda cmd, timeout, env=None: (
+        f"LIBRARY {gpu_suite.REPO}\nRESULT impl=ringvod world=2 amp=False compression=none "
+        "batch=64 img_per_sec_total=100.0 windows=100 model=resnet50 unit=img/s\n"))
+    rows = gpu_suite.ab(s, 2, ["fp32+pg"], 3, 60, base)
+    assert [r["img_s"] for r in rows] == [None]
+    assert "the base run imported ringvod from" in capsys.readouterr().out
+
+
+def test_scripts_import_a_library_named_on_pythonpath_first(tmp_path):
+    """gpu_resnet.py and gpu_allreduce.py import ringvod from a copy named on PYTHONPATH
+    before their own checkout (an A/B of two libraries depends on it)."""
+    import subprocess
+    base = gpu_suite.base_library("HEAD", str(tmp_path))
+    # As a script in benchmarks/ starts: its folder first on sys.path.
+    code = (f"import sys; sys.path.insert(0, {BENCH!r}); import _library; "
+            "_library.use_checkout(); print(_library.where())")
+
+    def imported(pythonpath: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True, cwd=str(tmp_path),
+                              env=dict(os.environ, PYTHONPATH=pythonpath)).stdout.strip()
+
+    assert imported(base) == base
+    assert imported("") == gpu_suite.REPO
+    for script in ("gpu_resnet.py", "gpu_allreduce.py"):
+        text = open(os.path.join(BENCH, script)).read()
+        assert "_library.use_checkout()" in text, script
 
 
 def test_plot_trace_draws_kernels_per_stream(tmp_path, capsys):
