@@ -341,8 +341,12 @@ def base_library(base: str, out: str) -> str:
         ValueError: `base` is neither such a folder nor a revision git can export, is both, or
             is this checkout.
     """
-    rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", "-q", base + "^{commit}"],
-                         capture_output=True, check=False).returncode == 0
+    try:
+        rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", "-q",
+                              base + "^{commit}"], capture_output=True, check=False
+                             ).returncode == 0
+    except OSError:  # no git here: a folder is the only kind of base
+        rev = False
     if os.path.isdir(base):
         if rev:
             raise ValueError(f"--base {base}: both a folder and a git revision; write ./{base} "
@@ -353,8 +357,11 @@ def base_library(base: str, out: str) -> str:
         if os.path.realpath(base) == os.path.realpath(REPO):
             raise ValueError(f"--base {base}: that is this checkout")
         return os.path.abspath(base)
-    p = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", base, *LIBRARY],
-                       capture_output=True, check=False)
+    try:
+        p = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", base, *LIBRARY],
+                           capture_output=True, check=False)
+    except OSError as exc:
+        raise ValueError(f"--base {base}: not a folder, and git cannot run here ({exc})") from exc
     if p.returncode:
         raise ValueError(f"--base {base}: neither a folder nor a revision git can export "
                          f"({p.stderr.decode(errors='replace').strip()})")
@@ -377,22 +384,26 @@ def ab(s: Suite, n: int, configs: list[str], rounds: int, iters: int, base: str,
              "current": {"PYTHONPATH": os.pathsep.join(x for x in (REPO, path) if x)}}
     expect = {"base": os.path.realpath(base), "current": os.path.realpath(REPO)}
     group = 2 + int(ddp)
-    keep = MODELS[model][3]
+    longest = float(MODELS[model][3])  # the longest run so far (at first: the margin per run)
     rows: list[dict] = []
     wrong = False  # a run imported the other side's library
     for rnd in range(1, rounds + 1):
         for cfg in configs:
             if wrong:
                 break
-            if s.left() < keep * group:  # a pair that cannot finish tells nothing
+            if s.left() < longest * group:  # a pair that cannot finish tells nothing
                 s.say(f"-- budget spent: skipping {cfg}, round {rnd}")
                 continue
             order = ["base", "current"] if rnd % 2 else ["current", "base"]
             for side in order + (["DDP"] if ddp else []):
+                if s.left() <= 0:  # two failed runs end the part (train_run)
+                    break
                 impl = "DDP" if side == "DDP" else "ringvod"
+                t0 = time.monotonic()
                 v, mem = train_run(s, n, impl, cfg, iters, model, extra, sides.get(side),
                                    f"{impl} ({side}, round {rnd})" if impl != side else
                                    f"DDP (round {rnd})")
+                longest = max(longest, time.monotonic() - t0)
                 lib = mem.get("library")
                 if v is not None and side in expect and (
                         lib is None or os.path.realpath(lib) != expect[side]):
@@ -400,7 +411,7 @@ def ab(s: Suite, n: int, configs: list[str], rounds: int, iters: int, base: str,
                           f"{expect[side]}: stopping")
                     wrong, v = True, None
                 rows.append({"gpus": n, "config": cfg, "side": side, "round": rnd,
-                             "model": model, "img_s": v, "library": lib,
+                             "model": model, "img_s": v, "library": lib, "wrong_library": wrong,
                              "phases_ms": mem.get("phases")})
                 if wrong:
                     break
@@ -578,6 +589,8 @@ def main() -> int:
                               "iters": a.iters, "gpus": a.gpus, "rounds": a.rounds,
                               "unit": MODELS[a.model][1], "script_args": a.script_args})
         resnet_table(s, rows, a.model)
+    if a.part == "ab" and any(r["wrong_library"] for r in rows):
+        return 1
     return 0
 
 

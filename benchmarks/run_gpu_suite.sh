@@ -39,7 +39,8 @@ BUDGET="${BUDGET:-540}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export OUT="${OUT:-$PWD/out}"
+case "${OUT:-}" in "") OUT="$PWD/out" ;; /*) ;; *) OUT="$CALLER/$OUT" ;; esac
+export OUT
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
 
@@ -95,7 +96,17 @@ case "$MODE" in
                 --model "${MODEL:-resnet50}" ${ONE_GPU:+--one-gpu} --budget "$BUDGET" ;;
     ab) [ $# -ge 2 ] || { echo "usage: $0 ab BASE [ROUNDS]"; exit 2; }
         BASE="$2"
-        case "$BASE" in /*) ;; *) [ -d "$CALLER/$BASE" ] && BASE="$CALLER/$BASE" ;; esac
+        case "$BASE" in
+            /*) ;;
+            *) if [ -d "$CALLER/$BASE" ]; then
+                   if git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1; then
+                       echo "ab: $BASE is both a folder and a git revision; write ./$BASE for" \
+                            "the folder or $BASE^{commit} for the revision"
+                       exit 2
+                   fi
+                   BASE="$CALLER/$BASE"
+               fi ;;
+        esac
         WITH_DDP=(); [ "${DDP:-0}" = 1 ] && WITH_DDP=(--ddp)
         "${SUITE[@]}" ab --base "$BASE" --rounds "${3:-5}" --gpus "${GPUS:-2}" \
                 --model "${MODEL:-resnet50}" --configs "${CONFIGS:-fp32}" \

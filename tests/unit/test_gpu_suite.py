@@ -115,8 +115,14 @@ def test_ab_part_alternates_the_libraries_and_reports_the_pairs(tmp_path, monkey
         f"LIBRARY {gpu_suite.REPO}\nRESULT impl=ringvod world=2 amp=False compression=none "
         "batch=64 img_per_sec_total=100.0 windows=100 model=resnet50 unit=img/s\n"))
     rows = gpu_suite.ab(s, 2, ["fp32+pg"], 3, 60, base)
-    assert [r["img_s"] for r in rows] == [None]
+    assert [r["img_s"] for r in rows] == [None] and rows[0]["wrong_library"]
     assert "the base run imported ringvod from" in capsys.readouterr().out
+
+    # A pair starts only with time left for both runs (here: less than two runs' margin).
+    s = gpu_suite.Suite(str(tmp_path), 50.0)
+    monkeypatch.setattr(s, "run", fake_run)
+    assert gpu_suite.ab(s, 2, ["fp32+pg"], 1, 60, base) == []
+    assert "budget spent: skipping fp32+pg, round 1" in capsys.readouterr().out
 
 
 def test_scripts_import_a_library_named_on_pythonpath_first(tmp_path):
