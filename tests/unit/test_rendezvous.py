@@ -71,10 +71,12 @@ def test_round_trip(server: KVServer) -> None:
 def test_get_waits_for_a_later_put(server: KVServer) -> None:
     host, port = server.address
     with KVClient(host, port, SECRET, timeout=5) as a, KVClient(host, port, SECRET) as b:
-        threading.Timer(0.3, b.put, ("global", "late", b"v")).start()
+        later = threading.Timer(0.3, b.put, ("global", "late", b"v"))
+        later.start()
         t0 = time.monotonic()
         assert a.get("global", "late") == b"v"
         assert 0.2 < time.monotonic() - t0 < 3
+        later.join(5)  # its put may still await the reply: b must stay open until then
 
 
 def test_get_timeout_names_key_address_and_fix(server: KVServer) -> None:
