@@ -12,8 +12,9 @@ allreduce per gradient, fused by the runtime) instead of gradient buckets. Launc
         python benchmarks/gpu_resnet.py [--model transformer] [--amp] [--compression fp16|bf16]
 
 Prints `LIBRARY <folder>` (where ringvod was imported from: a copy named on `PYTHONPATH`,
-else this checkout; `_library.py`), `MODEL ...` (parameter tensors and count), then `RESULT impl=ringvod world=.. amp=..
-compression=.. batch=.. img_per_sec_total=.. model=.. unit=..` (the key says img but the
+else this checkout; `_library.py`), `MODEL ...` (parameter tensors and count), then
+`RESULT impl=ringvod world=.. amp=.. compression=.. batch=.. img_per_sec_total=.. model=..
+unit=..` (the key says img but the
 number is in `unit`: img/s or samples/s), then `MEMORY impl=ringvod ...`: the peak of torch's
 allocator after warm-up, the device's used memory and what ringvod holds (CuPy pool, the NCCL
 engine's fusion buffer, the gradient buckets; see `_models.ringvod_memory`).

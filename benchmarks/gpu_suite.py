@@ -333,20 +333,21 @@ def memory_table(s: Suite, rows: list[dict], configs: list[str]) -> None:
 LIBRARY = ("collective", "frameworks", "horovod", "launcher")
 
 
-def base_library(base: str, out: str) -> str:
-    """The folder holding the base library: `base` itself when it is one, else git revision
-    `base` of this checkout exported into `out`.
+def base_library(base: str, out: str) -> tuple[str, str]:
+    """(the folder holding the base library, how the log names it): `base` itself when it is
+    a folder, else git revision `base` of this checkout exported into `out` (named with the
+    commit it resolved to).
 
     Raises:
         ValueError: `base` is neither such a folder nor a revision git can export, is both, or
             is this checkout.
     """
     try:
-        rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", "-q",
-                              base + "^{commit}"], capture_output=True, check=False
-                             ).returncode == 0
+        rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", "-q", "--short",
+                              base + "^{commit}"], capture_output=True, text=True,
+                             check=False).stdout.strip()
     except OSError:  # no git here: a folder is the only kind of base
-        rev = False
+        rev = ""
     if os.path.isdir(base):
         if rev:
             raise ValueError(f"--base {base}: both a folder and a git revision; write ./{base} "
@@ -356,7 +357,7 @@ def base_library(base: str, out: str) -> str:
             raise ValueError(f"--base {base}: no {', '.join(missing)} in that folder")
         if os.path.realpath(base) == os.path.realpath(REPO):
             raise ValueError(f"--base {base}: that is this checkout")
-        return os.path.abspath(base)
+        return os.path.abspath(base), base
     try:
         p = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", base, *LIBRARY],
                            capture_output=True, check=False)
@@ -370,7 +371,7 @@ def base_library(base: str, out: str) -> str:
     with tarfile.open(fileobj=io.BytesIO(p.stdout)) as tar:
         # The "data" filter (no links out of the folder, no devices) where Python has it.
         tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    return dest
+    return dest, f"{base} ({rev})"
 
 
 def ab(s: Suite, n: int, configs: list[str], rounds: int, iters: int, base: str,
@@ -549,13 +550,9 @@ def main() -> int:
         if not a.base:
             p.error("ab needs --base (a git revision or a folder with a copy of the library)")
         try:
-            base = base_library(a.base, out)
+            base, a.base = base_library(a.base, out)
         except ValueError as exc:
             p.error(str(exc))
-        if not os.path.isdir(a.base):  # the commit, as this checkout's git resolves it
-            rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", a.base + "^{commit}"],
-                                 capture_output=True, text=True, check=False).stdout.strip()
-            a.base = f"{a.base} ({rev})" if rev and rev != a.base else a.base
         s.say(f"== {a.model}: this checkout's library vs {a.base} at {a.gpus} GPUs, configs "
               f"{','.join(configs)}")
         rows = ab(s, a.gpus, configs, a.rounds, a.iters, base, a.model,

@@ -95,22 +95,13 @@ case "$MODE" in
     timeline) "${SUITE[@]}" timeline --gpus "${GPUS:-2}" --configs "${CONFIGS:-fp32}" \
                 --model "${MODEL:-resnet50}" ${ONE_GPU:+--one-gpu} --budget "$BUDGET" ;;
     ab) [ $# -ge 2 ] || { echo "usage: $0 ab BASE [ROUNDS]"; exit 2; }
-        BASE="$2"
-        case "$BASE" in
-            /*) ;;
-            *) if [ -d "$CALLER/$BASE" ]; then
-                   if git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1; then
-                       echo "ab: $BASE is both a folder and a git revision; write ./$BASE for" \
-                            "the folder or $BASE^{commit} for the revision"
-                       exit 2
-                   fi
-                   BASE="$CALLER/$BASE"
-               fi ;;
-        esac
         WITH_DDP=(); [ "${DDP:-0}" = 1 ] && WITH_DDP=(--ddp)
-        "${SUITE[@]}" ab --base "$BASE" --rounds "${3:-5}" --gpus "${GPUS:-2}" \
-                --model "${MODEL:-resnet50}" --configs "${CONFIGS:-fp32}" \
-                ${WITH_DDP[@]+"${WITH_DDP[@]}"} --budget "$BUDGET" ;;
+        # From the caller's folder: a relative BASE folder is the caller's.
+        SUITE_PY="$PWD/benchmarks/gpu_suite.py"
+        (cd "$CALLER" && python3 "$SUITE_PY" ab --base "$2" \
+                --rounds "${3:-5}" --gpus "${GPUS:-2}" --model "${MODEL:-resnet50}" \
+                --configs "${CONFIGS:-fp32}" ${WITH_DDP[@]+"${WITH_DDP[@]}"} \
+                --budget "$BUDGET") ;;
     scaling) python3 benchmarks/scaling.py --budget "$BUDGET" ${2:+--gpus "$2"} ;;
     all) run_tests  # about 9 minutes in all: shorter budgets, one ResNet-50 round
          "${SUITE[@]}" sweep --gpus 2 --quick --budget 120

@@ -76,9 +76,10 @@ def test_ab_part_alternates_the_libraries_and_reports_the_pairs(tmp_path, monkey
     """`ab` runs the base library (named on PYTHONPATH) and this checkout's in pairs, which
     goes first alternating, checks the library each run imported, and reports each pair's
     ratio, the median and the spread."""
-    base = gpu_suite.base_library("HEAD", str(tmp_path))  # a revision, exported with git
+    base, label = gpu_suite.base_library("HEAD", str(tmp_path))  # a revision, exported
     assert os.path.isfile(os.path.join(base, "collective", "__init__.py"))
-    assert gpu_suite.base_library(base, str(tmp_path / "x")) == base  # a folder as it is
+    assert label.startswith("HEAD (") and label != "HEAD ()"  # named with its commit
+    assert gpu_suite.base_library(base, str(tmp_path / "x")) == (base, base)  # a folder as it is
     os.makedirs(tmp_path / "partial" / "collective")
     with pytest.raises(ValueError, match="no frameworks"):
         gpu_suite.base_library(str(tmp_path / "partial"), str(tmp_path))
@@ -86,6 +87,12 @@ def test_ab_part_alternates_the_libraries_and_reports_the_pairs(tmp_path, monkey
         gpu_suite.base_library("no-such-revision-xyz", str(tmp_path))
     with pytest.raises(ValueError, match="this checkout"):
         gpu_suite.base_library(gpu_suite.REPO, str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # a folder named like a revision (relative to the caller)
+    for d in gpu_suite.LIBRARY:
+        os.makedirs(tmp_path / "HEAD" / d)
+    with pytest.raises(ValueError, match="both a folder and a git revision"):
+        gpu_suite.base_library("HEAD", str(tmp_path))
+    assert gpu_suite.base_library("./HEAD", str(tmp_path))[0] == str(tmp_path / "HEAD")
 
     s = gpu_suite.Suite(str(tmp_path), 600.0)
     order = []
@@ -129,7 +136,7 @@ def test_scripts_import_a_library_named_on_pythonpath_first(tmp_path):
     """gpu_resnet.py and gpu_allreduce.py import ringvod from a copy named on PYTHONPATH
     before their own checkout (an A/B of two libraries depends on it)."""
     import subprocess
-    base = gpu_suite.base_library("HEAD", str(tmp_path))
+    base = gpu_suite.base_library("HEAD", str(tmp_path))[0]
     # As a script in benchmarks/ starts: its folder first on sys.path.
     code = (f"import sys; sys.path.insert(0, {BENCH!r}); import _library; "
             "_library.use_checkout(); print(_library.where())")
