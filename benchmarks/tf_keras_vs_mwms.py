@@ -189,9 +189,10 @@ def _worker_args(a: argparse.Namespace, side: str) -> list[str]:
 
 
 def _result(out: str, side: str) -> float:
-    for line in out.splitlines():
-        if line.startswith("{") and f'"side": "{side}"' in line:
-            return float(json.loads(line)["img_per_s"])
+    for line in out.splitlines():  # under hvdrun (--mode tcp): "[0]<stdout>:{...}"
+        i = line.find("{")
+        if i >= 0 and f'"side": "{side}"' in line:
+            return float(json.loads(line[i:])["img_per_s"])
     raise RuntimeError(f"{side} printed no result:\n{out[-3000:]}")
 
 
