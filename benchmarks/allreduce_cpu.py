@@ -18,7 +18,9 @@ two kinds of `mpirun` jobs, one round each, `--rounds` times: the "mpi" part (ra
 ringvod, interleaved per size) and the "gloo" part (torch.distributed). torch runs in processes of
 its own because a process that has run gloo collectives makes every MPI call in it slower
 (a raw 4 KiB Allreduce several times slower on the CPU box), which would penalise the MPI
-series. Writes `benchmarks/results/allreduce_cpu.json` and prints tables.
+series. Writes `benchmarks/results/allreduce_cpu.json` and prints tables, under a `LIBRARY
+<folder>` line: ranks import ringvod from a copy named on `PYTHONPATH`, else this checkout
+(`_library.py`).
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _library  # noqa: E402
+
+_library.use_checkout()  # a copy on PYTHONPATH first, else this checkout
+
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 FUSED_N, FUSED_BYTES = 100, 64 << 10
 
@@ -46,9 +53,7 @@ def _launch(np_: int, argv: list[str]) -> int:
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
            "-np", str(np_), "-x", "OMPI_MCA_mpi_yield_when_idle=1", "-x", "PYTHONPATH",
            sys.executable, os.path.abspath(__file__), *argv]
-    env = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE,
-                                           os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1", PYTHONPATH=_library.pythonpath())
     return subprocess.call(cmd, env=env)
 
 
@@ -189,7 +194,6 @@ def main() -> int:
 
     import tempfile
 
-    sys.path.insert(0, HERE)
     from _report import busbw, format_table, human_bytes, write_results
 
     sizes = [int(x) for x in a.sizes.split(",")] if a.sizes else SIZES
@@ -227,7 +231,8 @@ def main() -> int:
             "ringvod", "mpi4py", "ringvod in-place", "mpi4py in-place", "torch gloo")] + [
             f"{100 * get('ringvod', n, 'busbw_gbs') / get('mpi4py', n, 'busbw_gbs'):.0f}%",
             f"{100 * get('ringvod in-place', n, 'busbw_gbs') / get('mpi4py in-place', n, 'busbw_gbs'):.0f}%"])
-    print(f"\nallreduce of one float32 tensor, {size} ranks: median us per op over "
+    print(f"\nLIBRARY {_library.where()}")
+    print(f"allreduce of one float32 tensor, {size} ranks: median us per op over "
           f"{a.rounds} alternating rounds (a sample = a block of back-to-back ops, slowest rank)")
     print(format_table(["size", "ringvod", "mpi4py", "ringvod_", "mpi4py IN_PLACE", "gloo",
                         "bw vs mpi4py", "bw_ vs IN_PLACE"], table))

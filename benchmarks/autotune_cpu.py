@@ -34,7 +34,8 @@ cache setting in force at its end.
 
 Runs alternate (round robin over all variants, `--rounds` times) so a noisy neighbour hits all
 alike; figures are medians over rounds. Throughput = bytes reduced per step / step time (steps/s
-with `--torch`).
+with `--torch`). Ranks import ringvod from a copy named on `PYTHONPATH`, else this checkout
+(`_library.py`); the `LIBRARY <folder>` line above the summary says which.
 """
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _library  # noqa: E402
+
+_library.use_checkout()  # a copy on PYTHONPATH first, else this checkout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1024 * 1024
@@ -61,7 +67,7 @@ def worker(out: str, tensors: int, kib: int, steps: int) -> None:
     import time
 
     import numpy as np
-    sys.path.insert(0, REPO)
+
     import collective as hvd
     from collective import _current
     hvd.init()
@@ -91,7 +97,7 @@ def torch_worker(out: str, layers: int, width: int, batch: int, steps: int) -> N
     import time
 
     import torch
-    sys.path.insert(0, REPO)
+
     import horovod.torch as hvd
     from collective import _current
     torch.set_num_threads(1)
@@ -143,7 +149,7 @@ def run_one(env_extra: dict, args: argparse.Namespace, steps: int) -> dict:
         out = os.path.join(d, "out.json")
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
         env.update(env_extra)
-        env["PYTHONPATH"] = REPO
+        env["PYTHONPATH"] = _library.pythonpath()
         cmd = [sys.executable, "-m", "launcher", "--gloo", "-np", str(args.np), sys.executable,
                os.path.abspath(__file__), "--worker", out, "--steps", str(steps)]
         if args.torch:
@@ -154,7 +160,7 @@ def run_one(env_extra: dict, args: argparse.Namespace, steps: int) -> dict:
                     "--batch", str(args.batch)]
         else:
             cmd += ["--tensors", str(args.tensors), "--kib", str(args.kib)]
-        subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=900,
+        subprocess.run(cmd, cwd=_library.NO_LIBRARY, env=env, check=True, timeout=900,
                        stdout=subprocess.DEVNULL)
         with open(out) as f:
             res = json.load(f)
@@ -250,7 +256,8 @@ def main() -> None:
                 f"{args.batch}, {2 * args.layers} parameter tensors")
     else:
         what = f"{args.tensors} x {args.kib} KiB float32 per step"
-    print(f"\n{args.np} ranks tcp, {what}, {args.fixed_steps} steps fixed, {args.steps} "
+    print(f"\nLIBRARY {_library.where()}")
+    print(f"{args.np} ranks tcp, {what}, {args.fixed_steps} steps fixed, {args.steps} "
           f"autotune (steps per sample {args.steps_per_sample}), median of {args.rounds} "
           f"rounds")
     for k, v in med.items():
@@ -272,6 +279,7 @@ def main() -> None:
             json.dump({"date": datetime.date.today().isoformat(), "machine": platform.node(),
                        "cpu": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "commit": commit,
+                       "library": _library.where(),
                        "python": platform.python_version(),
                        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                        "args": vars(args), "runs": res,

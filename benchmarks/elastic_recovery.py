@@ -23,6 +23,9 @@ this machine):
 
 Baseline, measured in the same rounds: the job's cold start (hvdrun start -> first step
 completed), i.e. what restarting the job from a checkpoint would cost at the least.
+
+The jobs import ringvod from a copy named on `PYTHONPATH`, else this checkout (`_library.py`);
+the `LIBRARY <folder>` line above the table says which.
 """
 from __future__ import annotations
 
@@ -37,6 +40,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _library  # noqa: E402
+
+_library.use_checkout()  # a copy on PYTHONPATH first, else this checkout
+
 from _report import format_table, machine_info, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,10 +59,10 @@ def run_once(case: str, kill_step: int = 10, steps: int = 20) -> dict:
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, ET_OUT=out, ET_STEPS=str(steps), ET_COMMIT="3",
                    ET_SLEEP="0.02", ET_KILL=f"127.0.0.1:{kill_step}",
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                   PYTHONPATH=_library.pythonpath())
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "launcher", *CASES[case],
-                               sys.executable, str(WORKER)], cwd=REPO, env=env,
+                               sys.executable, str(WORKER)], cwd=_library.NO_LIBRARY, env=env,
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{case}: hvdrun exited {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -91,6 +98,7 @@ def main() -> int:
         med = {k: statistics.median(s[k] for s in got) for k in PHASES + ("cold_start",)}
         table.append([case] + [f"{med[k] * 1e3:.0f}" for k in PHASES]
                      + [f"{med['cold_start']:.2f}", f"{med['total'] / med['cold_start']:.2f}"])
+    print(f"LIBRARY {_library.where()}")
     print(format_table(["case"] + [f"{k} ms" for k in PHASES]
                        + ["cold start s", "total / cold start"], table))
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")

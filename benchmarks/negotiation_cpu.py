@@ -70,6 +70,8 @@ hvd.shutdown()
 """
 
 
+# Each child runs `python -c` in its tree's folder: `-c` puts the working folder first on
+# sys.path, ahead of PYTHONPATH, so it imports that tree's library wherever this script runs.
 def _env(tree: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HOROVOD_", "OMPI_", "PMI"))
@@ -80,8 +82,9 @@ def _env(tree: str) -> dict[str, str]:
 
 def codec(trees: list[str], n: int, reps: int = 40) -> list[tuple[float, float]]:
     out = subprocess.run([sys.executable, "-c", _CODEC, str(n), str(reps)] +
-                         [os.path.abspath(t) for t in trees], env=_env(trees[0]), check=True,
-                         capture_output=True, text=True).stdout.splitlines()
+                         [os.path.abspath(t) for t in trees], env=_env(trees[0]),
+                         cwd=trees[0], check=True, capture_output=True,
+                         text=True).stdout.splitlines()
     return [(float(line.split()[0]), float(line.split()[1])) for line in out]
 
 
@@ -95,7 +98,7 @@ def rounds(tree: str, n: int, steps: int) -> float:
                    MASTER_PORT=str(port - 1), HOROVOD_CACHE_CAPACITY="0",
                    HOROVOD_SECRET_KEY="ab" * 16, HOROVOD_LOG_LEVEL="error")
         procs.append(subprocess.Popen([sys.executable, "-c", _ROUNDS, str(n), str(steps)],
-                                      env=env, stdout=subprocess.PIPE, text=True))
+                                      env=env, cwd=tree, stdout=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     return float(outs[0].split()[0])
 

@@ -24,7 +24,9 @@ same number of worker processes on this machine, with one torch thread per worke
   throughput.
 
 Rounds alternate the two sides (and which goes first), since other processes on a shared box
-slow single rounds down; the report gives per-round values, medians and Ray / hvdrun.
+slow single rounds down; the report gives per-round values, medians and Ray / hvdrun. Both
+sides import ringvod from a copy named on `PYTHONPATH`, else this checkout (`_library.py`); the
+`LIBRARY <folder>` line above the table says which.
 """
 from __future__ import annotations
 
@@ -37,10 +39,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+import _library  # noqa: E402
+
+_library.use_checkout()  # a copy on PYTHONPATH first, else this checkout
 
 
 def _first_allreduce() -> float:
@@ -106,10 +108,10 @@ def _hvdrun(np_: int, kind: str, params: dict) -> tuple[float, list]:
     cmd = [sys.executable, "-m", "launcher", "--gloo", "-np", str(np_), sys.executable,
            os.path.abspath(__file__), "--worker", kind, json.dumps(params)]
     # Ray gives a 1-CPU actor OMP_NUM_THREADS=1; so do we, to compare like with like.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_library.pythonpath())
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=_library.NO_LIBRARY,
+                          timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"hvdrun failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     line = next(ln for ln in proc.stdout.splitlines() if "RESULT " in ln)
@@ -145,8 +147,10 @@ def main() -> None:
 
     import ray
     # The local Ray instance inherits this environment: its workers find ringvod and this file.
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (REPO, HERE, os.environ.get("PYTHONPATH")) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join((_library.pythonpath(), HERE))
+    # Ray puts the driver's working folder first on its workers' sys.path, ahead of PYTHONPATH.
+    args.out = os.path.abspath(args.out)
+    os.chdir(_library.NO_LIBRARY)
     t = time.time()
     ray.init(num_cpus=max(args.np, os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=False)
@@ -196,7 +200,8 @@ def main() -> None:
                                        if x["metric"] == metric and x["side"] == side)
                for side in ("hvdrun", "ray")}
         summary[metric] = dict(med, ray_over_hvdrun=med["ray"] / med["hvdrun"])
-    print("\n| metric | hvdrun (median) | Ray (median) | Ray / hvdrun |\n|---|---|---|---|")
+    print(f"\nLIBRARY {_library.where()}")
+    print("| metric | hvdrun (median) | Ray (median) | Ray / hvdrun |\n|---|---|---|---|")
     for metric, m in summary.items():
         print(f"| {metric} | {m['hvdrun']:.3f} | {m['ray']:.3f} | {m['ray_over_hvdrun']:.3f} |")
     from _report import write_results

@@ -16,6 +16,9 @@ Each op is timed alone after a barrier, in place (``allreduce_``, Sum, float32).
 the median; bus bandwidth = bytes / median time x 2(n-1)/n. MPI runs set
 ``OMPI_MCA_mpi_yield_when_idle=1`` (without it latencies are bimodal
 when ranks outnumber cores).
+
+Ranks import ringvod from a copy named on `PYTHONPATH`, else this checkout (`_library.py`);
+the `LIBRARY <folder>` line above the tables says which.
 """
 from __future__ import annotations
 
@@ -29,6 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _library  # noqa: E402
+
+_library.use_checkout()  # a copy on PYTHONPATH first, else this checkout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -54,7 +62,6 @@ def worker(kind: str, out: str, sizes: list[int], scale: float, shm: bool) -> No
         def run(a: np.ndarray, i: int) -> None:
             comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
     else:
-        sys.path.insert(0, REPO)
         if not shm:
             from collective.engines.tcp import shm as tcp_shm
             tcp_shm.ENABLED = False
@@ -101,7 +108,7 @@ def _command(variant: str, np_: int, out: str, sizes: list[int], scale: float) -
 def drive(args: argparse.Namespace) -> dict:
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
     pooled: dict[str, dict[int, list[float]]] = {v: {s: [] for s in sizes} for v in args.variants}
-    env = dict(os.environ, PYTHONPATH=REPO, OMPI_MCA_mpi_yield_when_idle="1")
+    env = dict(os.environ, PYTHONPATH=_library.pythonpath(), OMPI_MCA_mpi_yield_when_idle="1")
     for k in [k for k in env if k.startswith("HOROVOD_")]:
         del env[k]
     for rnd in range(args.rounds):
@@ -110,8 +117,8 @@ def drive(args: argparse.Namespace) -> dict:
                 out = f.name
             cmd = _command(variant, args.np, out, sizes, args.scale)
             t0 = time.monotonic()
-            proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                                  timeout=args.timeout)
+            proc = subprocess.run(cmd, env=env, cwd=_library.NO_LIBRARY, capture_output=True,
+                                  text=True, timeout=args.timeout)
             if proc.returncode != 0:
                 sys.exit(f"{variant} failed (rc {proc.returncode}):\n{proc.stdout}\n"
                          f"{proc.stderr}")
@@ -134,6 +141,7 @@ def drive(args: argparse.Namespace) -> dict:
     return {"benchmark": "tcp_allreduce", "np": n, "rounds": args.rounds,
             "date": datetime.date.today().isoformat(), "host": platform.node(),
             "cpus": os.cpu_count(), "python": platform.python_version(),
+            "library": _library.where(),
             "dtype": "float32", "op": "sum, in place", "results": table}
 
 
@@ -182,6 +190,7 @@ def main() -> None:
     res = drive(args)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)
+    print(f"LIBRARY {res['library']}")
     print(f"# {res['date']} {res['host']} ({res['cpus']} CPUs), np={res['np']}, "
           f"{res['rounds']} interleaved rounds, medians of pooled samples")
     print_table(res)

@@ -26,6 +26,9 @@ ranks): the time of one synchronous allreduce of a float32 tensor from each fram
 adapter's own conversions alone (input to the engine's NumPy view; engine output to a framework
 tensor), with a copying conversion (`tf.constant`) for comparison. Medians of interleaved
 blocks of calls.
+
+Both modes print `LIBRARY <folder>` above their results: ringvod comes from a copy named on
+`PYTHONPATH`, else this checkout (`_library.py`).
 """
 from __future__ import annotations
 
@@ -39,7 +42,11 @@ import sys
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _library  # noqa: E402
+
+_library.use_checkout()  # a copy on PYTHONPATH first, else this checkout
+
 SIDES = ["ringvod-fit", "ringvod-loop", "mwms-loop"]
 
 
@@ -171,7 +178,7 @@ def _free_ports(n: int) -> list[int]:
 def _env(a: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_NUM_INTRAOP_THREADS=str(a.threads),
                TF_NUM_INTEROP_THREADS=str(a.threads), OMP_NUM_THREADS=str(a.threads))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = _library.pythonpath()
     return env
 
 
@@ -182,9 +189,10 @@ def _worker_args(a: argparse.Namespace, side: str) -> list[str]:
 
 
 def _result(out: str, side: str) -> float:
-    for line in out.splitlines():
-        if line.startswith("{") and f'"side": "{side}"' in line:
-            return float(json.loads(line)["img_per_s"])
+    for line in out.splitlines():  # under hvdrun (--mode tcp): "[0]<stdout>:{...}"
+        i = line.find("{")
+        if i >= 0 and f'"side": "{side}"' in line:
+            return float(json.loads(line[i:])["img_per_s"])
     raise RuntimeError(f"{side} printed no result:\n{out[-3000:]}")
 
 
@@ -195,8 +203,8 @@ def run_ringvod(a: argparse.Namespace, side: str) -> float:
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(a.np),
                "-x", "PYTHONPATH", "-x", "TF_NUM_INTRAOP_THREADS", "-x",
                "TF_NUM_INTEROP_THREADS", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "OMP_NUM_THREADS"]
-    p = subprocess.run(cmd + _worker_args(a, side), env=_env(a), capture_output=True,
-                       text=True, timeout=a.timeout)
+    p = subprocess.run(cmd + _worker_args(a, side), env=_env(a), cwd=_library.NO_LIBRARY,
+                       capture_output=True, text=True, timeout=a.timeout)
     return _result(p.stdout + p.stderr, side)
 
 
@@ -231,6 +239,7 @@ def host_cost(a: argparse.Namespace) -> None:
     from frameworks.tensorflow import _buffers as tf_buffers
     from frameworks.torch import _buffers as torch_buffers
     collective.init()
+    print(f"LIBRARY {_library.where()}")
 
     def per_call_us(fn: Any, n: int) -> float:
         t0 = time.perf_counter()
@@ -297,6 +306,7 @@ def main() -> None:
                "best": {s: round(max(v), 1) for s, v in res.items()},
                "ratio_ringvod_loop_over_mwms": round(med["ringvod-loop"] / med["mwms-loop"], 3),
                "ratio_ringvod_fit_over_mwms": round(med["ringvod-fit"] / med["mwms-loop"], 3)}
+    print(f"LIBRARY {_library.where()}")
     print(json.dumps(summary))
 
 

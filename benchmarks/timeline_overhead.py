@@ -22,7 +22,9 @@ Parts:
 5. (`--torch`) **Training steps**: a CNN with ResNet-50's 161 parameter tensors, trained on CPU
    with `frameworks.torch.DistributedOptimizer`, timeline on vs off.
 
-Results go to `<out>/timeline_overhead.json` (see `_report.write_results`).
+Prints `LIBRARY <folder>` (where ringvod was imported from: a copy named on `PYTHONPATH`, else
+this checkout; `_library.py`) above the tables. Results go to `<out>/timeline_overhead.json`
+(see `_report.write_results`).
 """
 from __future__ import annotations
 
@@ -36,7 +38,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _library  # noqa: E402
+
+_library.use_checkout()  # a copy on PYTHONPATH first, else this checkout
 
 from _report import Progress, format_table, write_results  # noqa: E402
 
@@ -222,14 +227,14 @@ def e2e(tensors: int, steps: int, np_: int, reps: int, tmp: str,
     script = os.path.join(tmp, "e2e_child.py")
     with open(script, "w") as f:
         f.write(TORCH_CHILD if torch_model else E2E_CHILD)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res: dict[str, list[float]] = {"off": [], "on": []}
     writer_ms: list[float] = []
     with Progress(2 * reps, f"{'torch' if torch_model else 'e2e'} np={np_}",
                   show_after=0) as bar:
         for _ in range(reps):
             for label in ("off", "on"):
-                env = dict(os.environ, PYTHONPATH=repo, OMPI_MCA_mpi_yield_when_idle="1")
+                env = dict(os.environ, PYTHONPATH=_library.pythonpath(),
+                           OMPI_MCA_mpi_yield_when_idle="1")
                 env.pop("HOROVOD_TIMELINE", None)
                 if label == "on":
                     env["HOROVOD_TIMELINE"] = os.path.join(tmp, "e2e.json")
@@ -286,6 +291,7 @@ def main() -> int:
                         torch_model=True) if args.torch else None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"LIBRARY {_library.where()}")
     print(format_table(["coordinator call", "ns/call"],
                        [[k, round(v, 1)] for k, v in calls.items()]))
     print()

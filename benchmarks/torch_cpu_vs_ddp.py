@@ -13,7 +13,9 @@ Rounds alternate the sides (and who goes first) so that load from other processe
 alike. Reported per side: "Total img/sec" (median and best round) and, because wall-clock
 throughput on a shared box varies with other load, the CPU seconds all ranks spend per 1000
 images in the timed part (every thread: compute, communication, coordinator). With one rank
-per core, throughput on a dedicated box is bounded by that CPU cost.
+per core, throughput on a dedicated box is bounded by that CPU cost. ringvod comes from a copy
+named on `PYTHONPATH`, else this checkout (`_library.py`); the `LIBRARY <folder>` line under
+the settings says which.
 """
 from __future__ import annotations
 
@@ -26,6 +28,11 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _library  # noqa: E402
+
+_library.use_checkout()  # a copy on PYTHONPATH first, else this checkout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "pytorch", "pytorch_synthetic_benchmark.py")
@@ -43,7 +50,7 @@ def _bench_args(a: argparse.Namespace) -> list[str]:
 
 def _env(a: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = _library.pythonpath()
     return env
 
 
@@ -63,8 +70,8 @@ def run_ringvod(a: argparse.Namespace, extra: dict[str, str] | None = None) -> t
                "-np", str(a.np), "-x", "OMP_NUM_THREADS", "-x", "MKL_NUM_THREADS",
                "-x", "PYTHONPATH", "-x", "OMPI_MCA_mpi_yield_when_idle=1",
                *[x for k in (extra or {}) for x in ("-x", k)], *_ringvod_cmd(a)]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=a.timeout)
+    out = subprocess.run(cmd, cwd=_library.NO_LIBRARY, env=env, capture_output=True,
+                         text=True, timeout=a.timeout)
     m = TOTAL.search(out.stdout)
     if out.returncode != 0 or m is None:
         raise RuntimeError(f"ringvod run failed (rc {out.returncode}):\n{out.stdout}\n"
@@ -233,6 +240,7 @@ def main() -> None:
     print(f"ringvod mode={a.mode} model={a.model} batch={a.batch_size} image={a.image_size} np={a.np} "
           f"threads/rank={a.threads} cpus={os.cpu_count()} iters={a.num_iters}x"
           f"{a.num_batches_per_iter} rounds={a.rounds}", flush=True)
+    print(f"LIBRARY {_library.where()}", flush=True)
     series: dict[str, list[float]] = {}
     sides = [("ddp", lambda: run_ddp(a))]
     if not a.variant:

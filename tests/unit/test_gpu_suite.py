@@ -132,27 +132,6 @@ def test_ab_part_alternates_the_libraries_and_reports_the_pairs(tmp_path, monkey
     assert "budget spent: skipping fp32+pg, round 1" in capsys.readouterr().out
 
 
-def test_scripts_import_a_library_named_on_pythonpath_first(tmp_path):
-    """gpu_resnet.py and gpu_allreduce.py import ringvod from a copy named on PYTHONPATH
-    before their own checkout (an A/B of two libraries depends on it)."""
-    import subprocess
-    base = gpu_suite.base_library("HEAD", str(tmp_path))[0]
-    # As a script in benchmarks/ starts: its folder first on sys.path.
-    code = (f"import sys; sys.path.insert(0, {BENCH!r}); import _library; "
-            "_library.use_checkout(); print(_library.where())")
-
-    def imported(pythonpath: str) -> str:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              check=True, cwd=str(tmp_path),
-                              env=dict(os.environ, PYTHONPATH=pythonpath)).stdout.strip()
-
-    assert imported(base) == base
-    assert imported("") == gpu_suite.REPO
-    for script in ("gpu_resnet.py", "gpu_allreduce.py"):
-        text = open(os.path.join(BENCH, script)).read()
-        assert "_library.use_checkout()" in text, script
-
-
 def test_plot_trace_draws_kernels_per_stream(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     trace = tmp_path / "t.json"
