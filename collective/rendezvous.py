@@ -18,6 +18,9 @@ Wire protocol (nothing is ever unpickled; every field has a fixed layout):
 
 A get waits on the server (one condition variable), so a waiting client costs no CPU and no
 polling traffic; the client reconnects with backoff if the server is not up yet or restarts.
+While a get waits, the server checks its client's socket every `PEER_CHECK_INTERVAL` seconds
+and drops the connection once the client has closed it, so a client that hangs up in the
+middle of a long get does not hold a server thread and socket until the get's wait runs out.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ KV_MAGIC = b"RVODKV01"
 MAX_VALUE_BYTES = 1 << 30  # authenticated frames only; horovod.run ships pickled functions
 MAX_KEY_BYTES = 4096
 MAX_CONNECTIONS = 4096
+PEER_CHECK_INTERVAL = 1.0  # seconds between checks that the client of a waiting get is there
 # The longest frame a client may send: a put of the largest value, its scope and key, the
 # request header and the MAC.
 MAX_FRAME = MAX_VALUE_BYTES + MAX_KEY_BYTES * 2 + 64
@@ -57,6 +61,18 @@ def _pack_request(op: bytes, scope: str, key: str, tail: bytes = b"") -> bytes:
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """True when the peer has closed (or reset) the connection. Reads nothing: bytes the
+    peer sent are left for the next read. `sock` must be in blocking mode (no timeout), so
+    that MSG_DONTWAIT makes this one non-blocking system call."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False  # nothing to read: the connection is open
+    except OSError:
+        return True
 
 
 class KVServer:
@@ -163,15 +179,27 @@ class KVServer:
         with self._cond:
             self._data.pop((scope, key), None)
 
-    def _wait_get(self, scope: str, key: str, timeout: float) -> bytes | None:
-        deadline = time.monotonic() + timeout
+    def _wait_get(self, scope: str, key: str, timeout: float,
+                  client: socket.socket) -> bytes | None:
+        """The value, or None when it did not appear within `timeout` seconds.
+
+        Raises:
+            ConnectionError: `client` (the socket of the requesting client) was closed while
+                the get waited; checked every `PEER_CHECK_INTERVAL` seconds.
+        """
+        now = time.monotonic()
+        deadline, check_at = now + timeout, now + PEER_CHECK_INTERVAL
         with self._cond:
             while True:
                 v = self._data.get((scope, key))
-                left = deadline - time.monotonic()
-                if v is not None or left <= 0 or self._stopping:
+                now = time.monotonic()
+                if v is not None or now >= deadline or self._stopping:
                     return v
-                self._cond.wait(left)
+                if now >= check_at:
+                    if _peer_closed(client):
+                        raise ConnectionError("the client closed the connection during a get")
+                    check_at = now + PEER_CHECK_INTERVAL
+                self._cond.wait(min(deadline, check_at) - now)
 
     # -- network ------------------------------------------------------------------------------
     def _spawn(self, sock: socket.socket, hello: bytes, key: bytes, peer: str) -> None:
@@ -193,7 +221,9 @@ class KVServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             chan = Channel(sock, key, _TO_CLIENT, _TO_SERVER, MAX_FRAME)
-            sock.settimeout(None)  # authenticated clients may idle for the job's lifetime
+            # Authenticated clients may idle for the job's lifetime; blocking mode is also
+            # what `_peer_closed` needs.
+            sock.settimeout(None)
             while not self._stopping:
                 body = chan.recv()
                 if body is None:
@@ -202,7 +232,7 @@ class KVServer:
                         "authentication (forged, replayed or corrupted)",
                         self.host, self.port, peer)
                     return
-                chan.send(self._handle(body))
+                chan.send(self._handle(body, sock))
         except (OSError, ValueError):
             pass  # the client went away, or stop() shut the socket
         finally:
@@ -210,7 +240,7 @@ class KVServer:
             with self._conns_lock:
                 self._conns.pop(sock, None)
 
-    def _handle(self, body: bytes) -> bytes:
+    def _handle(self, body: bytes, sock: socket.socket) -> bytes:
         try:
             op, ls, lk = _REQ.unpack_from(body)
             pos = _REQ.size
@@ -224,7 +254,7 @@ class KVServer:
             return bytes([_OK])
         if op == b"G":
             (wait_ms,) = _U32.unpack(tail[:4]) if len(tail) == 4 else (0,)
-            v = self._wait_get(scope, key, wait_ms / 1000.0)
+            v = self._wait_get(scope, key, wait_ms / 1000.0, sock)
             return bytes([_NOT_FOUND]) if v is None else bytes([_OK]) + v
         if op == b"D":
             self.delete(scope, key)

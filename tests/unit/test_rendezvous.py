@@ -272,3 +272,46 @@ def test_stop_joins_every_thread() -> None:
     t.join(5)
     assert not t.is_alive()
     assert isinstance(waiter_err[0], HorovodInternalError), waiter_err
+
+
+def test_closed_clients_release_their_waiting_gets(server: KVServer) -> None:
+    """A get waiting on the server ends when its client hangs up: the connection's thread and
+    socket go at once, not when the get's wait runs out."""
+    host, port = server.address
+    clients = [KVClient(host, port, SECRET, timeout=5) for _ in range(20)]
+    errors: list[BaseException] = []
+
+    def follow(c: KVClient) -> None:
+        try:
+            c.get("elastic", "update.0", timeout=3600)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=follow, args=(c,), daemon=True) for c in clients]
+    for t in threads:
+        t.start()
+    assert _wait_for(lambda: len(server._conns) == 20), len(server._conns)
+    time.sleep(0.2)  # the gets reach the server and wait there
+    for c in clients:
+        c.close()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 20 and all(isinstance(e, HorovodInternalError) for e in errors)
+    assert _wait_for(lambda: not server._conns, 5.0), (
+        f"server connection threads still held: {len(server._conns)}")
+    with KVClient(host, port, SECRET, timeout=5) as c:  # the server still serves
+        c.put("elastic", "update.0", b"1")
+        assert c.get("elastic", "update.0") == b"1"
+
+
+def test_a_long_get_of_a_live_client_still_gets_its_value(server: KVServer) -> None:
+    """The server's checks that a waiting client is still there leave a live wait alone."""
+    host, port = server.address
+    with KVClient(host, port, SECRET, timeout=5) as a, KVClient(host, port, SECRET) as b:
+        later = threading.Timer(2.5, b.put, ("global", "slow", b"v"))
+        later.start()
+        t0 = time.monotonic()
+        assert a.get("global", "slow", timeout=30) == b"v"
+        assert 2.4 < time.monotonic() - t0 < 6
+        later.join(5)
