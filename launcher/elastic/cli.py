@@ -19,6 +19,8 @@ def elastic_settings_from_args(args: argparse.Namespace
         ValueError: inconsistent sizes, MPI mode, or a fixed host list of one host.
         OSError: the hostfile cannot be read.
     """
+    from collective.config import read_env  # noqa: PLC0415
+
     from ..cli import settings_from_args  # noqa: PLC0415
 
     if args.use_mpi:
@@ -47,7 +49,8 @@ def elastic_settings_from_args(args: argparse.Namespace
     elastic = ElasticSettings(
         min_np=min_np, max_np=max_np, discovery_script=args.host_discovery_script,
         slots_per_host=args.slots,
-        elastic_timeout=600.0 if args.elastic_timeout is None else float(args.elastic_timeout),
+        elastic_timeout=(read_env().elastic_timeout if args.elastic_timeout is None
+                         else float(args.elastic_timeout)),
         reset_limit=args.reset_limit,
         cooldown_range=(float(cooldown[0]), float(cooldown[1])) if cooldown else None)
     ns = argparse.Namespace(**vars(args))

@@ -166,6 +166,27 @@ def test_fewer_than_min_np_times_out(tmp_path: Path) -> None:
     no_orphans(job)
 
 
+def _hvdrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    full = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                **env)
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_elastic_timeout_from_environment() -> None:
+    """Without --elastic-timeout, HOROVOD_ELASTIC_TIMEOUT is the driver's timeout and the
+    workers' value; the flag wins over it."""
+    r = _hvdrun(["-np", "2", "--host-discovery-script", "echo localhost:1", "true"],
+                {"HOROVOD_ELASTIC_TIMEOUT": "1"})
+    assert r.returncode == 1 and "Timed out after 1 s waiting for 2 slots" in r.stderr, r.stderr
+    show = ["-np", "1", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "sh", "-c",
+            "echo timeout=$HOROVOD_ELASTIC_TIMEOUT"]
+    r = _hvdrun(show, {"HOROVOD_ELASTIC_TIMEOUT": "7"})
+    assert r.returncode == 0 and "timeout=7\n" in r.stdout, r.stdout + r.stderr
+    r = _hvdrun(["--elastic-timeout", "9", *show], {"HOROVOD_ELASTIC_TIMEOUT": "7"})
+    assert r.returncode == 0 and "timeout=9\n" in r.stdout, r.stdout + r.stderr
+
+
 def test_elastic_sampler_covers_dataset_once(tmp_path: Path) -> None:
     """Test 6 (torch): across a SIGKILL and rollback, the samples of the committed batches are
     exactly the dataset once; model, momentum and the backward_passes_per_step=2 accumulation

@@ -171,7 +171,8 @@ def _args(*argv: str):
     return build_parser().parse_args([*argv, "python", "x.py"])
 
 
-def test_cli_elastic_settings() -> None:
+def test_cli_elastic_settings(monkeypatch) -> None:
+    monkeypatch.delenv("HOROVOD_ELASTIC_TIMEOUT", raising=False)
     settings, el = elastic_settings_from_args(_args(
         "-np", "2", "--min-np", "1", "--max-np", "4", "--host-discovery-script", "d.sh",
         "--slots-per-host", "2", "--reset-limit", "3", "--elastic-timeout", "5",
@@ -182,6 +183,15 @@ def test_cli_elastic_settings() -> None:
     assert float(settings.env_overrides["HOROVOD_ELASTIC_TIMEOUT"]) == 5
     _, el = elastic_settings_from_args(_args("--min-np", "2", "-H", "a:1,b:1"))
     assert el.min_np == 2 and el.max_np is None and el.elastic_timeout == 600.0
+
+
+def test_cli_elastic_timeout_from_environment(monkeypatch) -> None:
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "42")
+    _, el = elastic_settings_from_args(_args("--min-np", "2", "-H", "a:1,b:1"))
+    assert el.elastic_timeout == 42.0
+    _, el = elastic_settings_from_args(_args("--min-np", "2", "-H", "a:1,b:1",
+                                             "--elastic-timeout", "7"))
+    assert el.elastic_timeout == 7.0  # the flag wins
 
 
 @pytest.mark.parametrize("argv, match", [
