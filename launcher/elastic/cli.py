@@ -35,7 +35,8 @@ def elastic_settings_from_args(args: argparse.Namespace
         raise ValueError(f"need 1 <= --min-np ({min_np}) <= -np ({num_proc}) <= --max-np "
                          f"({max_np if max_np is not None else 'unlimited'})")
     if args.host_discovery_script:
-        # Hosts come from the script; this placeholder only satisfies the static checks.
+        # Hosts come from the script; this placeholder only satisfies the static checks (the
+        # command is not looked for here: the hosts may have it).
         hosts: list[HostInfo] = [HostInfo("localhost", num_proc)]
     else:
         hosts = (parse_hosts(args.hosts) if args.hosts else parse_hostfile(args.hostfile)
@@ -56,7 +57,7 @@ def elastic_settings_from_args(args: argparse.Namespace
     ns = argparse.Namespace(**vars(args))
     ns.num_proc, ns.hosts, ns.hostfile = num_proc, ",".join(str(h) for h in hosts), None
     ns.use_gloo, ns.use_mpi = True, None
-    settings = settings_from_args(ns)
+    settings = settings_from_args(ns, check_command=not args.host_discovery_script)
     assert settings.mode == MODE_TCP
     if cooldown:
         from .discovery import HostManager  # noqa: PLC0415

@@ -194,6 +194,18 @@ def test_cli_elastic_timeout_from_environment(monkeypatch) -> None:
     assert el.elastic_timeout == 7.0  # the flag wins
 
 
+def test_cli_discovery_job_does_not_look_for_the_command_here() -> None:
+    """The hosts of a discovery-script job are not known yet: they may have the command."""
+    missing = "/nonexistent/ringvod-remote-train"
+    args = build_parser().parse_args(["-np", "2", "--host-discovery-script", "d.sh", missing])
+    settings, _ = elastic_settings_from_args(args)
+    assert settings.command == (missing,)
+    args = build_parser().parse_args(["-np", "2", "--min-np", "1", "-H",
+                                      "localhost:1,127.0.0.1:1", missing])
+    with pytest.raises(ValueError, match="cannot run"):  # fixed local hosts: checked
+        elastic_settings_from_args(args)
+
+
 @pytest.mark.parametrize("argv, match", [
     (("-np", "2", "--min-np", "3", "-H", "a:2,b:2"), "--min-np"),
     (("-np", "4", "--max-np", "3", "-H", "a:2,b:2"), "--max-np"),
