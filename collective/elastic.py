@@ -10,14 +10,16 @@ Horovod's model, kept as is:
   `check_host_updates()` raise `HostsUpdatedInterrupt` on every rank (no restore).
 * Either way the wrapper resets: `shutdown()`, a new rendezvous with the driver, `init()`,
   `state.sync()` (broadcast from the new rank 0, a survivor), the reset callbacks, and the
-  function runs again.
+  function runs again. An interrupt for hosts that were only removed skips the sync, unless
+  the driver's new round has a worker that was not in the previous one (new workers always
+  sync, so every rank must).
 
 Driver protocol (over the job's authenticated key-value store, scope `elastic`):
 
 | key | who writes | value |
 |---|---|---|
 | `ready.<worker>.<n>` | the worker, at its n-th `init()` | empty |
-| `assign.<worker>.<n>` | the driver, once every live worker is ready | JSON: rank, size, local/cross ranks, the round's key prefix, the update count; or `removed` / `stop` with a reason |
+| `assign.<worker>.<n>` | the driver, once every live worker is ready | JSON: rank, size, local/cross ranks, the round's key prefix, the update count, `sync` (the round has a new worker); or `removed` / `stop` with a reason |
 | `update.<k>` | the driver, when hosts change | JSON `[timestamp, flags]` (1 removed, 2 added) |
 
 `<worker>` is `HOROVOD_ELASTIC_WORKER_ID`, which the driver gives each process it starts. Every
@@ -120,6 +122,9 @@ class _Updates:
 
 _updates = _Updates()
 _inits = 0  # this process's rendezvous requests (the <n> of ready.<worker>.<n>)
+# Set by `rendezvous` when the driver's round has a worker that was not in the previous one;
+# the retry loop clears it before each reset and then syncs the state if it is set.
+_round_has_new_worker = False
 
 
 def rendezvous(config: Any) -> tuple[Any, str]:
@@ -135,7 +140,7 @@ def rendezvous(config: Any) -> tuple[Any, str]:
     """
     from .rendezvous import KVClient  # noqa: PLC0415
 
-    global _inits
+    global _inits, _round_has_new_worker
     wid = config.elastic_worker_id
     if not wid:
         raise ValueError(f"HOROVOD_ELASTIC=1 but {WORKER_ID_ENV} is not set: start elastic "
@@ -165,6 +170,7 @@ def rendezvous(config: Any) -> tuple[Any, str]:
     names = {"rank": "HOROVOD_RANK", "size": "HOROVOD_SIZE", "local_rank": "HOROVOD_LOCAL_RANK",
              "local_size": "HOROVOD_LOCAL_SIZE", "cross_rank": "HOROVOD_CROSS_RANK",
              "cross_size": "HOROVOD_CROSS_SIZE"}
+    _round_has_new_worker = _round_has_new_worker or bool(msg.get("sync"))
     update_environ({env: str(msg[field]) for field, env in names.items()})
     _updates.restart(config.rendezvous_addr, config.rendezvous_port, secret,
                      int(msg["updates"]))
@@ -239,7 +245,8 @@ class State:
         One broadcast from rank 0, so all ranks decide together.
 
         Raises:
-            HostsUpdatedInterrupt: with `skip_sync=True` when hosts were only removed.
+            HostsUpdatedInterrupt: with `skip_sync=True` when hosts were only removed (the
+                retry loop still syncs when the new round has a new worker).
             HorovodInternalError: the broadcast failed.
         """
         from . import ops  # noqa: PLC0415
@@ -329,6 +336,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        global _round_has_new_worker
         skip_sync = False
         synced_once = False
         while True:
@@ -350,7 +358,10 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 last_reset_timings.clear()
                 last_reset_timings["error"] = time.time()
                 skip_sync = exc.skip_sync
+            _round_has_new_worker = False
             reset()
+            if _round_has_new_worker:  # a new worker syncs from rank 0: so does everyone
+                skip_sync = False
             state.on_reset()
             last_reset_timings["callbacks"] = time.time()
 

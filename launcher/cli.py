@@ -323,12 +323,14 @@ def _mode(args: argparse.Namespace) -> str:
     return default_mode()
 
 
-def resolve_command(command: list[str], hosts: Sequence[HostInfo] = ()) -> list[str]:
+def resolve_command(command: list[str], hosts: Sequence[HostInfo] | None = ()
+                    ) -> list[str]:
     """The command as both modes run it.
 
     A Python file given without an interpreter (`hvdrun -np 2 train.py`) runs with this
     Python, as `python train.py` would. A command that is neither a file nor on PATH is refused
-    up front with a message naming it (for all-local jobs; a remote host may have it).
+    up front with a message naming it, when every host is local (a remote host may have it;
+    `hosts=None`: the hosts are not known yet, so nothing is checked).
 
     Raises:
         ValueError: the command cannot be found.
@@ -339,7 +341,7 @@ def resolve_command(command: list[str], hosts: Sequence[HostInfo] = ()) -> list[
     if exe.endswith(".py") and os.path.isfile(exe) and not (
             "/" in exe and os.access(exe, os.X_OK)):
         return [sys.executable, *command]
-    local = all(h.hostname in ("localhost", "127.0.0.1") for h in hosts)
+    local = hosts is not None and all(h.hostname in ("localhost", "127.0.0.1") for h in hosts)
     if local and shutil.which(exe) is None and not ("/" in exe and os.path.exists(exe)):
         if exe.endswith(".py"):
             raise ValueError(f"cannot run {exe!r}: no such file in {os.getcwd()}")
@@ -348,8 +350,13 @@ def resolve_command(command: list[str], hosts: Sequence[HostInfo] = ()) -> list[
     return command
 
 
-def settings_from_args(args: argparse.Namespace) -> LaunchSettings:
+def settings_from_args(args: argparse.Namespace, *, check_command: bool = True
+                       ) -> LaunchSettings:
     """Validates parsed arguments into `LaunchSettings`.
+
+    Args:
+        check_command: refuse a command that all-local hosts cannot run (off when the hosts
+            come later from a discovery script).
 
     Raises:
         ValueError: a missing or invalid value (message says which and how to fix it).
@@ -376,7 +383,8 @@ def settings_from_args(args: argparse.Namespace) -> LaunchSettings:
     hosts = tuple(_hosts(args))
     return LaunchSettings(
         num_proc=args.num_proc, hosts=hosts, mode=mode,
-        command=tuple(resolve_command(list(args.command), hosts)), env_overrides=env, start_timeout=start_timeout,
+        command=tuple(resolve_command(list(args.command), hosts if check_command else None)),
+        env_overrides=env, start_timeout=start_timeout,
         ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
         network_interfaces=tuple(nics), output_filename=args.output_filename,
         verbose=args.verbose, prefix_timestamp=args.prefix_timestamp, mpi_args=args.mpi_args,

@@ -19,6 +19,8 @@ def elastic_settings_from_args(args: argparse.Namespace
         ValueError: inconsistent sizes, MPI mode, or a fixed host list of one host.
         OSError: the hostfile cannot be read.
     """
+    from collective.config import read_env  # noqa: PLC0415
+
     from ..cli import settings_from_args  # noqa: PLC0415
 
     if args.use_mpi:
@@ -33,7 +35,8 @@ def elastic_settings_from_args(args: argparse.Namespace
         raise ValueError(f"need 1 <= --min-np ({min_np}) <= -np ({num_proc}) <= --max-np "
                          f"({max_np if max_np is not None else 'unlimited'})")
     if args.host_discovery_script:
-        # Hosts come from the script; this placeholder only satisfies the static checks.
+        # Hosts come from the script; this placeholder only satisfies the static checks (the
+        # command is not looked for here: the hosts may have it).
         hosts: list[HostInfo] = [HostInfo("localhost", num_proc)]
     else:
         hosts = (parse_hosts(args.hosts) if args.hosts else parse_hostfile(args.hostfile)
@@ -47,13 +50,14 @@ def elastic_settings_from_args(args: argparse.Namespace
     elastic = ElasticSettings(
         min_np=min_np, max_np=max_np, discovery_script=args.host_discovery_script,
         slots_per_host=args.slots,
-        elastic_timeout=600.0 if args.elastic_timeout is None else float(args.elastic_timeout),
+        elastic_timeout=(read_env().elastic_timeout if args.elastic_timeout is None
+                         else float(args.elastic_timeout)),
         reset_limit=args.reset_limit,
         cooldown_range=(float(cooldown[0]), float(cooldown[1])) if cooldown else None)
     ns = argparse.Namespace(**vars(args))
     ns.num_proc, ns.hosts, ns.hostfile = num_proc, ",".join(str(h) for h in hosts), None
     ns.use_gloo, ns.use_mpi = True, None
-    settings = settings_from_args(ns)
+    settings = settings_from_args(ns, check_command=not args.host_discovery_script)
     assert settings.mode == MODE_TCP
     if cooldown:
         from .discovery import HostManager  # noqa: PLC0415

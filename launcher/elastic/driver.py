@@ -6,14 +6,17 @@ One thread (the caller of `ElasticDriver.run`) owns all state and handles events
 |---|---|---|
 | `ready` | the key-value server (a worker's `init()` put `ready.<worker>.<n>`) | once every live worker is ready, a new round is formed |
 | `exit` | the spawner | a failure blacklists the worker's host; the barrier may now be complete |
-| `hosts` | the discovery thread (every second) | a change that alters the assignment is announced to the workers (`update.<k>`) |
+| `hosts` | the discovery thread (every second) | a change that alters the assignment is announced to the workers (`update.<k>`), flagged added and/or removed by comparing each host's slots with the previous discovery |
 | `signal` | SIGINT/SIGTERM/SIGHUP | the job stops |
 
 Forming a round (Horovod's `_on_workers_recorded` + `resume`): count the reset (and stop past
 `--reset-limit`), wait for at least `--min-np` slots (up to `--elastic-timeout`), then assign
 ranks with the surviving workers first (so rank 0, whose state is broadcast, is a survivor),
 answer every waiting worker with its place and the round's rendezvous key prefix, and start
-workers for new slots. Every answer goes through the job's authenticated key-value store.
+workers for new slots. A new worker syncs the state from rank 0 before it trains, so when a
+round starts one, every answer says `sync` and the survivors sync too, whatever the update
+flags said (the assignment can change between the announcement and the round). Every answer
+goes through the job's authenticated key-value store.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from .discovery import DiscoveryError, HostDiscovery, HostManager, as_discovery
 from .spawn import WorkerSpawner
 
 __all__ = ["ElasticDriver", "ElasticKVServer", "ElasticResult", "assign_slots",
-           "RESET_LIMIT_MESSAGE", "DISCOVERY_INTERVAL_S"]
+           "host_update_flags", "RESET_LIMIT_MESSAGE", "DISCOVERY_INTERVAL_S"]
 
 DISCOVERY_INTERVAL_S = 1.0
 
@@ -144,6 +147,18 @@ def assign_slots(hosts: list[HostInfo], survivors: list[tuple[int, str, int]],
         else:
             new.append(s)
     return slots, placed, new, removed
+
+
+def host_update_flags(prev: Mapping[str, int], cur: Mapping[str, int]) -> int:
+    """Horovod's `HostUpdateResult` of a discovery change (pure): `removed` when a host or some
+    of its slots went away, `added` when a host or slots appeared, both when both happened."""
+    flags = HostUpdateResult.no_update
+    for host in set(prev) | set(cur):
+        if cur.get(host, 0) < prev.get(host, 0):
+            flags |= HostUpdateResult.removed
+        elif cur.get(host, 0) > prev.get(host, 0):
+            flags |= HostUpdateResult.added
+    return flags
 
 
 class ElasticDriver:
@@ -307,26 +322,28 @@ class ElasticDriver:
         self._message(f"hvdrun: elastic job starting {len(slots)} worker(s) on "
                       f"{self._describe(slots)}")
         for s in new:
-            self._launch(s)
+            self._launch(s, sync=True)
 
     # -- workers --------------------------------------------------------------------------------
-    def _launch(self, slot: SlotInfo) -> None:
+    def _launch(self, slot: SlotInfo, sync: bool) -> None:
         wid = self._next_id
         self._next_id += 1
         w = _Worker(wid, slot.hostname, slot.rank, answered_seq=0)
         self._workers[wid] = w
-        self._answer(w, 0, self._assignment(slot))
+        self._answer(w, 0, self._assignment(slot, sync))
         env = dict(self.env_for(slot))
         env["HOROVOD_ELASTIC"] = "1"
         env[WORKER_ID_ENV] = str(wid)
         self._started += 1
         self.spawner.spawn(wid, slot.hostname, env, self._on_exit)
 
-    def _assignment(self, slot: SlotInfo) -> dict[str, Any]:
+    def _assignment(self, slot: SlotInfo, sync: bool) -> dict[str, Any]:
+        """A worker's place in this round; `sync`: the round has a worker that was not in the
+        previous one (it syncs the state from rank 0, so every worker must)."""
         return {"rank": slot.rank, "size": slot.size, "local_rank": slot.local_rank,
                 "local_size": slot.local_size, "cross_rank": slot.cross_rank,
                 "cross_size": slot.cross_size, "scope": f"ringvod/elastic/{self._round}",
-                "updates": self._updates}
+                "updates": self._updates, "sync": sync}
 
     def _answer(self, w: _Worker, seq: int, msg: dict[str, Any]) -> None:
         w.answered_seq = seq
@@ -442,9 +459,9 @@ class ElasticDriver:
         for wid, slot in placed.items():
             w = self._workers[wid]
             w.rank = slot.rank
-            self._answer(w, w.ready_seq, self._assignment(slot))
+            self._answer(w, w.ready_seq, self._assignment(slot, sync=bool(new)))
         for s in new:
-            self._launch(s)
+            self._launch(s, sync=True)
         self.timings["assigned"] = time.time()
         self._message(f"hvdrun: elastic round {self._round} (reset {self.resets}): "
                       f"{len(slots)} worker(s) on {self._describe(slots)}"
@@ -459,21 +476,13 @@ class ElasticDriver:
         sig = self._signature()
         if sig == self._notified:
             return
-        self._notified = sig
-        avail = {h.hostname: h.slots for h in self.hosts.available()}
-        live = [w for w in self._workers.values() if w.live]
-        flags = HostUpdateResult.no_update
-        per_host: dict[str, int] = {}
-        for w in live:
-            per_host[w.host] = per_host.get(w.host, 0) + 1
-        if any(n > avail.get(h, 0) for h, n in per_host.items()):
-            flags |= HostUpdateResult.removed
-        room = sum(avail.values()) if self.max_np is None else min(self.max_np,
-                                                                    sum(avail.values()))
-        if room > len(live):
-            flags |= HostUpdateResult.added
-        if flags == HostUpdateResult.no_update:
-            return
+        prev, self._notified = dict(self._notified or ()), sig
+        avail = dict(sig)
+        flags = host_update_flags(prev, avail)
+        live = [(w.id, w.host, w.rank) for w in self._workers.values() if w.live]
+        _, _, new, removed = assign_slots(self.hosts.available(), live, self.max_np)
+        if flags == HostUpdateResult.no_update or not (new or removed):
+            return  # no slot changed, or none that changes the assignment
         self._updates += 1
         self.timings["update"] = time.time()
         what = {1: "removed", 2: "added", 3: "added and removed"}[flags]

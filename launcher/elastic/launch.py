@@ -68,7 +68,7 @@ def run_elastic(settings: LaunchSettings, elastic: ElasticSettings, *,
     remote = [h for h in first if not network.is_local_host(h, local)]
     address = network.choose_server_address(remote, settings.network_interfaces)
     overrides = dict(settings.env_overrides)
-    overrides.setdefault("HOROVOD_ELASTIC_TIMEOUT", f"{elastic.elastic_timeout:g}")
+    overrides["HOROVOD_ELASTIC_TIMEOUT"] = f"{elastic.elastic_timeout:g}"  # the driver's value
     nics = list(settings.network_interfaces)
     if not nics and remote:
         nic = network.interface_of_address(address)

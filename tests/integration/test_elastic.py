@@ -103,6 +103,36 @@ def test_host_removed_interrupts_without_rollback(tmp_path: Path) -> None:
     no_orphans(job)
 
 
+@pytest.mark.parametrize("np_args, after, what", [
+    (["-np", "4"], "localhost:1\n127.0.0.1:3\n", "hosts added and removed"),
+    (["-np", "3", "--max-np", "3"], "localhost:1\n127.0.0.1:2\n", "hosts removed"),
+], ids=["slots-move", "removed-then-max-np-room"])
+def test_round_with_new_worker_syncs_survivors(tmp_path: Path, np_args, after, what) -> None:
+    """Test 3b: localhost loses a slot while 127.0.0.1 has (or gains) a free one: the worker of
+    the lost slot leaves and a new one starts on 127.0.0.1. The new worker syncs the state from
+    rank 0, so the survivors must sync too, even when the update said only "removed"."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.1:2\n")
+    steps = 40
+    job = Job(tmp_path, [*np_args, "--min-np", "2", "--host-discovery-script", f"cat {hosts}"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.1",
+               "HOROVOD_STALL_CHECK_TIME_SECONDS": "5"}, 40)
+    job.wait_progress(4)
+    hosts.write_text(after)
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    size = len(res)
+    assert size == int(np_args[1]), out
+    for r in res:
+        assert r["size"] == size and r["log"] == list(range(steps)), r
+        assert r["w"] == [_expected_w(steps)] * 4, r["w"]
+    assert sum(r["host"] == "127.0.0.1" for r in res) == size - 1, res
+    assert what + ": now localhost:1,127.0.0.1" in out and "1 new; 1 removed" in out, out
+    assert "has been removed from elastic job" in out and "restoring" not in out, out
+    no_orphans(job)
+
+
 def test_reset_limit_fails_cleanly(tmp_path: Path) -> None:
     """Test 4: failures beyond --reset-limit end the job with Horovod's message and a summary."""
     job = Job(tmp_path, ["-np", "3", "--min-np", "1", "--reset-limit", "1", "-H",
@@ -134,6 +164,27 @@ def test_fewer_than_min_np_times_out(tmp_path: Path) -> None:
     assert "hvdrun stopped the elastic job" in out  # what the waiting survivor was told
     assert time.monotonic() - t0 < 30
     no_orphans(job)
+
+
+def _hvdrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    full = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                **env)
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_elastic_timeout_from_environment() -> None:
+    """Without --elastic-timeout, HOROVOD_ELASTIC_TIMEOUT is the driver's timeout and the
+    workers' value; the flag wins over it."""
+    r = _hvdrun(["-np", "2", "--host-discovery-script", "echo localhost:1", "true"],
+                {"HOROVOD_ELASTIC_TIMEOUT": "1"})
+    assert r.returncode == 1 and "Timed out after 1 s waiting for 2 slots" in r.stderr, r.stderr
+    show = ["-np", "1", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "sh", "-c",
+            "echo timeout=$HOROVOD_ELASTIC_TIMEOUT"]
+    r = _hvdrun(show, {"HOROVOD_ELASTIC_TIMEOUT": "7"})
+    assert r.returncode == 0 and "timeout=7\n" in r.stdout, r.stdout + r.stderr
+    r = _hvdrun(["--elastic-timeout", "9", *show], {"HOROVOD_ELASTIC_TIMEOUT": "7"})
+    assert r.returncode == 0 and "timeout=9\n" in r.stdout, r.stdout + r.stderr
 
 
 def test_elastic_sampler_covers_dataset_once(tmp_path: Path) -> None:

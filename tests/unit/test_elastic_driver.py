@@ -1,6 +1,8 @@
 """Pure parts of the elastic driver: slot assignment, host order and blacklist, discovery
-output, and the CLI's validation of the elastic flags."""
+output, and the CLI's validation of the elastic flags; the driver's rounds with fake workers."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -8,7 +10,8 @@ from launcher.cli import build_parser
 from launcher.elastic.cli import elastic_settings_from_args
 from launcher.elastic.discovery import (DiscoveryError, HostDiscoveryScript, HostManager,
                                         as_discovery, parse_discovery_output)
-from launcher.elastic.driver import assign_slots
+from launcher.elastic.driver import (ElasticDriver, HostUpdateResult, assign_slots,
+                                     host_update_flags)
 from launcher.hosts import HostInfo
 
 
@@ -36,6 +39,88 @@ def test_assign_cross_ranks() -> None:
     slots, _, new, _ = assign_slots([HostInfo("a", 2), HostInfo("b", 2)], [], 3)
     assert [(s.hostname, s.rank, s.local_rank, s.cross_rank, s.cross_size) for s in new] == [
         ("a", 0, 0, 0, 2), ("a", 1, 1, 0, 1), ("b", 2, 0, 1, 2)]
+
+
+def test_host_update_flags_compare_slots_per_host() -> None:
+    removed, added = HostUpdateResult.removed, HostUpdateResult.added
+    mixed = HostUpdateResult.mixed
+    assert host_update_flags({"a": 2, "b": 2}, {"b": 2, "a": 2}) == HostUpdateResult.no_update
+    assert host_update_flags({"a": 2, "b": 2}, {"a": 2}) == removed
+    assert host_update_flags({"a": 2, "b": 2}, {"a": 1, "b": 2}) == removed
+    assert host_update_flags({"a": 2}, {"a": 2, "b": 1}) == added
+    assert host_update_flags({"a": 2}, {"a": 3}) == added
+    assert host_update_flags({"a": 2, "b": 2}, {"a": 1, "b": 3}) == mixed  # slots moved
+    assert host_update_flags({"a": 2, "b": 2}, {"a": 2, "c": 2}) == mixed  # b gone, c new
+
+
+class _FakeSpawner:
+    def __init__(self) -> None:
+        self.spawned: list[tuple[int, str]] = []
+
+    def spawn(self, worker_id, hostname, env, on_exit) -> None:
+        self.spawned.append((worker_id, hostname))
+
+    def stop(self, worker_id, sig) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _FakeStore:
+    def __init__(self) -> None:
+        self.data: dict[str, object] = {}
+
+    def put(self, scope, key, value) -> None:
+        self.data[key] = json.loads(value)
+
+    def delete(self, scope, key) -> None:
+        self.data.pop(key, None)
+
+
+def _driver(hosts: dict[str, int], num_proc: int, max_np: int | None):
+    spawner, store = _FakeSpawner(), _FakeStore()
+    d = ElasticDriver(lambda: hosts, spawner, lambda slot: {}, store, num_proc=num_proc,
+                      min_np=1, max_np=max_np)
+    d.hosts.update(hosts)
+    d._start()
+    return d, spawner, store
+
+
+def _next_round(d: ElasticDriver, hosts: dict[str, int], meanwhile: dict[str, int] | None
+                ) -> None:
+    """Discovery finds `hosts` (announced); then every worker asks for its place (its second
+    init); discovery finds `meanwhile` just before the last one asks."""
+    d._events.put(("hosts", None, hosts))
+    d._step()
+    workers = list(d._workers)
+    for wid in workers:
+        if wid == workers[-1] and meanwhile:
+            d.hosts.update(meanwhile)
+        d.ready(wid, 1)
+        d._step()
+
+
+@pytest.mark.parametrize("num_proc, max_np, before, after, meanwhile, flags, new", [
+    # Slots move from a to b: a's second worker goes, a new one starts on b.
+    (4, None, {"a": 2, "b": 2}, {"a": 1, "b": 3}, None, HostUpdateResult.mixed, ["b"]),
+    # Only removed, but b has a free slot under --max-np: the round starts a worker there.
+    (3, 3, {"a": 2, "b": 2}, {"a": 1, "b": 2}, None, HostUpdateResult.removed, ["b"]),
+    # Only removed, then host c appears before the round forms: a worker starts there.
+    (4, None, {"a": 2, "b": 2}, {"a": 1, "b": 2}, {"a": 1, "b": 2, "c": 1},
+     HostUpdateResult.removed, ["c"]),
+    # Only removed, and no free slot: no new worker, the survivors skip the sync.
+    (4, None, {"a": 2, "b": 2}, {"a": 1, "b": 2}, None, HostUpdateResult.removed, []),
+])
+def test_round_with_a_new_worker_tells_every_survivor_to_sync(
+        num_proc, max_np, before, after, meanwhile, flags, new) -> None:
+    d, spawner, store = _driver(before, num_proc, max_np)
+    _next_round(d, after, meanwhile)
+    assert store.data["update.0"] == [1, flags] and "update.1" not in store.data
+    assert [host for _, host in spawner.spawned[num_proc:]] == new
+    answers = [store.data[f"assign.{wid}.1"] for wid in range(num_proc)]
+    assert sum("removed" in a for a in answers) == 1, answers
+    assert [a["sync"] for a in answers if "rank" in a] == [bool(new)] * (num_proc - 1), answers
 
 
 def test_host_manager_order_and_cooldown() -> None:
@@ -86,7 +171,8 @@ def _args(*argv: str):
     return build_parser().parse_args([*argv, "python", "x.py"])
 
 
-def test_cli_elastic_settings() -> None:
+def test_cli_elastic_settings(monkeypatch) -> None:
+    monkeypatch.delenv("HOROVOD_ELASTIC_TIMEOUT", raising=False)
     settings, el = elastic_settings_from_args(_args(
         "-np", "2", "--min-np", "1", "--max-np", "4", "--host-discovery-script", "d.sh",
         "--slots-per-host", "2", "--reset-limit", "3", "--elastic-timeout", "5",
@@ -97,6 +183,27 @@ def test_cli_elastic_settings() -> None:
     assert float(settings.env_overrides["HOROVOD_ELASTIC_TIMEOUT"]) == 5
     _, el = elastic_settings_from_args(_args("--min-np", "2", "-H", "a:1,b:1"))
     assert el.min_np == 2 and el.max_np is None and el.elastic_timeout == 600.0
+
+
+def test_cli_elastic_timeout_from_environment(monkeypatch) -> None:
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "42")
+    _, el = elastic_settings_from_args(_args("--min-np", "2", "-H", "a:1,b:1"))
+    assert el.elastic_timeout == 42.0
+    _, el = elastic_settings_from_args(_args("--min-np", "2", "-H", "a:1,b:1",
+                                             "--elastic-timeout", "7"))
+    assert el.elastic_timeout == 7.0  # the flag wins
+
+
+def test_cli_discovery_job_does_not_look_for_the_command_here() -> None:
+    """The hosts of a discovery-script job are not known yet: they may have the command."""
+    missing = "/nonexistent/ringvod-remote-train"
+    args = build_parser().parse_args(["-np", "2", "--host-discovery-script", "d.sh", missing])
+    settings, _ = elastic_settings_from_args(args)
+    assert settings.command == (missing,)
+    args = build_parser().parse_args(["-np", "2", "--min-np", "1", "-H",
+                                      "localhost:1,127.0.0.1:1", missing])
+    with pytest.raises(ValueError, match="cannot run"):  # fixed local hosts: checked
+        elastic_settings_from_args(args)
 
 
 @pytest.mark.parametrize("argv, match", [
