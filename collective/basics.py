@@ -27,7 +27,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             "dynamic" to allow `add_process_set`/`remove_process_set` later.
 
     Raises:
-        ValueError: duplicate or invalid process sets.
+        ValueError: duplicate or invalid process sets, or process sets that differ across
+            ranks (raised on every rank).
         EngineUnavailableError: the detected mode needs a package that is not installed.
     """
     if _rt.current_or_none() is not None:

@@ -13,8 +13,8 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
-__all__ = ["Option", "OPTIONS", "Config", "read_env", "options_by_field", "environ_snapshot",
-           "no_effect_set", "warn_no_effect", "update_environ"]
+__all__ = ["Option", "OPTIONS", "SHARED_OPTIONS", "Config", "read_env", "options_by_field",
+           "environ_snapshot", "no_effect_set", "warn_no_effect", "update_environ"]
 
 
 def _bool(text: str) -> bool:
@@ -43,24 +43,31 @@ class Option:
     # Accepted for Horovod compatibility but read by nothing: the README table and
     # `hvdrun --help` say "(no effect in ringvod)" and `init()` warns when it is set.
     no_effect: bool = False
+    # Shapes what the ranks exchange, so every rank must use the same value: `init()` gives
+    # every rank rank 0's value (and warns on a rank whose own differs).
+    shared: bool = False
 
     def __post_init__(self) -> None:
         if self.no_effect and not self.doc.endswith(NO_EFFECT):
             object.__setattr__(self, "doc", f"{self.doc} {NO_EFFECT}")
+        if self.shared and not self.doc.endswith(SHARED):
+            object.__setattr__(self, "doc", f"{self.doc} {SHARED}")
 
 
 NO_EFFECT = "(no effect in ringvod)"
+SHARED = "(every rank uses rank 0's value)"
 
 
 OPTIONS: tuple[Option, ...] = (
     # --- tuning -----------------------------------------------------------------------------
     Option("fusion_threshold", "HOROVOD_FUSION_THRESHOLD", int, 128 * 1024 * 1024, "bytes",
-           "fusion buffer size; 0 disables fusion", "--fusion-threshold-mb", 1024 * 1024),
+           "fusion buffer size; 0 disables fusion", "--fusion-threshold-mb", 1024 * 1024,
+           shared=True),
     Option("cycle_time_ms", "HOROVOD_CYCLE_TIME", float, 1.0, "ms",
            "longest wait of the coordinator between cycles (it wakes at once on new work)",
            "--cycle-time-ms"),
     Option("cache_capacity", "HOROVOD_CACHE_CAPACITY", int, 1024, "entries",
-           "response cache size; 0 disables the cache", "--cache-capacity"),
+           "response cache size; 0 disables the cache", "--cache-capacity", shared=True),
     Option("hierarchical_allreduce", "HOROVOD_HIERARCHICAL_ALLREDUCE", _bool, False, "",
            "hierarchical allreduce; accepted, ringvod leaves the topology to NCCL",
            "--hierarchical-allreduce", no_effect=True),
@@ -69,12 +76,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("torus_allreduce", "HOROVOD_TORUS_ALLREDUCE", _bool, False, "",
            "torus allreduce; accepted", "--torus-allreduce", no_effect=True),
     Option("disable_group_fusion", "HOROVOD_DISABLE_GROUP_FUSION", _bool, False, "",
-           "fuse grouped ops only with members of the same group"),
+           "fuse grouped ops only with members of the same group", shared=True),
     Option("batch_d2d_memcopies", "HOROVOD_BATCH_D2D_MEMCOPIES", _bool, True, "",
            "pack GPU fusion buffers with one batched copy", no_effect=True),
     Option("bucket_cap_mb", "HOROVOD_BUCKET_CAP_MB", float, 25.0, "MB",
            "ringvod: DistributedOptimizer packs gradients into buckets of this size, one "
-           "allreduce each (0 = one allreduce per gradient, as Horovod)", "--bucket-cap-mb"),
+           "allreduce each (0 = one allreduce per gradient, as Horovod)", "--bucket-cap-mb",
+           shared=True),
     Option("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", int, 1, "",
            "NCCL streams per device; ringvod uses one", "--num-nccl-streams",
            no_effect=True),
@@ -85,7 +93,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("autotune", "HOROVOD_AUTOTUNE", _bool, False, "",
            "tune the fusion threshold, cycle time, DistributedOptimizer bucket size and "
            "response cache while training runs (a knob set in the environment is held fixed)",
-           "--autotune"),
+           "--autotune", shared=True),
     Option("autotune_log", "HOROVOD_AUTOTUNE_LOG", str, "", "path",
            "autotune CSV log written by rank 0 (Horovod's columns, then bucket_cap_mb; one row "
            "per scored setting, the best last)",
@@ -149,7 +157,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("elastic_worker_id", "HOROVOD_ELASTIC_WORKER_ID", str, "", "",
            "elastic: this worker's id (set by the elastic driver)"),
     Option("dynamic_process_sets", "HOROVOD_DYNAMIC_PROCESS_SETS", _bool, False, "",
-           "allow add_process_set/remove_process_set after init"),
+           "allow add_process_set/remove_process_set after init, as "
+           "`init(process_sets=\"dynamic\")`", shared=True),
     Option("start_timeout", "HOROVOD_START_TIMEOUT", float, 30.0, "s",
            "how long hvdrun waits for workers to start", "--start-timeout"),
     Option("elastic_timeout", "HOROVOD_ELASTIC_TIMEOUT", float, 600.0, "s",
@@ -173,6 +182,7 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 _BY_FIELD = {o.field: o for o in OPTIONS}
+SHARED_OPTIONS = tuple(o for o in OPTIONS if o.shared)
 
 
 def options_by_field() -> Mapping[str, Option]:

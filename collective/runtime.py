@@ -12,7 +12,7 @@ import threading
 from typing import Any, Sequence
 
 from . import _current, _log
-from .config import Config, read_env
+from .config import SHARED_OPTIONS, Config, read_env
 from .coordinator import HELD, Coordinator, ProcessSetState, shutdown_error
 from .engines import create_backend, create_engine
 from .entry import Entry
@@ -54,7 +54,6 @@ class Runtime:
         self.rank, self.size = control.rank, control.size
         self.host_engine_name = host_engine or {"single": "loopback"}.get(mode, mode)
         self.device_engine_name = device_engine
-        self.dynamic_process_sets = process_sets == "dynamic" or config.dynamic_process_sets
         self._handle_ids = itertools.count()
         self._lock = threading.Lock()  # guards _sets/_registry/_members/_ps_changes/state
         self._sets: dict[int, ProcessSetState] = {}
@@ -66,6 +65,10 @@ class Runtime:
         self._topology()
         _log.configure(config.log_level, config.log_hide_time, self.rank,
                        self.hostname if self.cross_size > 1 else None)
+        if process_sets == "dynamic":
+            config = config.replace(dynamic_process_sets=True)
+        self.config = _agree(control, config, process_sets)
+        self.dynamic_process_sets = self.config.dynamic_process_sets
         self.coordinator = Coordinator(self)
         self._register(0, list(range(self.size)), control, global_process_set)
         if isinstance(process_sets, (list, tuple)):
@@ -319,6 +322,39 @@ class Runtime:
             h._set_exception(exc)
 
 
+def _agree(control: Any, config: Config, process_sets: Any) -> Config:
+    """The exchange of `init()`, collective over the world plane: every rank takes rank 0's
+    values of the options that shape what the ranks exchange (`Option.shared`), warning where
+    its own differ, and every rank checks that all passed the same static process sets.
+
+    Raises:
+        ValueError: the ranks passed different process sets (on every rank alike).
+    """
+    static = process_sets if isinstance(process_sets, (list, tuple)) else []
+    mine = {"options": {o.field: getattr(config, o.field) for o in SHARED_OPTIONS},
+            "sets": [ps.ranks for ps in static]}  # None: from a communicator, resolved later
+    views = [_agreement_of(b, r)
+             for r, b in enumerate(control.allgather(json.dumps(mine).encode()))]
+    if any(sets != views[0][1] for _, sets in views):
+        by: dict[str, list[int]] = {}
+        for r, (_, sets) in enumerate(views):
+            shown = ", ".join("<mpi4py communicator>" if s is None else str(s) for s in sets)
+            by.setdefault(f"[{shown}]", []).append(r)
+        raise ValueError(
+            "ranks passed different process sets to init(): "
+            + "; ".join(f"ranks {who} passed {shown}" for shown, who in by.items())
+            + ". Every rank must pass the same process_sets to hvd.init(), in the same order.")
+    ours = views[0][0]
+    changes: dict[str, Any] = {}
+    for o in SHARED_OPTIONS:
+        own = getattr(config, o.field)
+        if ours[o.field] != own:
+            _log_.warning("%s is %r on this rank but %r on rank 0; every rank uses rank 0's "
+                          "value", o.env, own, ours[o.field])
+            changes[o.field] = ours[o.field]
+    return config.replace(**changes) if changes else config
+
+
 # -- plain-data messages of the topology exchange and process-set changes (never pickle) -------
 def _host_of(data: bytes, rank: int) -> str:
     if not 0 < len(data) <= MAX_STR_BYTES:
@@ -348,6 +384,24 @@ def _rank_list(v: Any, rank: int, size: int, what: str) -> list[int]:
 def _ranks_of(data: bytes, rank: int, size: int) -> list[int] | None:
     v = _json(data, rank, "a process set's ranks")
     return None if v is None else _rank_list(v, rank, size, "a process set's ranks")
+
+
+def _agreement_of(data: bytes, rank: int) -> tuple[dict[str, Any], list[list[int] | None]]:
+    v = _json(data, rank, "init's settings")
+    options = v.get("options") if isinstance(v, dict) else None
+    sets = v.get("sets") if isinstance(v, dict) else None
+    if not (isinstance(options, dict)
+            and all(_of_type(options.get(o.field), o.default) for o in SHARED_OPTIONS)
+            and isinstance(sets, list)
+            and all(s is None or isinstance(s, list) and all(type(r) is int for r in s)
+                    for s in sets)):
+        raise WireError(f"rank {rank} sent malformed init settings: {str(v)[:80]}")
+    return options, sets
+
+
+def _of_type(value: Any, default: Any) -> bool:
+    """`value` has the type of an option whose default is `default` (an int does for a float)."""
+    return type(value) is type(default) or type(default) is float and type(value) is int
 
 
 def _change_of(data: bytes, rank: int, size: int) -> tuple | None:

@@ -626,7 +626,8 @@ class LoopbackFailure(AssertionError):
 
 def run_loopback(n: int, fn: Callable[[int], Any], timeout: float = 30.0, start: bool = True,
                  control: Callable[[Any], Any] | None = None, world_timeout: float = 20.0,
-                 shutdown: bool = True, **config: Any) -> list[Any]:
+                 shutdown: bool = True, rank_config: Callable[[int], dict] | None = None,
+                 **config: Any) -> list[Any]:
     """Runs `fn(rank)` on `n` threads, each with its own loopback `Runtime` made current.
 
     Args:
@@ -637,6 +638,8 @@ def run_loopback(n: int, fn: Callable[[int], Any], timeout: float = 30.0, start:
         control: wraps each rank's control plane (e.g. a call counter).
         world_timeout: how long a loopback collective waits for its peers.
         shutdown: shut the runtimes down when `fn` returns.
+        rank_config: `rank_config(rank)` gives that rank's own Config overrides, on top of
+            `config` (as if that rank's environment differed).
         **config: Config overrides (e.g. stall_check_time=0.2).
 
     Returns:
@@ -661,8 +664,8 @@ def run_loopback(n: int, fn: Callable[[int], Any], timeout: float = 30.0, start:
     def body(rank: int) -> None:
         try:
             plane = world.plane(rank)
-            rt = Runtime.create(config=cfg, control=control(plane) if control else plane,
-                                mode="loopback")
+            rt = Runtime.create(config=cfg.replace(**rank_config(rank)) if rank_config else cfg,
+                                control=control(plane) if control else plane, mode="loopback")
             runtimes[rank] = rt
             if start:
                 rt.start()

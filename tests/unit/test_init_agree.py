@@ -1,0 +1,141 @@
+"""init()'s exchange, under loopback ranks: every rank takes rank 0's values of the options that
+shape what the ranks exchange (a rank whose own differ warns), and ranks that pass different
+static process sets to init() all raise the same ValueError."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+import collective as hvd
+from collective._current import current
+from collective.config import read_env
+from collective.engines.loopback import LoopbackWorld
+from collective.runtime import Runtime
+from tests._spmd import run_loopback
+
+N = 3
+
+
+class LogCapture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def lines(self, text):
+        """(thread name, message) of the records that contain `text`."""
+        return sorted((r.threadName, r.getMessage()) for r in self.records
+                      if text in r.getMessage())
+
+
+@pytest.fixture
+def horovod_log():
+    cap = LogCapture()
+    logger = logging.getLogger("horovod")
+    logger.addHandler(cap)
+    yield cap
+    logger.removeHandler(cap)
+
+
+def rounds_of_eight(rank, iterations=6):
+    """Eight named allreduces at once, several times over (the later ones take the cache path,
+    which fuses on each rank alone), and one at a time; every result checked."""
+    for _ in range(iterations):
+        hs = [hvd.allreduce_async(np.full(4, float(k + 100 * rank), np.float32), name=f"n{k}",
+                                  op=hvd.Sum) for k in range(8)]
+        for k, h in enumerate(hs):
+            np.testing.assert_array_equal(hvd.synchronize(h),
+                                          np.full(4, float(N * k + 100 * sum(range(N)))))
+        for k in range(8):
+            out = hvd.allreduce(np.full(k + 1, float(k + 10 * rank), np.float32), name=f"n{k}",
+                                op=hvd.Sum)
+            np.testing.assert_array_equal(out, np.full(k + 1, float(N * k + 10 * sum(range(N)))))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("field,env,value", [
+    ("fusion_threshold", "HOROVOD_FUSION_THRESHOLD", 0),
+    ("cache_capacity", "HOROVOD_CACHE_CAPACITY", 2),
+    ("cache_capacity", "HOROVOD_CACHE_CAPACITY", 0),
+])
+def test_rank_0s_value_applies_on_every_rank(horovod_log, field, env, value):
+    def body(rank):
+        rounds_of_eight(rank)
+        return getattr(current().config, field)
+
+    got = run_loopback(N, body, timeout=40,
+                       rank_config=lambda r: {field: value} if r == 0 else {})
+    assert got == [value] * N
+    default = getattr(read_env({}), field)
+    want = (f"{env} is {default!r} on this rank but {value!r} on rank 0; every rank uses "
+            "rank 0's value")
+    assert horovod_log.lines(f"{env} is ") == [(f"loopback-rank-{r}", want) for r in range(1, N)]
+
+
+@pytest.mark.timeout(60)
+def test_every_shared_option_is_rank_0s(horovod_log):
+    """Options whose difference would change what a rank sends: the fusion threshold and group
+    fusion (the cache path fuses on each rank), the cache capacity (its bit numbers), autotune
+    (its exchanges at a join, the optimizer's bucket schedule), the bucket size (the optimizer's
+    allreduces) and dynamic process sets (an exchange every cycle)."""
+    mine = {"fusion_threshold": 1, "cache_capacity": 0, "disable_group_fusion": True,
+            "bucket_cap_mb": 1.0, "autotune": True, "dynamic_process_sets": True}
+
+    def body(rank):
+        rounds_of_eight(rank, iterations=2)
+        rt = current()
+        return {f: getattr(rt.config, f) for f in mine}, rt.dynamic_process_sets
+
+    got = run_loopback(N, body, timeout=40, rank_config=lambda r: mine if r == 1 else {})
+    defaults = read_env({})
+    assert got == [({f: getattr(defaults, f) for f in mine}, False)] * N
+    warned = horovod_log.lines("on rank 0; every rank uses rank 0's value")
+    assert [who for who, _ in warned] == ["loopback-rank-1"] * len(mine)
+    for env in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CACHE_CAPACITY",
+                "HOROVOD_DISABLE_GROUP_FUSION", "HOROVOD_BUCKET_CAP_MB", "HOROVOD_AUTOTUNE",
+                "HOROVOD_DYNAMIC_PROCESS_SETS"):
+        assert sum(text.startswith(f"{env} is ") for _, text in warned) == 1, (env, warned)
+
+
+def init_every_rank(sets_of):
+    """Creates a loopback runtime on N threads with `process_sets=sets_of(rank)`; returns what
+    each rank's creation raised (None: it succeeded)."""
+    world = LoopbackWorld(N, timeout=5.0)
+    cfg = read_env({})
+    raised: list = [None] * N
+
+    def body(rank):
+        try:
+            Runtime.create(config=cfg, control=world.plane(rank), mode="loopback",
+                           process_sets=sets_of(rank))
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            raised[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(N)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    world.exchange.abort("test over")
+    return raised
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sets_of,shown", [
+    (lambda r: [hvd.ProcessSet([0, 2] if r == 2 else [0, 1])],
+     "ranks [0, 1] passed [[0, 1]]; ranks [2] passed [[0, 2]]"),
+    (lambda r: [hvd.ProcessSet([0, 1])] if r == 0 else [],
+     "ranks [0] passed [[0, 1]]; ranks [1, 2] passed []"),
+    (lambda r: [hvd.ProcessSet([1, 2]), hvd.ProcessSet([0, 1])][::1 if r else -1],
+     "ranks [0] passed [[0, 1], [1, 2]]; ranks [1, 2] passed [[1, 2], [0, 1]]"),
+], ids=["different-lists", "different-counts", "different-order"])
+def test_different_process_sets_raise_on_every_rank(sets_of, shown):
+    raised = init_every_rank(sets_of)
+    want = (f"ranks passed different process sets to init(): {shown}. Every rank must pass "
+            "the same process_sets to hvd.init(), in the same order.")
+    assert [(type(e), str(e)) for e in raised] == [(ValueError, want)] * N
