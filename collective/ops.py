@@ -21,6 +21,7 @@ from .errors import HorovodInternalError
 from .handle import GroupHandle, Handle
 from .process_sets import ProcessSet, global_process_set
 from .types import CPU_DEVICE, DataType, ReduceOp, Request, RequestType, dtype_of
+from .wire import MAX_STR_BYTES
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "enqueue", "resolve_op",
@@ -86,7 +87,8 @@ def enqueue(kind: RequestType, tensors: Sequence[Any], *, name: str | None = Non
     objects for the device engine, with `dtypes`/`shapes` given explicitly.
 
     Raises:
-        ValueError: not initialised, bad process set or root, bad splits, duplicate name.
+        ValueError: not initialised, bad process set or root, bad splits, duplicate name,
+            name over 1 MiB (`wire.MAX_STR_BYTES`).
         ShutdownError: the runtime has shut down.
     """
     rt = _rt.current()
@@ -174,6 +176,22 @@ def _names(rt: Any, kind: RequestType, name: str | None, process_set: ProcessSet
             _PREFIX.get(kind) or kind.name.lower())
 
 
+# A name of at most this many characters fits the wire's limit whatever they are (UTF-8 takes at
+# most 4 bytes a character): only longer ones are encoded to be measured.
+_NAME_CHARS_OK = MAX_STR_BYTES // 4
+
+
+def _check_name(name: str, label: str) -> None:
+    """Raises:
+        ValueError: the name is longer than the control plane carries (`MAX_STR_BYTES`).
+    """
+    n = len(name.encode("utf-8", "surrogatepass"))
+    if n > MAX_STR_BYTES:
+        raise ValueError(f"{label}: the name of tensor {name[:60]!r}... is {n} bytes long "
+                         f"(UTF-8); names are limited to {MAX_STR_BYTES} bytes (1 MiB), op "
+                         "prefix included. Give the tensor a shorter name.")
+
+
 _ALLREDUCE, _REDUCESCATTER, _BROADCAST, _ALLTOALL = (
     RequestType.ALLREDUCE, RequestType.REDUCESCATTER, RequestType.BROADCAST, RequestType.ALLTOALL)
 
@@ -183,6 +201,8 @@ def _entry(state: Any, kind: RequestType, name: str, tensor: Any, dtype: DataTyp
            postscale: float, group_id: int, output: Any, allocate: Any, ready_event: Any,
            splits: Any, context: dict | None) -> Entry:
     """One table entry (positional arguments: this runs for every op)."""
+    if len(name) > _NAME_CHARS_OK:
+        _check_name(name, _LABEL[kind])
     if dtype is None:
         dtype = dtype_of(tensor)
     shape = tuple(tensor.shape) if shape is None else tuple(shape)

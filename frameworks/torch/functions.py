@@ -156,8 +156,8 @@ def _apply_layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
     me = collective.rank()
     if layout["ngroups"] != len(optimizer.param_groups) or layout["nparams"] != len(params):
         raise ValueError(
-            f"broadcast_optimizer_state: rank {me}'s optimizer has {len(optimizer.param_groups)} "
-            f"param groups and {len(params)} parameters, the root's has {layout['ngroups']} and "
+            f"rank {me}'s optimizer has {len(optimizer.param_groups)} param groups and "
+            f"{len(params)} parameters, the root's has {layout['ngroups']} and "
             f"{layout['nparams']}; build the optimizer identically on every rank")
     for group, options in zip(optimizer.param_groups, layout["options"]):
         for k in [k for k in group if k != "params" and k not in options]:
@@ -193,7 +193,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     `torch.optim` except LBFGS). `model` is accepted for Horovod compatibility and unused.
 
     Raises:
-        ValueError: LBFGS, or the optimizers differ in their number of groups or parameters.
+        ValueError: LBFGS, or the optimizers differ in their number of groups or parameters,
+            or the root's state cannot be broadcast; on every rank, naming the ranks.
         HorovodInternalError: a broadcast failed.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
@@ -202,10 +203,28 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if not optimizer.state:
         _initialize_state(optimizer, params)
     is_root = collective.rank() == root_rank
-    layout = broadcast_object(_state_layout(optimizer, params) if is_root else None, root_rank,
-                              name="broadcast_optimizer_state")
+    layout = None
+    if is_root:
+        try:
+            layout = _state_layout(optimizer, params)
+        except ValueError as e:  # the other ranks learn it from the broadcast
+            layout = {"error": f"broadcast_optimizer_state failed on root rank {root_rank}: {e}"}
+    layout = broadcast_object(layout, root_rank, name="broadcast_optimizer_state")
+    if "error" in layout:
+        raise ValueError(layout["error"])
+    # Every rank learns whether every rank took the layout before any tensor is broadcast
+    # (a rank that raised alone would leave the others waiting for its broadcasts).
+    problem, cause = None, None
     if not is_root:
-        _apply_layout(optimizer, params, layout)
+        try:
+            _apply_layout(optimizer, params, layout)
+        except Exception as e:
+            problem, cause = (str(e) if isinstance(e, ValueError) else repr(e)), e
+    problems = allgather_object(problem, name="broadcast_optimizer_state.check")
+    failed = [r for r, text in enumerate(problems) if text is not None]
+    if failed:
+        raise ValueError(f"broadcast_optimizer_state failed on rank(s) {failed}: "
+                         f"{problems[failed[0]]}") from cause
     named, occurrences = [], {}
     for i in sorted(layout["state"]):
         st = optimizer.state[params[i]]

@@ -156,6 +156,30 @@ def test_broadcast_optimizer_state_frozen_parameter():
         opt.step()
 
 
+def test_broadcast_optimizer_state_mismatch_fails_everywhere():
+    # The last rank's optimizer has more parameters; then the root's state holds a tensor it
+    # cannot send. Either way every rank raises, naming the ranks, instead of the others
+    # waiting for broadcasts that never come.
+    if SIZE == 1:
+        pytest.skip("needs a second rank")
+    last = SIZE - 1
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(2 if hvd.rank() == last else 1)])
+    with pytest.raises(ValueError, match=rf"failed on rank\(s\) \[{last}\]: rank {last}'s "
+                                         "optimizer has 1 param groups and 4 parameters, the "
+                                         "root's has 1 and 2"):
+        hvd.broadcast_optimizer_state(torch.optim.Adam(model.parameters()), root_rank=0)
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    if hvd.rank() == 0:
+        opt.state[model.weight]["extra"] = torch.zeros(2).to_sparse()
+    with pytest.raises(ValueError, match="failed on root rank 0: cannot broadcast "
+                                         "torch.sparse_coo optimizer state 'extra'"):
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="bos.mismatch.after").item() == SIZE
+
+
 def test_broadcast_and_allgather_object():
     obj = {"rank": hvd.rank(), "f": (lambda x: x + 1), "t": torch.arange(3)}
     for root in range(SIZE):

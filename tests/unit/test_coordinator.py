@@ -341,6 +341,21 @@ def test_duplicate_name_raises_value_error_at_enqueue():
     assert run_loopback(2, body, start=False) == [2.0, 2.0]
 
 
+def test_a_name_over_the_wire_limit_raises_value_error_at_enqueue():
+    # Names travel in every negotiation round, limited to wire.MAX_STR_BYTES (1 MiB) each; a
+    # longer one is refused where it is submitted instead of ending the job in the coordinator.
+    def body(rank):
+        for name in ("x" * (1 << 20), "\u00e9" * (1 << 19)):  # with the prefix, over 1 MiB
+            with pytest.raises(ValueError, match=r"names are limited to 1048576 bytes"):
+                hvd.allreduce(np.ones(1), name=name)
+            with pytest.raises(ValueError, match=r"names are limited to 1048576 bytes"):
+                hvd.grouped_allreduce_async([np.ones(1)], name=name)
+        longest = "x" * ((1 << 20) - len("allreduce."))
+        return hvd.allreduce(np.ones(1), op=hvd.Sum, name=longest)[0]
+
+    assert run_loopback(2, body) == [2.0, 2.0]
+
+
 # -- join --------------------------------------------------------------------------------------
 def test_join_zeros_average_full_size_and_last_rank():
     def body(rank):

@@ -210,6 +210,72 @@ def test_add_param_group_after_wrapping_is_averaged():
     assert torch.equal(a0, a1) and torch.equal(b0, b1)
 
 
+def _two_param_model(rank: int, shape_of_w) -> tuple[torch.nn.Parameter, ...]:
+    w = torch.nn.Parameter(torch.zeros(shape_of_w(rank)))
+    b = torch.nn.Parameter(torch.zeros(4))
+    return w, b
+
+
+def _bucket_step(opt, w, b, rank: int) -> None:
+    opt.zero_grad()
+    ((w * torch.arange(6.0).reshape(w.shape)).sum() * (rank + 1) + b.sum()).backward()
+    opt.step()
+
+
+def test_bucketed_parameters_shaped_differently_fail_on_every_rank():
+    """w is (2, 3) on rank 0 and (3, 2) on rank 1: the same size, so one flat bucket would
+    average it without an error; the ranks' parameters are compared first."""
+    def body(rank: int):
+        w, b = _two_param_model(rank, lambda r: (2, 3) if r == 0 else (3, 2))
+        opt = ft.DistributedOptimizer(torch.optim.SGD([w, b], lr=0.1),
+                                      named_parameters=[("w", w), ("b", b)])
+        assert opt._hvd_reducer.buckets  # bucket mode (the default)
+        with pytest.raises(ValueError, match=r"gradients differ across ranks: parameter 0 "
+                                             r"\('allreduce.w' on rank \d\) .* on rank\(s\) "
+                                             r"\[1\] than on rank 0") as err:
+            _bucket_step(opt, w, b, rank)
+        # The job goes on with optimizers that agree.
+        w, b = _two_param_model(rank, lambda r: (2, 3))
+        ok = ft.DistributedOptimizer(torch.optim.SGD([w, b], lr=0.1),
+                                     named_parameters=[("w", w), ("b", b)])
+        _bucket_step(ok, w, b, rank)
+        return str(err.value), w.grad.clone()
+
+    (e0, g0), (e1, g1) = run_loopback(2, body, timeout=60)
+    assert "on rank 0)" in e0 and "on rank 1)" in e1
+    torch.testing.assert_close(g0, torch.arange(6.0).reshape(2, 3) * 1.5)
+    assert torch.equal(g0, g1)
+
+
+def test_bucketed_parameters_are_compared_once_per_job(monkeypatch):
+    """One comparison (an allgather) for the job's first step; none for later steps nor for
+    a re-plan of the buckets (autotune), which covers the same parameters."""
+    from collective import adapter
+    calls = []
+    check = adapter.check_gradients
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return check(*args, **kwargs)
+    monkeypatch.setattr(adapter, "check_gradients", counting)
+
+    def body(rank: int):
+        w, b = _two_param_model(rank, lambda r: (2, 3))
+        opt = ft.DistributedOptimizer(torch.optim.SGD([w, b], lr=0.1),
+                                      named_parameters=[("w", w), ("b", b)])
+        reducer = opt._hvd_reducer
+        for step in range(4):
+            if step == 2:
+                reducer._replan(1e-5)  # one bucket per parameter
+                assert len(reducer.buckets) == 2
+            _bucket_step(opt, w, b, rank)
+        return w.grad.clone()
+
+    g0, g1 = run_loopback(2, body, timeout=60)
+    assert calls == [["allreduce.w", "allreduce.b"]] * 2  # once on each rank
+    assert torch.equal(g0, g1)
+
+
 class _Schedule:
     """A bucket schedule's interface as the reducer uses it."""
 
