@@ -84,7 +84,7 @@ def failure_summary(failure: Failure) -> str:
 
 
 class _Output:
-    """Writes prefixed worker lines to the console and raw lines to per-rank files."""
+    """Writes prefixed worker lines to the console and the raw output to per-rank files."""
 
     def __init__(self, stdout: IO[str], stderr: IO[str], prefix_timestamp: bool,
                  output_dir: str | None, num_proc: int) -> None:
@@ -104,12 +104,12 @@ class _Output:
             self._files[(rank, stream)] = open(os.path.join(d, stream), "wb")
 
     def line(self, rank: int, stream: str, data: bytes) -> None:
-        if not data.endswith(b"\n"):
-            data += b"\n"
         f = self._files.get((rank, stream))
         if f is not None:
-            f.write(data)
+            f.write(data)  # byte for byte: a final line without a newline stays without one
             f.flush()
+        if not data.endswith(b"\n"):
+            data += b"\n"  # the console gets whole prefixed lines
         prefix = f"[{rank}]<{stream}>:"
         if self._prefix_timestamp:
             prefix = time.strftime("%a %b %d %H:%M:%S %Y") + prefix

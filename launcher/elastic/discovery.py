@@ -13,8 +13,10 @@
 """
 from __future__ import annotations
 
+import os
 import random
 import re
+import signal
 import subprocess
 import time
 from typing import Any, Callable, Mapping
@@ -76,21 +78,41 @@ class HostDiscoveryScript(HostDiscovery):
         self.script, self.default_slots, self.timeout = script, default_slots, timeout
 
     def find_available_hosts_and_slots(self) -> dict[str, int]:
+        # The script runs in a session of its own, so that a timeout (or an interrupt) kills
+        # the whole process group: the shell and anything it started.
         try:
-            proc = subprocess.run(self.script, shell=True, capture_output=True, text=True,
-                                  timeout=self.timeout, check=False)
-        except subprocess.TimeoutExpired:
-            raise DiscoveryError(f"host discovery script {self.script!r} did not finish "
-                                 f"within {self.timeout:.0f} s") from None
+            proc = subprocess.Popen(self.script, shell=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
         except OSError as exc:
             raise DiscoveryError(f"cannot run host discovery script {self.script!r}: "
                                  f"{exc}") from None
+        try:
+            stdout, stderr = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise DiscoveryError(f"host discovery script {self.script!r} did not finish "
+                                 f"within {self.timeout:.0f} s") from None
+        except BaseException:
+            _kill_group(proc)
+            raise
         if proc.returncode != 0:
-            err = proc.stderr.strip().splitlines()
+            err = stderr.strip().splitlines()
             raise DiscoveryError(f"host discovery script {self.script!r} exited with status "
                                  f"{proc.returncode}{': ' + err[-1] if err else ''}")
-        return parse_discovery_output(proc.stdout, self.default_slots,
+        return parse_discovery_output(stdout, self.default_slots,
                                       f"host discovery script {self.script!r}")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILLs the process group led by `proc`, reaps `proc` and closes its pipes."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
 
 
 class FixedHosts(HostDiscovery):

@@ -408,6 +408,20 @@ def test_output_filename_and_timestamps(worker, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_output_filename_keeps_raw_bytes(tmp_path):
+    # The files hold exactly what the worker wrote; the console still gets whole lines.
+    out = tmp_path / "logs"
+    code = "import sys; sys.stdout.write('a\\nx'); sys.stderr.write('e')"
+    r = run_hvdrun("-np", "2", "--tcp", "--output-filename", str(out), sys.executable, "-c", code)
+    assert r.returncode == 0, explain(r)
+    for rank in (0, 1):
+        assert (out / f"rank.{rank}" / "stdout").read_bytes() == b"a\nx"
+        assert (out / f"rank.{rank}" / "stderr").read_bytes() == b"e"
+        assert f"[{rank}]<stdout>:x\n" in r.stdout, explain(r)
+        assert f"[{rank}]<stderr>:e\n" in r.stderr, explain(r)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.mpi
 def test_output_filename_mpi(worker, tmp_path):
     _need("mpi")

@@ -3,6 +3,9 @@ output, and the CLI's validation of the elastic flags; the driver's rounds with 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
 
@@ -165,6 +168,42 @@ def test_discovery_script_failure_and_callable(tmp_path) -> None:
     assert as_discovery(lambda: {"h": 2}).find_available_hosts_and_slots() == {"h": 2}
     with pytest.raises(TypeError):
         as_discovery(3)
+
+
+def _gone(pid: int) -> bool:
+    """True when `pid` has exited (a zombie waiting for its reaper counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_discovery_script_timeout_kills_its_children(tmp_path) -> None:
+    marker = tmp_path / "pids"
+    script = f"sleep 100 & echo $$ $! > {marker}; wait; echo localhost:2"
+    start = time.monotonic()
+    with pytest.raises(DiscoveryError, match="did not finish within 1 s"):
+        HostDiscoveryScript(script, timeout=1).find_available_hosts_and_slots()
+    assert time.monotonic() - start < 10
+    shell, child = (int(p) for p in marker.read_text().split())
+    try:
+        deadline = time.monotonic() + 5
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child), "the script's `sleep` child outlived the timeout"
+        assert _gone(shell)
+        deadline = time.monotonic() + 5
+        while True:  # the group empties once the orphaned child is reaped
+            try:
+                os.killpg(shell, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "the script's process group still exists"
+            time.sleep(0.05)
+    finally:
+        if not _gone(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def _args(*argv: str):
