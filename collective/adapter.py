@@ -21,11 +21,6 @@ Ops:
     `gradient_set(names, shapes, dtypes, device, process_set, op, prescale, postscale)`: a
         fixed list of tensors allreduced every step, one op per member, without per-member
         requests and handles (collective/gradset.py); None where the job cannot run one.
-    `check_gradients(names, shapes, dtypes, device, process_set, op, prescale, postscale)`:
-        the same cross-rank comparison without a set (ValueError naming the first difference
-        on every rank); returns the job it checked with, to compare with `current_job()`.
-    `current_job()`: the running job (opaque; None before `init()`); each `init()` makes a
-        new one.
 
 Device seam (no CuPy here; the NCCL engine owns every CUDA call):
     `DeviceBuffer`, `DeviceResult`, `DeviceOpError`, `record_ready`, `allocation_stream`;
@@ -46,12 +41,11 @@ from .config import Config
 from .engines.device import (DeviceBuffer, DeviceOpError, DeviceResult, allocation_stream,
                              record_ready)
 from .gradset import GradientSet
-from .gradset import check as check_gradients
 from .gradset import register as gradient_set
 from .ops import enqueue, run_one, wait_now
 
 __all__ = ["enqueue", "run_one", "wait_now", "waiting_hook", "config", "bucket_schedule",
-           "gradient_set", "GradientSet", "check_gradients", "current_job",
+           "gradient_set", "GradientSet",
            "DeviceBuffer", "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]
 
 
@@ -62,11 +56,6 @@ def config() -> Config:
         NotInitializedError: `init()` has not been called.
     """
     return current().config
-
-
-def current_job() -> Any:
-    """The running job, as an opaque token (None before `init()`)."""
-    return current_or_none()
 
 
 def waiting_hook() -> Callable[[int], None] | None:

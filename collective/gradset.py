@@ -11,8 +11,7 @@ wait for the GIL. A gradient set moves that work out of the step:
   allgathers a fingerprint per member (name, shape, dtype, reduce op, scaling), so a different
   model on some rank fails here with the member and the ranks named, never later as a hang.
   The set becomes part of its process set's negotiation at the point where that allgather
-  completes, which is the same round on every rank. `check` runs the same comparison for
-  gradients reduced another way (`DistributedOptimizer`'s buckets);
+  completes, which is the same round on every rank;
 * **submit** (a gradient hook): stores the tensor, appends the member's index to a deque and
   nudges the coordinator; nothing else;
 * **negotiation** (collective/coordinator/negotiate.py): each set adds one bit per member to the
@@ -50,7 +49,7 @@ from .handle import Handle
 from .negotiation import bit_indices, words_to_int
 from .types import CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response, ResponseType
 
-__all__ = ["GradientSet", "SetChunk", "register", "check", "MISMATCH"]
+__all__ = ["GradientSet", "SetChunk", "register", "MISMATCH"]
 
 _log_ = _log.get_logger()
 
@@ -349,7 +348,10 @@ def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
         ValueError: the members differ across ranks (names, shapes, dtypes, op, scaling).
         HorovodInternalError / ShutdownError: the job failed or ended.
     """
-    rt = _running()
+    rt: Any = _current.current()
+    if rt.shut_down:
+        from .coordinator.state import shutdown_error  # the coordinator imports this module
+        raise shutdown_error(rt.cause)
     if rt.dynamic_process_sets:
         return None
     state = rt.process_set_state(process_set, "DistributedOptimizer")
@@ -363,78 +365,36 @@ def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
     coord = rt.coordinator
     gset.wake = coord.wake
     gset.waiting = coord.waiting
-    # Added where the allgather completes: inside the same round on every rank, so every rank
-    # adds the set's bits to the same next round.
-    _agree(rt, state, gset.names, gset.shapes, gset.dtypes, device, op, prescale, postscale,
-           lambda: state.sets.append(gset))
-    return gset
-
-
-def check(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
-          dtypes: Sequence[DataType], device: int, process_set: Any, op: ReduceOp,
-          prescale: float, postscale: float) -> Any:
-    """Compares tensors across ranks as `register` does, without registering a set: for
-    gradients reduced some other way (`DistributedOptimizer`'s buckets). Collective over
-    `process_set`. Returns the job it checked with (`_current.current()`), so that the caller
-    checks again after a re-`init()`.
-
-    Raises:
-        ValueError: the tensors differ across ranks (names, shapes, dtypes, op, scaling).
-        MismatchError: a rank is joined (the allgather is refused; check again later).
-        HorovodInternalError / ShutdownError: the job failed or ended.
-    """
-    rt = _running()
-    state = rt.process_set_state(process_set, "DistributedOptimizer")
-    _agree(rt, state, list(names), [tuple(s) for s in shapes], list(dtypes), device, op,
-           prescale, postscale, None)
-    return rt
-
-
-def _running() -> Any:
-    rt: Any = _current.current()
-    if rt.shut_down:
-        from .coordinator.state import shutdown_error  # the coordinator imports this module
-        raise shutdown_error(rt.cause)
-    return rt
-
-
-def _agree(rt: Any, state: Any, names: list[str], shapes: list[tuple[int, ...]],
-           dtypes: list[DataType], device: int, op: ReduceOp, prescale: float,
-           postscale: float, on_agree: Callable[[], None] | None) -> None:
-    """Allgathers a fingerprint per tensor and compares them; `on_agree` runs (on the
-    coordinator, where the allgather completes) when every rank has the same tensors.
-
-    Raises:
-        ValueError: they differ (`MISMATCH`, naming the first tensor that differs and the
-            ranks), on every rank.
-        MismatchError / HorovodInternalError / ShutdownError: the allgather failed.
-    """
-    prints = np.array([len(names)] + [
+    prints = np.array([len(gset.names)] + [
         _fingerprint(n, s, d, device != CPU_DEVICE, op, prescale, postscale)
-        for n, s, d in zip(names, shapes, dtypes)], dtype=np.uint64)
-    # Numbered by the registrations and checks completed so far, which every rank counts alike
-    # (an attempt that fails, e.g. while a rank is joined, counts nowhere).
+        for n, s, d in zip(gset.names, gset.shapes, gset.dtypes)], dtype=np.uint64)
+    # Numbered by the registrations completed so far, which every rank counts alike (an attempt
+    # that fails, e.g. while a rank is joined, counts nowhere).
     name = f"ringvod.gradient_set.{state.set_count + 1}"
     req = Request(state.rank, RequestType.ALLGATHER, name, DataType.INT64, prints.shape)
     entry = Entry(req, prints.view(np.int64), Handle(name))
     verdict: list[str] = []
 
-    def done(h: Handle) -> None:
+    def activate(h: Handle) -> None:
+        # Runs where the allgather completes: inside the same round on every rank, so every
+        # rank adds the set's bits to the same next round.
         if h.exception() is not None:
             return
-        state.set_count += 1  # completed on every rank, agreed or not
-        problem = _compare(np.asarray(h._result).view(np.uint64), prints, names,
+        problem = _compare(np.asarray(h._result).view(np.uint64), prints, gset.names,
                            state.ranks, state.rank)
         if problem:
+            state.set_count += 1  # completed on every rank, as a failure
             verdict.append(problem)
-        elif on_agree is not None:
-            on_agree()
+            return
+        state.set_count += 1
+        state.sets.append(gset)
 
-    entry.handle.add_done_callback(done)
+    entry.handle.add_done_callback(activate)
     rt.submit(state, [entry])
     entry.handle.wait()
     if verdict:
         raise ValueError(MISMATCH.format(detail=verdict[0]))
+    return gset
 
 
 def _compare(gathered: np.ndarray, mine: np.ndarray, names: list[str], ranks: list[int],

@@ -5,9 +5,7 @@ Every parameter with `requires_grad` gets a `_Slot`. When its gradient is final 
 reduced in one of three ways, decided once at wrap time:
 
 * **bucket** (the default, `HOROVOD_BUCKET_CAP_MB` > 0): the last gradient of a ~25 MB bucket
-  packs the bucket into one flat buffer and enqueues one allreduce (`_buckets.Bucket`). The
-  first launch after `init()` compares the ranks' parameters first (`_check_buckets`), since
-  one flat allreduce only checks the bucket's total size;
+  packs the bucket into one flat buffer and enqueues one allreduce (`_buckets.Bucket`);
 * **group** (`groups=`): the last gradient of a group enqueues one grouped allreduce of all of
   its members;
 * **per gradient** (`HOROVOD_BUCKET_CAP_MB=0`): one in-place allreduce per gradient, fused by
@@ -117,8 +115,6 @@ class GradientReducer:
         self.buckets: list[Bucket] = []
         self.cap_mb = 0.0  # the bucket size of the current plan (0: no buckets)
         self._bucketed: list[_Slot] = []  # the slots the buckets cover (those at wrap time)
-        self._checked: Any = None  # the job the buckets' parameters were compared in
-        self._check_lock = threading.Lock()
         self.schedule: Any = None  # autotune's bucket schedule (see the module docstring)
         self.members: list[_Slot] = []  # the gradient set's slots, in member order
         self.gset: Any = None  # the registered set (None: not registered with this runtime)
@@ -248,7 +244,11 @@ class GradientReducer:
             raise gs.error  # never a new set in the middle of a step that failed
         self.gset = None
         members = self.members
-        sent = self._sent_dtypes(members)
+        sent: dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> the dtype sent
+        for s in members:
+            if s.param.dtype not in sent:
+                probe = torch.zeros(1, dtype=s.param.dtype, device=s.param.device)
+                sent[s.param.dtype] = self.compression.compress(probe)[0].dtype
         self._expect = [(sent[s.param.dtype], s.param.numel()) for s in members]
         device = members[0].param.device
         pre, post = self.scale
@@ -274,15 +274,6 @@ class GradientReducer:
             s.queued = False  # nothing of this step is in the new set yet
         self.gset = gs
         return gs
-
-    def _sent_dtypes(self, slots: list[_Slot]) -> dict[torch.dtype, torch.dtype]:
-        """Parameter dtype -> the dtype its gradient is sent as (after compression)."""
-        sent: dict[torch.dtype, torch.dtype] = {}
-        for s in slots:
-            if s.param.dtype not in sent:
-                probe = torch.zeros(1, dtype=s.param.dtype, device=s.param.device)
-                sent[s.param.dtype] = self.compression.compress(probe)[0].dtype
-        return sent
 
     def _submit(self, slot: _Slot) -> None:
         """Hands a member's final gradient (zeros if it has none) to the gradient set."""
@@ -313,37 +304,7 @@ class GradientReducer:
         gs.submit(i, *engine_view(send))
         slot.queued = True
 
-    def _check_buckets(self) -> None:
-        """Compares the bucketed parameters across ranks (names, shapes, dtypes sent, op,
-        scaling), once per job: a bucket is one flat allreduce, which would average a
-        parameter shaped differently on some rank, but of the same size, without an error.
-        Collective: every rank gets here at its first bucket launch after `init()`. The check
-        covers parameters, not buckets, so a re-plan (autotune) needs none.
-
-        Raises:
-            ValueError: the parameters differ (`collective.gradset.MISMATCH`), on every rank.
-            HorovodInternalError / ShutdownError: the job failed or ended.
-        """
-        with self._check_lock:  # hooks may fire on several autograd threads
-            if self._checked is adapter.current_job():
-                return
-            slots = self._bucketed
-            sent = self._sent_dtypes(slots)
-            device = slots[0].param.device
-            pre, post = self.scale
-            try:
-                self._checked = adapter.check_gradients(
-                    [f"allreduce.{s.name}" for s in slots],
-                    [tuple(s.param.shape) for s in slots],
-                    [dtype_of(torch.empty(0, dtype=sent[s.param.dtype])) for s in slots],
-                    device.index if device.type == "cuda" else CPU_DEVICE, self.process_set,
-                    self.op, pre, post)
-            except MismatchError:
-                pass  # refused while a rank is joined: a later launch checks
-
     def _launch_bucket(self, bucket: Bucket) -> None:
-        if self._checked is not adapter.current_job():
-            self._check_buckets()
         flat = bucket.pack()
         send, bucket.cctx = self.compression.compress(flat)
         bucket.send = send
