@@ -285,6 +285,27 @@ def test_unused_parameters_do_not_hang():
         assert torch.equal(never.grad, torch.zeros(3))
 
 
+def test_a_parameter_unused_on_one_rank_before_a_synchronous_op():
+    # Rank 1 leaves `b` unused in the first step, so its bucket completes only in step(); a
+    # synchronous op between backward() and step() must not wait for that bucket (nothing may
+    # block inside the backward hooks until every rank reaches its first bucket).
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x = torch.ones(2, 4)
+    for step in range(3):
+        opt.zero_grad()
+        y = model["a"](x)
+        if not (hvd.rank() == 1 and step == 0):
+            y = y + model["b"](x)
+        y.sum().backward()
+        metric = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name=f"metric.{step}")
+        assert metric.item() == SIZE
+        opt.step()
+    assert all_equal(flat_params(model), "unused-then-sync")
+
+
 def test_grad_scaler_and_clipping():
     model, ref = make_model(), make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
