@@ -9,7 +9,7 @@ Horovod's model, kept as is:
   the last commit; a membership change announced by the driver makes rank 0's
   `check_host_updates()` raise `HostsUpdatedInterrupt` on every rank (no restore).
 * Either way the wrapper resets: `shutdown()`, a new rendezvous with the driver, `init()`,
-  `state.sync()` (broadcast from the new rank 0, a survivor), the reset callbacks, and the
+  the reset callbacks, `state.sync()` (broadcast from the new rank 0, a survivor), and the
   function runs again. An interrupt for hosts that were only removed skips the sync, unless
   the driver's new round has a worker that was not in the previous one (new workers always
   sync, so every rank must).
