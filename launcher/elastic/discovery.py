@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import os
 import random
 import re
 import signal
@@ -21,6 +20,7 @@ import subprocess
 import time
 from typing import Any, Callable, Mapping
 
+from .._proc import killpg_quiet
 from ..hosts import HostInfo
 
 __all__ = ["HostDiscovery", "HostDiscoveryScript", "FixedHosts", "CallableDiscovery",
@@ -105,10 +105,7 @@ class HostDiscoveryScript(HostDiscovery):
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILLs the process group led by `proc`, reaps `proc` and closes its pipes."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    killpg_quiet(proc.pid, signal.SIGKILL)
     proc.wait()
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:

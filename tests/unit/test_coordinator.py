@@ -86,27 +86,6 @@ def cycle(times=1):
         assert current().coordinator.run_cycle()
 
 
-class LogCapture(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def text(self):
-        return "\n".join(r.getMessage() for r in self.records)
-
-
-@pytest.fixture
-def horovod_log():
-    cap = LogCapture()
-    logger = logging.getLogger("horovod")
-    logger.addHandler(cap)
-    yield cap
-    logger.removeHandler(cap)
-
-
 # -- fast path vs slow path --------------------------------------------------------------------
 def test_first_op_takes_slow_path_then_cache_fast_path():
     def body(rank):

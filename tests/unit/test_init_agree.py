@@ -3,7 +3,6 @@ shape what the ranks exchange (a rank whose own differ warns), and ranks that pa
 static process sets to init() all raise the same ValueError."""
 from __future__ import annotations
 
-import logging
 import threading
 
 import numpy as np
@@ -17,29 +16,6 @@ from collective.runtime import Runtime
 from tests._spmd import run_loopback
 
 N = 3
-
-
-class LogCapture(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def lines(self, text):
-        """(thread name, message) of the records that contain `text`."""
-        return sorted((r.threadName, r.getMessage()) for r in self.records
-                      if text in r.getMessage())
-
-
-@pytest.fixture
-def horovod_log():
-    cap = LogCapture()
-    logger = logging.getLogger("horovod")
-    logger.addHandler(cap)
-    yield cap
-    logger.removeHandler(cap)
 
 
 def rounds_of_eight(rank, iterations=6):
