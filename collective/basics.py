@@ -23,8 +23,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     Args:
         comm: None (the whole job), a list of world ranks that run ringvod, or an mpi4py
             communicator (MPI mode).
-        process_sets: None, a list of `ProcessSet` (every rank passes the same list), or
-            "dynamic" to allow `add_process_set`/`remove_process_set` later.
+        process_sets: None, a list of `ProcessSet` (every rank passes the same list; a set
+            of an mpi4py communicator counts as its ranks), or "dynamic" (on every rank) to
+            allow `add_process_set`/`remove_process_set` later.
 
     Raises:
         ValueError: duplicate or invalid process sets, or process sets that differ across

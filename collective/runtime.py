@@ -67,13 +67,13 @@ class Runtime:
                        self.hostname if self.cross_size > 1 else None)
         if process_sets == "dynamic":
             config = config.replace(dynamic_process_sets=True)
-        self.config = _agree(control, config, process_sets)
+        self.config, static = _agree(control, config, process_sets)
         self.dynamic_process_sets = self.config.dynamic_process_sets
         self.coordinator = Coordinator(self)
         self._register(0, list(range(self.size)), control, global_process_set)
         if isinstance(process_sets, (list, tuple)):
-            for ps in process_sets:
-                self._add_static(ps)
+            for ps, ranks in zip(process_sets, static):
+                self._add_static(ps, ranks)
         self._setup_timeline()
 
     # -- construction -------------------------------------------------------------------------
@@ -120,10 +120,7 @@ class Runtime:
         self._sets[ps_id] = state
         self._members = [self._sets[k] for k in sorted(self._sets)]
 
-    def _add_static(self, ps: ProcessSet) -> None:
-        ranks = ps.ranks
-        if ranks is None:  # built from an mpi4py communicator
-            ranks = self._ranks_of_comm(ps.mpi_comm)
+    def _add_static(self, ps: ProcessSet, ranks: list[int]) -> None:
         for other in self._registry.values():
             if other is not global_process_set and other.ranks == ranks:
                 raise ValueError(f"Attempted to add a duplicate process set: {ps}")
@@ -131,17 +128,6 @@ class Runtime:
             raise ValueError(f"process set ranks {ranks} out of range for size {self.size}")
         control = self.control.split(ranks)
         self._register(self._next_ps_id(), ranks, control, ps)
-
-    def _ranks_of_comm(self, comm: Any) -> list[int]:
-        mine = None
-        if comm is not None and getattr(comm, "size", 0):
-            from mpi4py import MPI  # only reached in MPI mode
-            world = getattr(self.control, "comm", MPI.COMM_WORLD).Get_group()
-            mine = list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.size)),
-                                                  world))
-        lists = [_ranks_of(b, r, self.size)
-                 for r, b in enumerate(self.control.allgather(json.dumps(mine).encode()))]
-        return next(sorted(lst) for lst in lists if lst is not None)
 
     def _next_ps_id(self) -> int:
         i = 1
@@ -218,9 +204,8 @@ class Runtime:
             head = self._ps_changes[0] if self._ps_changes else None
         mine = None
         if head is not None:
-            ranks = head[1].ranks if head[0] == "add" else None
-            mine = (["add", None if ranks is None else [int(r) for r in ranks]]
-                    if head[0] == "add" else ["remove", int(head[1])])
+            mine = (["add", _ranks_here(head[1], self.control)] if head[0] == "add"
+                    else ["remove", int(head[1])])
         views = [_change_of(b, r, self.size)
                  for r, b in enumerate(self.control.allgather(json.dumps(mine).encode()))]
         if any(v is None for v in views):
@@ -229,14 +214,16 @@ class Runtime:
             self._ps_changes.pop(0)
         assert head is not None
         kind, arg, handle = head
-        if any(v != views[0] for v in views):
+        added = (_common_sets([[v[1]] for v in views])
+                 if all(v[0] == "add" for v in views) else None)
+        if added is None and any(v != views[0] for v in views):
             handle._set_exception(ValueError(
                 f"process set changes differ across ranks: {views}; every rank must make the "
                 "same add_process_set/remove_process_set calls in the same order"))
             return
         try:
             if kind == "add":
-                self._add_static(arg)
+                self._add_static(arg, added[0])
                 handle._set_result(arg)
             else:
                 handle._set_result(self._remove(arg))
@@ -322,28 +309,38 @@ class Runtime:
             h._set_exception(exc)
 
 
-def _agree(control: Any, config: Config, process_sets: Any) -> Config:
+def _agree(control: Any, config: Config,
+           process_sets: Any) -> tuple[Config, list[list[int]]]:
     """The exchange of `init()`, collective over the world plane: every rank takes rank 0's
     values of the options that shape what the ranks exchange (`Option.shared`), warning where
-    its own differ, and every rank checks that all passed the same static process sets.
+    its own differ, and every rank checks that all passed the same `process_sets` ("dynamic"
+    on all or none; the same static sets, a communicator counting as its world ranks).
+
+    Returns:
+        the config to use and the static sets' ranks, in the order given.
 
     Raises:
         ValueError: the ranks passed different process sets (on every rank alike).
     """
     static = process_sets if isinstance(process_sets, (list, tuple)) else []
     mine = {"options": {o.field: getattr(config, o.field) for o in SHARED_OPTIONS},
-            "sets": [ps.ranks for ps in static]}  # None: from a communicator, resolved later
+            "sets": "dynamic" if process_sets == "dynamic"
+            else [_ranks_here(ps, control) for ps in static]}
     views = [_agreement_of(b, r)
              for r, b in enumerate(control.allgather(json.dumps(mine).encode()))]
-    if any(sets != views[0][1] for _, sets in views):
+    agreed = _common_sets([sets for _, sets in views])
+    if agreed is None:
         by: dict[str, list[int]] = {}
         for r, (_, sets) in enumerate(views):
-            shown = ", ".join("<mpi4py communicator>" if s is None else str(s) for s in sets)
-            by.setdefault(f"[{shown}]", []).append(r)
+            shown = '"dynamic"' if isinstance(sets, str) else "[" + ", ".join(
+                "COMM_NULL" if s is None else str(s) for s in sets) + "]"
+            by.setdefault(shown, []).append(r)
         raise ValueError(
             "ranks passed different process sets to init(): "
             + "; ".join(f"ranks {who} passed {shown}" for shown, who in by.items())
-            + ". Every rank must pass the same process_sets to hvd.init(), in the same order.")
+            + ". Every rank must pass the same process_sets to hvd.init(), in the same order."
+            + (' For dynamic process sets, pass process_sets="dynamic" on every rank or set '
+               "HOROVOD_DYNAMIC_PROCESS_SETS=1." if '"dynamic"' in by else ""))
     ours = views[0][0]
     changes: dict[str, Any] = {}
     for o in SHARED_OPTIONS:
@@ -352,7 +349,42 @@ def _agree(control: Any, config: Config, process_sets: Any) -> Config:
             _log_.warning("%s is %r on this rank but %r on rank 0; every rank uses rank 0's "
                           "value", o.env, own, ours[o.field])
             changes[o.field] = ours[o.field]
-    return config.replace(**changes) if changes else config
+    return (config.replace(**changes) if changes else config), agreed
+
+
+def _ranks_here(ps: ProcessSet, control: Any) -> list[int] | None:
+    """A static set's sorted world ranks as this rank knows them: a communicator's members
+    translated into the world plane's communicator; None for `MPI.COMM_NULL` (this rank is not
+    a member; the members' entries say who is)."""
+    if ps.mpi_comm is None:
+        return ps.ranks
+    from mpi4py import MPI  # only reached for a set built from an mpi4py communicator
+    comm = ps.mpi_comm
+    if comm == MPI.COMM_NULL:
+        return None
+    world = getattr(control, "comm", MPI.COMM_WORLD).Get_group()
+    return sorted(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                            world))
+
+
+def _common_sets(views: list[str | list[list[int] | None]]) -> list[list[int]] | None:
+    """The static sets that every rank's entry (`_ranks_here` of each, or "dynamic") names
+    alike, each COMM_NULL taking the members' ranks; None where the ranks disagree: "dynamic"
+    on some only, other sets, counts or order, or a COMM_NULL on a rank that the set includes."""
+    if any(isinstance(v, str) for v in views):
+        return [] if all(v == "dynamic" for v in views) else None
+    if len({len(v) for v in views}) != 1:
+        return None
+    agreed: list[list[int]] = []
+    for i in range(len(views[0])):
+        known = {tuple(v[i]) for v in views if v[i] is not None}
+        if len(known) > 1:
+            return None
+        ranks = list(known.pop()) if known else []
+        if any(v[i] is None and r in ranks for r, v in enumerate(views)):
+            return None
+        agreed.append(ranks)
+    return agreed
 
 
 # -- plain-data messages of the topology exchange and process-set changes (never pickle) -------
@@ -381,20 +413,16 @@ def _rank_list(v: Any, rank: int, size: int, what: str) -> list[int]:
     return v
 
 
-def _ranks_of(data: bytes, rank: int, size: int) -> list[int] | None:
-    v = _json(data, rank, "a process set's ranks")
-    return None if v is None else _rank_list(v, rank, size, "a process set's ranks")
-
-
-def _agreement_of(data: bytes, rank: int) -> tuple[dict[str, Any], list[list[int] | None]]:
+def _agreement_of(data: bytes,
+                  rank: int) -> tuple[dict[str, Any], str | list[list[int] | None]]:
     v = _json(data, rank, "init's settings")
     options = v.get("options") if isinstance(v, dict) else None
     sets = v.get("sets") if isinstance(v, dict) else None
     if not (isinstance(options, dict)
             and all(_of_type(options.get(o.field), o.default) for o in SHARED_OPTIONS)
-            and isinstance(sets, list)
-            and all(s is None or isinstance(s, list) and all(type(r) is int for r in s)
-                    for s in sets)):
+            and (sets == "dynamic" or isinstance(sets, list)
+                 and all(s is None or isinstance(s, list) and all(type(r) is int for r in s)
+                         for s in sets))):
         raise WireError(f"rank {rank} sent malformed init settings: {str(v)[:80]}")
     return options, sets
 

@@ -1,8 +1,13 @@
 """SPMD script: what init() makes the ranks agree on, under real ranks (`test_init_agree.py`).
 
 argv[1]:
-* "sets-lists" / "sets-count": the last rank passes other static process sets to init() (a
-  different list; none at all): every rank raises the same ValueError naming each rank's sets.
+* "sets-lists" / "sets-count" / "sets-dynamic": the last rank passes other process sets to
+  init() (a different list; none at all; "dynamic" where the others pass none): every rank
+  raises the same ValueError naming each rank's sets.
+* "comm" / "comm-dynamic" (MPI, 3 ranks): ranks 0 and 1 make a set of an mpi4py communicator
+  (rank 2 gets COMM_NULL); rank 1 passes it as the list [0, 1] instead; given to init() / to
+  add_process_set() after init(process_sets="dynamic"): it is the set [0, 1] on every rank
+  and its allreduce is right. "comm-other": rank 1 passes [1, 2]: every rank raises.
 * "fusion" / "cache": rank 0 alone sets HOROVOD_FUSION_THRESHOLD=0 / HOROVOD_CACHE_CAPACITY=2:
   every rank uses rank 0's value, the others warn, and every result is right.
 """
@@ -25,17 +30,55 @@ if case.startswith("sets-"):
     if case == "sets-lists":
         sets = [hvd.ProcessSet([last] if me == last else [0, 1])]
         shown = f"ranks {list(range(last))} passed [[0, 1]]; ranks [{last}] passed [[{last}]]"
-    else:
+    elif case == "sets-count":
         sets = [] if me == last else [hvd.ProcessSet([0, 1])]
         shown = f"ranks {list(range(last))} passed [[0, 1]]; ranks [{last}] passed []"
+    else:
+        sets = "dynamic" if me == last else None
+        shown = f'ranks {list(range(last))} passed []; ranks [{last}] passed "dynamic"'
     try:
         hvd.init(process_sets=sets)
     except ValueError as exc:
         want = (f"ranks passed different process sets to init(): {shown}. Every rank must pass "
-                "the same process_sets to hvd.init(), in the same order.")
+                "the same process_sets to hvd.init(), in the same order."
+                + (' For dynamic process sets, pass process_sets="dynamic" on every rank or '
+                   "set HOROVOD_DYNAMIC_PROCESS_SETS=1." if case == "sets-dynamic" else ""))
         assert str(exc) == want, str(exc)
     else:
         raise AssertionError(f"rank {me}: init() accepted process sets that differ across ranks")
+    print(f"rank {me}: {case} ok", flush=True)
+    sys.exit(0)
+
+if case.startswith("comm"):
+    from mpi4py import MPI
+
+    sub = MPI.COMM_WORLD.Split(0 if me < 2 else MPI.UNDEFINED, me)
+    given = hvd.ProcessSet({"comm-other": [1, 2]}.get(case, [0, 1]) if me == 1 else sub)
+    if case == "comm-other":
+        try:
+            hvd.init(process_sets=[given])
+        except ValueError as exc:
+            want = ("ranks passed different process sets to init(): ranks [0] passed [[0, 1]]; "
+                    "ranks [1] passed [[1, 2]]; ranks [2] passed [COMM_NULL]. Every rank must "
+                    "pass the same process_sets to hvd.init(), in the same order.")
+            assert str(exc) == want, str(exc)
+        else:
+            raise AssertionError(f"rank {me}: init() accepted process sets that differ")
+        print(f"rank {me}: {case} ok", flush=True)
+        sys.exit(0)
+    if case == "comm":
+        hvd.init(process_sets=[given])
+        ps = given
+    else:
+        hvd.init(process_sets="dynamic")
+        ps = hvd.add_process_set(given)
+    assert (ps.ranks, ps.included()) == ([0, 1], me < 2), (ps, ps.included())
+    if me < 2:
+        out = hvd.allreduce(np.full(3, float(me + 1), np.float32), name="ps", op=hvd.Sum,
+                            process_set=ps)
+        assert np.array_equal(out, np.full(3, 3.0, np.float32)), out
+    hvd.allreduce(np.zeros(1, np.float32), name="done")  # rank 2 stays until the set is done
+    hvd.shutdown()
     print(f"rank {me}: {case} ok", flush=True)
     sys.exit(0)
 

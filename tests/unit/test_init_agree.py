@@ -1,9 +1,12 @@
 """init()'s exchange, under loopback ranks: every rank takes rank 0's values of the options that
 shape what the ranks exchange (a rank whose own differ warns), and ranks that pass different
-static process sets to init() all raise the same ValueError."""
+process sets to init() ("dynamic" on some only; other static sets, a communicator counting as
+its ranks) all raise the same ValueError."""
 from __future__ import annotations
 
+import sys
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -80,15 +83,16 @@ def test_every_shared_option_is_rank_0s(horovod_log):
 
 def init_every_rank(sets_of):
     """Creates a loopback runtime on N threads with `process_sets=sets_of(rank)`; returns what
-    each rank's creation raised (None: it succeeded)."""
+    each rank's creation raised (None: it succeeded) and the runtimes made."""
     world = LoopbackWorld(N, timeout=5.0)
     cfg = read_env({})
     raised: list = [None] * N
+    made: list = [None] * N
 
     def body(rank):
         try:
-            Runtime.create(config=cfg, control=world.plane(rank), mode="loopback",
-                           process_sets=sets_of(rank))
+            made[rank] = Runtime.create(config=cfg, control=world.plane(rank), mode="loopback",
+                                        process_sets=sets_of(rank))
         except BaseException as exc:  # noqa: BLE001 - checked by the test
             raised[rank] = exc
 
@@ -98,7 +102,34 @@ def init_every_rank(sets_of):
     for t in threads:
         t.join(20)
     world.exchange.abort("test over")
-    return raised
+    return raised, made
+
+
+class FakeComm:
+    """An mpi4py communicator as `ProcessSet` and the runtime see it: its members' world ranks,
+    in its own rank order (its group is itself)."""
+
+    def __init__(self, world_ranks):
+        self.world_ranks = list(world_ranks)
+
+    def Get_group(self):
+        return self
+
+    def Get_size(self):
+        return len(self.world_ranks)
+
+
+@pytest.fixture
+def fake_mpi(monkeypatch):
+    """A stand-in `mpi4py.MPI` (loopback ranks share one process): COMM_NULL, a world of N
+    ranks and Group.Translate_ranks (the real thing runs in tests/parallel/_init_agree.py)."""
+    mpi = types.SimpleNamespace(
+        COMM_NULL=FakeComm([]), COMM_WORLD=FakeComm(range(N)),
+        Group=types.SimpleNamespace(
+            Translate_ranks=lambda group, ranks, world: [group.world_ranks[i] for i in ranks]))
+    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=mpi))
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", mpi)
+    return mpi
 
 
 @pytest.mark.timeout(60)
@@ -111,7 +142,66 @@ def init_every_rank(sets_of):
      "ranks [0] passed [[0, 1], [1, 2]]; ranks [1, 2] passed [[1, 2], [0, 1]]"),
 ], ids=["different-lists", "different-counts", "different-order"])
 def test_different_process_sets_raise_on_every_rank(sets_of, shown):
-    raised = init_every_rank(sets_of)
+    raised, _ = init_every_rank(sets_of)
+    want = (f"ranks passed different process sets to init(): {shown}. Every rank must pass "
+            "the same process_sets to hvd.init(), in the same order.")
+    assert [(type(e), str(e)) for e in raised] == [(ValueError, want)] * N
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sets_of,shown", [
+    (lambda r: "dynamic" if r == 1 else None,
+     'ranks [0, 2] passed []; ranks [1] passed "dynamic"'),
+    (lambda r: "dynamic" if r == 0 else [hvd.ProcessSet([0, 1])],
+     'ranks [0] passed "dynamic"; ranks [1, 2] passed [[0, 1]]'),
+], ids=["dynamic-or-none", "dynamic-or-static"])
+def test_dynamic_on_some_ranks_raises_on_every_rank(sets_of, shown):
+    """The argument is the program's choice, unlike HOROVOD_DYNAMIC_PROCESS_SETS (rank 0's
+    value, `test_every_shared_option_is_rank_0s`): ranks that differ in it all raise."""
+    raised, _ = init_every_rank(sets_of)
+    want = (f"ranks passed different process sets to init(): {shown}. Every rank must pass "
+            "the same process_sets to hvd.init(), in the same order. For dynamic process sets, "
+            'pass process_sets="dynamic" on every rank or set HOROVOD_DYNAMIC_PROCESS_SETS=1.')
+    assert [(type(e), str(e)) for e in raised] == [(ValueError, want)] * N
+
+
+@pytest.mark.timeout(60)
+def test_dynamic_on_every_rank_agrees(horovod_log):
+    raised, made = init_every_rank(lambda r: "dynamic")
+    assert raised == [None] * N
+    assert [rt.dynamic_process_sets for rt in made] == [True] * N
+    assert horovod_log.lines("on rank 0; every rank uses rank 0's value") == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sets_of", [
+    lambda r, mpi: [hvd.ProcessSet(FakeComm([1, 0]) if r < 2 else [0, 1])],
+    lambda r, mpi: [hvd.ProcessSet([0, 1] if r == 0 else FakeComm([0, 1]) if r == 1
+                                   else mpi.COMM_NULL)],
+    lambda r, mpi: [hvd.ProcessSet([1, 2]), hvd.ProcessSet(FakeComm([0, 1]) if r < 2
+                                                           else mpi.COMM_NULL)],
+], ids=["comm-and-list", "list-comm-and-null", "list-then-comm"])
+def test_a_communicator_counts_as_its_world_ranks(fake_mpi, sets_of):
+    """A rank passing a communicator agrees with one passing the same ranks as a list, and a
+    rank outside it passes COMM_NULL (as `comm.Split` gives it)."""
+    sets = [sets_of(r, fake_mpi) for r in range(N)]
+    raised, made = init_every_rank(lambda r: sets[r])
+    assert raised == [None] * N
+    assert [[ps.ranks for ps in s] for s in sets] == [[ps.ranks for ps in sets[0]]] * N
+    assert sets[0][-1].ranks == [0, 1]
+    assert [s[-1].included() for s in sets] == [True, True, False]
+    assert all(rt._registry[len(sets[0])] is s[-1] for rt, s in zip(made, sets))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sets_of,shown", [
+    (lambda r, mpi: [hvd.ProcessSet(FakeComm([0, 1]) if r < 2 else [0, 2])],
+     "ranks [0, 1] passed [[0, 1]]; ranks [2] passed [[0, 2]]"),
+    (lambda r, mpi: [hvd.ProcessSet(FakeComm([0, 1]) if r == 0 else mpi.COMM_NULL)],
+     "ranks [0] passed [[0, 1]]; ranks [1, 2] passed [COMM_NULL]"),
+], ids=["comm-and-other-list", "member-passes-null"])
+def test_a_different_communicator_raises_on_every_rank(fake_mpi, sets_of, shown):
+    raised, _ = init_every_rank(lambda r: sets_of(r, fake_mpi))
     want = (f"ranks passed different process sets to init(): {shown}. Every rank must pass "
             "the same process_sets to hvd.init(), in the same order.")
     assert [(type(e), str(e)) for e in raised] == [(ValueError, want)] * N
