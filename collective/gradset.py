@@ -48,6 +48,7 @@ from .fusion import ALONE_BYTES
 from .handle import Handle
 from .negotiation import bit_indices, words_to_int
 from .types import CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response, ResponseType
+from .wire import quote_name
 
 __all__ = ["GradientSet", "SetChunk", "register", "MISMATCH"]
 
@@ -413,6 +414,6 @@ def _compare(gathered: np.ndarray, mine: np.ndarray, names: list[str], ranks: li
     for i in range(len(ref)):
         differ = [ranks[r] for r, b in enumerate(blocks) if b[i] != ref[i]]
         if differ:
-            return (f"parameter {i} ({names[i]!r} on rank {ranks[me]}) has a different name, "
-                    f"shape, dtype or option on rank(s) {differ} than on rank {ranks[0]}")
+            return (f"parameter {i} ({quote_name(names[i])} on rank {ranks[me]}) has a different "
+                    f"name, shape, dtype or option on rank(s) {differ} than on rank {ranks[0]}")
     return ""

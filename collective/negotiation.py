@@ -18,7 +18,7 @@ import numpy as np
 
 from .types import (CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response,
                     ResponseType)
-from .wire import MAX_DIMS, MAX_STR_BYTES, WireError
+from .wire import MAX_DIMS, MAX_STR_BYTES, WireError, clip_text, quote_name
 
 __all__ = ["CacheState", "ResponseCache", "MessageTable", "PendingHits", "encode_requests",
            "decode_requests", "decode_gathered", "encode_responses", "decode_responses", "CACHEABLE",
@@ -248,9 +248,7 @@ def encode_responses(resps: Sequence[Response], shutdown: bool, join_active: boo
     parts = [_RESP_MAGIC, _RESP_HEAD.pack(len(resps), bool(shutdown), bool(join_active))]
     add = parts.append
     for r in resps:
-        err = r.error.encode("utf-8", "surrogatepass")
-        if len(err) > MAX_STR_BYTES:
-            raise WireError(f"an error text of {len(err)} bytes exceeds {MAX_STR_BYTES}")
+        err = clip_text(r.error) if r.error else b""
         shapes = r.shapes
         add(_RESP_ROW.pack(r.type, r.dtype, r.reduce_op, r.device, r.root, r.last_joined_rank,
                            r.prescale, r.postscale, len(r.names), len(r.sizes), len(shapes)))
@@ -452,8 +450,8 @@ class MessageTable:
                 return None
             odd = next(r for r in ranks if key(reqs[r]) != key(first))
             return self._error(name, (
-                f"{text(first, reqs[odd])} (tensor {name!r}: {groups}; every rank must submit "
-                "the same tensor under the same name)"))
+                f"{text(first, reqs[odd])} (tensor {quote_name(name)}: {groups}; every rank "
+                "must submit the same tensor under the same name)"))
 
         op = first.type
         checks = [
@@ -500,7 +498,7 @@ class MessageTable:
             if len(first.shape) == 0:
                 return self._error(name, (
                     f"Process-set rank zero tried to {op.name} a rank-zero tensor. "
-                    f"(tensor {name!r}; use a tensor with at least one dimension)"))
+                    f"(tensor {quote_name(name)}; use a tensor with at least one dimension)"))
             err = mismatch(lambda r: len(r.shape), lambda a, b: (
                 f"Mismatched {op.name} tensor shapes: One rank sent a tensor of rank "
                 f"{len(a.shape)}, but another rank sent a tensor of rank {len(b.shape)}."))
@@ -519,7 +517,7 @@ class MessageTable:
             if len(first.shape) == 0:
                 return self._error(name, (
                     "Process-set rank zero tried to REDUCESCATTER a rank-zero tensor. "
-                    f"(tensor {name!r}; use a tensor with at least one dimension)"))
+                    f"(tensor {quote_name(name)}; use a tensor with at least one dimension)"))
         if op == RequestType.BROADCAST:
             if joined:
                 return self._error(name, "Broadcast is not supported with Join at this time.")

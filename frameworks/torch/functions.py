@@ -185,6 +185,11 @@ def _apply_layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
         optimizer.state[p] = new
 
 
+def _describe(exc: Exception) -> str:
+    """A failure as another rank's error text shows it (a ValueError's text is enough)."""
+    return str(exc) if isinstance(exc, ValueError) else repr(exc)
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               model: Any = None) -> None:
     """Makes every rank's optimizer state (options and per-parameter state) equal to the root's.
@@ -194,7 +199,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
 
     Raises:
         ValueError: LBFGS, or the optimizers differ in their number of groups or parameters,
-            or the root's state cannot be broadcast; on every rank, naming the ranks.
+            or the root's state cannot be broadcast (nor pickled); on every rank, naming the
+            ranks. Where the root's failure is not a ValueError (e.g. the TypeError of an
+            unpicklable option), the root raises that exception itself.
         HorovodInternalError: a broadcast failed.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
@@ -203,23 +210,28 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if not optimizer.state:
         _initialize_state(optimizer, params)
     is_root = collective.rank() == root_rank
-    layout = None
+    layout, sent, failure = None, None, None
     if is_root:
         try:
             layout = _state_layout(optimizer, params)
-        except ValueError as e:  # the other ranks learn it from the broadcast
-            layout = {"error": f"broadcast_optimizer_state failed on root rank {root_rank}: {e}"}
-    layout = broadcast_object(layout, root_rank, name="broadcast_optimizer_state")
-    if "error" in layout:
-        raise ValueError(layout["error"])
+            sent = dumps(layout)  # here, so that a failure to pickle reaches every rank too
+        except Exception as e:  # the other ranks learn it from the broadcast
+            failure = e
+            sent = f"broadcast_optimizer_state failed on root rank {root_rank}: {_describe(e)}"
+    sent = broadcast_object(sent, root_rank, name="broadcast_optimizer_state")
+    if isinstance(sent, str):
+        if failure is not None and not isinstance(failure, ValueError):
+            raise failure
+        raise ValueError(sent) from failure
     # Every rank learns whether every rank took the layout before any tensor is broadcast
     # (a rank that raised alone would leave the others waiting for its broadcasts).
     problem, cause = None, None
     if not is_root:
         try:
+            layout = loads(sent)
             _apply_layout(optimizer, params, layout)
         except Exception as e:
-            problem, cause = (str(e) if isinstance(e, ValueError) else repr(e)), e
+            problem, cause = _describe(e), e
     problems = allgather_object(problem, name="broadcast_optimizer_state.check")
     failed = [r for r, text in enumerate(problems) if text is not None]
     if failed:

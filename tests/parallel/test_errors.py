@@ -35,13 +35,14 @@ def world():
 
 
 def expect_mismatch(fn, pattern: str, name: str) -> None:
-    """Calls fn on every rank; every rank must raise HorovodInternalError matching pattern."""
+    """Calls fn on every rank; every rank must raise MismatchError (a HorovodInternalError)
+    matching pattern."""
     hvd.barrier()
     if hvd.size() == 1:
         fn()  # nothing to disagree with
         return
     with within(FAST, f"mismatch error for {name} on rank {hvd.rank()}"):
-        with pytest.raises(hvd.HorovodInternalError) as info:
+        with pytest.raises(hvd.MismatchError) as info:
             fn()
     msg = str(info.value)
     assert isinstance(info.value, RuntimeError)
@@ -109,6 +110,17 @@ def test_mismatched_allgather_ndim_and_dims():
                     r"^Mismatched ALLGATHER tensor shapes: One rank sent a tensor with dimension 1 "
                     r"equal to \d+, but another rank sent a tensor with dimension 1 equal to \d+\.",
                     "agdim")
+
+
+def test_mismatch_of_a_name_at_the_wire_limit():
+    # The longest name the wire carries (1 MiB with its "allreduce." prefix): the mismatch text
+    # quotes its start and its length, so it reaches every rank as a mismatch error instead of
+    # a text over the wire's limit ending the job (ShutdownError).
+    name = "n" * ((1 << 20) - len("allreduce."))
+    x = np.ones(hvd.rank() + 1, dtype=np.float32)
+    expect_mismatch(lambda: hvd.allreduce(x, name=name),
+                    r"^Mismatched ALLREDUCE tensor shapes: .* \(tensor 'allreduce\.n{190}'\.\.\. "
+                    r"\(1048576 bytes\): rank\(s\) ", "allreduce." + "n" * 100)
 
 
 def test_scalar_allgather_is_an_error_on_every_rank():

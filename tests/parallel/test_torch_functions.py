@@ -4,6 +4,7 @@ statistics). Valid at any world size.
 """
 from __future__ import annotations
 
+import threading
 import zlib
 
 import pytest
@@ -178,6 +179,23 @@ def test_broadcast_optimizer_state_mismatch_fails_everywhere():
                                          "torch.sparse_coo optimizer state 'extra'"):
         hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="bos.mismatch.after").item() == SIZE
+
+
+def test_broadcast_optimizer_state_unpicklable_root_state_fails_everywhere():
+    # An option the root cannot serialise (a lock): the root raises its own TypeError, every
+    # other rank a ValueError naming the root and the cause, instead of waiting for the root's
+    # broadcast.
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.param_groups[0]["lock"] = threading.Lock()
+    if hvd.rank() == 0:
+        with pytest.raises(TypeError, match="lock"):
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+    else:
+        with pytest.raises(ValueError, match=r"^broadcast_optimizer_state failed on root rank "
+                                             r"0: TypeError\(.*lock"):
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="bos.unpicklable.after").item() == SIZE
 
 
 def test_broadcast_and_allgather_object():

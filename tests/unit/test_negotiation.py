@@ -146,6 +146,17 @@ def test_dtype_mismatch_text():
     assert "'t'" in err and "rank(s) 0" in err and "rank(s) 1" in err
 
 
+def test_mismatch_text_of_a_name_at_the_wire_limit():
+    # The name is quoted by its start and length: the text stays small, so the response can
+    # be sent to every rank (a name near 1 MiB quoted whole made a text over the wire's limit).
+    name = "n" * (1 << 20)
+    err = mismatch(req(0, name, shape=(1,)), req(1, name, shape=(2,)))
+    assert f"(tensor {'n' * 200!r}... (1048576 bytes): rank(s) 0 sent [1]; rank(s) 1 " in err
+    assert len(err) < 1000
+    err = mismatch(req(0, name, AG, shape=()), req(1, name, AG, shape=()))
+    assert f"(tensor {'n' * 200!r}... (1048576 bytes); use a tensor" in err
+
+
 def test_operation_mismatch_text():
     err = mismatch(req(0, "t", AR), req(1, "t", AG))
     assert err.startswith("Mismatched operations: One rank did an ALLREDUCE, but another rank "

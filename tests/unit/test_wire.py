@@ -11,7 +11,7 @@ import pytest
 from collective.negotiation import (decode_gathered, decode_requests, decode_responses,
                                     encode_requests, encode_responses)
 from collective.types import DataType, ReduceOp, Request, RequestType, Response, ResponseType
-from collective.wire import WireError
+from collective.wire import MAX_STR_BYTES, WireError, clip_text, quote_name
 
 REQS = [Request(rank=1, type=RequestType.ALLREDUCE, name="grad.w", dtype=DataType.FLOAT16,
                 shape=(3, 4), device=0, root=-1, reduce_op=ReduceOp.AVERAGE, prescale=0.5,
@@ -82,3 +82,33 @@ def test_huge_counts_do_not_allocate() -> None:
 def test_the_sender_is_named() -> None:
     with pytest.raises(WireError, match=r"rank 5 sent a malformed request list"):
         decode_gathered([encode_requests(REQS, False), b"\x80\x04junk"], [0, 5])
+
+
+def test_quote_name_keeps_short_names_and_cuts_long_ones() -> None:
+    assert quote_name("grad.w") == "'grad.w'"
+    assert quote_name("a" * 200) == repr("a" * 200)
+    assert quote_name("a" * 201) == repr("a" * 200) + "... (201 bytes)"
+    long = "\u00e9" * (MAX_STR_BYTES // 2)  # 1 MiB in UTF-8
+    assert quote_name(long) == repr(long[:200]) + f"... ({MAX_STR_BYTES} bytes)"
+
+
+@pytest.mark.parametrize("char", ["x", "\u00e9", "\u20ac", "\U0001f600", "\ud800"])
+def test_clip_text_bounds_a_text_at_a_character_boundary(char) -> None:
+    assert clip_text("short ✓") == "short ✓".encode()
+    text = "Mismatched ... " + char * MAX_STR_BYTES
+    data = clip_text(text)
+    assert len(data) <= MAX_STR_BYTES
+    clipped = data.decode("utf-8", "surrogatepass")  # no character split
+    size = len(text.encode("utf-8", "surrogatepass"))
+    assert clipped.endswith(f" ... (cut from {size} bytes)")
+    assert text.startswith(clipped[:-len(f" ... (cut from {size} bytes)")])
+
+
+def test_an_error_text_over_the_limit_is_sent_clipped() -> None:
+    # The last guard: a response's error text past MAX_STR_BYTES travels clipped, instead of the
+    # encoder refusing it and ending the job.
+    resp = Response(type=ResponseType.ERROR, names=["t"], error="E" * (MAX_STR_BYTES + 10))
+    (got,), _, _ = decode_responses(encode_responses([resp], False, False))
+    assert got.error.startswith("EEE") and got.error.endswith(
+        f" ... (cut from {MAX_STR_BYTES + 10} bytes)")
+    assert len(got.error.encode()) <= MAX_STR_BYTES
