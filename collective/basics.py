@@ -1,6 +1,7 @@
 """Lifecycle and topology queries: `init`, `shutdown`, `rank`, `size`, ... and process sets."""
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 from . import _current as _rt
@@ -25,7 +26,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             communicator (MPI mode).
         process_sets: None, a list of `ProcessSet` (every rank passes the same list; a set
             of an mpi4py communicator counts as its ranks), or "dynamic" (on every rank) to
-            allow `add_process_set`/`remove_process_set` later.
+            allow `add_process_set`/`remove_process_set` later. As in Horovod, "dynamic"
+            sets HOROVOD_DYNAMIC_PROCESS_SETS=1 in this process, so a later `init()` (after
+            `shutdown()`, or an elastic reset) keeps dynamic process sets on.
 
     Raises:
         ValueError: duplicate or invalid process sets, or process sets that differ across
@@ -34,6 +37,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     """
     if _rt.current_or_none() is not None:
         return
+    if process_sets == "dynamic":
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     rt = Runtime.create(comm=comm, process_sets=process_sets)
     if rt.rank == 0:
         warn_no_effect(rt.config)

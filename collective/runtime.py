@@ -328,6 +328,12 @@ def _agree(control: Any, config: Config,
             else [_ranks_here(ps, control) for ps in static]}
     views = [_agreement_of(b, r)
              for r, b in enumerate(control.allgather(json.dumps(mine).encode()))]
+    if any(isinstance(sets, str) for _, sets in views):
+        # "dynamic" turns on what HOROVOD_DYNAMIC_PROCESS_SETS=1 does: a rank that has the
+        # variable set and passes no static sets (a survivor re-initialized after an elastic
+        # reset, too) agrees with it.
+        views = [(opts, "dynamic" if sets == [] and opts["dynamic_process_sets"] else sets)
+                 for opts, sets in views]
     agreed = _common_sets([sets for _, sets in views])
     if agreed is None:
         by: dict[str, list[int]] = {}
@@ -341,6 +347,12 @@ def _agree(control: Any, config: Config,
             + ". Every rank must pass the same process_sets to hvd.init(), in the same order."
             + (' For dynamic process sets, pass process_sets="dynamic" on every rank or set '
                "HOROVOD_DYNAMIC_PROCESS_SETS=1." if '"dynamic"' in by else ""))
+    empty = [i for i, ranks in enumerate(agreed) if not ranks]
+    if empty:
+        raise ValueError(
+            f"process set {empty[0]} of the process_sets passed to init() has no ranks: every "
+            "rank passed MPI.COMM_NULL or a set without ranks (the global process set is always "
+            "there; leave it out)")
     ours = views[0][0]
     changes: dict[str, Any] = {}
     for o in SHARED_OPTIONS:

@@ -79,7 +79,7 @@ def main_numpy() -> None:
     import collective as hvd
     from collective import elastic
 
-    hvd.init()
+    hvd.init(process_sets=os.environ.get("ET_PROCESS_SETS") or None)  # "dynamic"
     state = elastic.ObjectState(step=0, w=np.zeros(4), log=[], sizes=[])
     resets = []
 
@@ -225,9 +225,11 @@ def main_keras() -> None:
 
 
 def write(hvd, w, state, resets) -> None:
+    from collective import _current
     res = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "w": [float(x) for x in w],
            "log": list(state.log), "sizes": list(state.sizes), "resets": resets,
-           "seen": list(getattr(state, "seen", [])), "host": HOST, "worker": WID}
+           "seen": list(getattr(state, "seen", [])), "host": HOST, "worker": WID,
+           "dynamic_sets": _current.current().dynamic_process_sets}
     tmp = os.path.join(OUT, f".result.{hvd.rank()}.tmp")
     with open(tmp, "w") as f:
         json.dump(res, f)

@@ -50,15 +50,18 @@ def test_sigkill_rolls_back_to_last_commit(tmp_path: Path) -> None:
     no_orphans(job)
 
 
-def test_host_added_by_discovery(tmp_path: Path) -> None:
+@pytest.mark.parametrize("process_sets", ["", "dynamic"], ids=["static-sets", "dynamic-sets"])
+def test_host_added_by_discovery(tmp_path: Path, process_sets: str) -> None:
     """Test 2: a host appears in the discovery output; the new worker gets the state and the
-    job finishes at the larger size."""
+    job finishes at the larger size. With `init(process_sets="dynamic")`, the survivors'
+    re-init (no argument) keeps dynamic process sets on and agrees with the new worker's."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     steps = 60
     job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3",
                          "--host-discovery-script", f"cat {hosts}"],
-              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.1"}, 90)
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.1",
+               "ET_PROCESS_SETS": process_sets}, 90)
     job.wait_progress(4)
     hosts.write_text("localhost:2\n127.0.0.1:1\n")
     code, out = job.finish()
@@ -71,6 +74,7 @@ def test_host_added_by_discovery(tmp_path: Path) -> None:
         assert r["log"] == list(range(steps))
         assert r["w"] == [_expected_w(steps)] * 4
         assert r["sizes"][0] == 2 and r["sizes"][-1] == 3
+        assert r["dynamic_sets"] is (process_sets == "dynamic")
     assert "hosts added" in out and "1 new" in out, out
     # No failure: nothing was rolled back or redone.
     for name, seq in progress_steps(job).items():

@@ -4,6 +4,7 @@ process sets to init() ("dynamic" on some only; other static sets, a communicato
 its ranks) all raise the same ValueError."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import types
@@ -81,9 +82,10 @@ def test_every_shared_option_is_rank_0s(horovod_log):
         assert sum(text.startswith(f"{env} is ") for _, text in warned) == 1, (env, warned)
 
 
-def init_every_rank(sets_of):
-    """Creates a loopback runtime on N threads with `process_sets=sets_of(rank)`; returns what
-    each rank's creation raised (None: it succeeded) and the runtimes made."""
+def init_every_rank(sets_of, config_of=None):
+    """Creates a loopback runtime on N threads with `process_sets=sets_of(rank)` (and the
+    config `config_of(rank)`, default the defaults); returns what each rank's creation raised
+    (None: it succeeded) and the runtimes made."""
     world = LoopbackWorld(N, timeout=5.0)
     cfg = read_env({})
     raised: list = [None] * N
@@ -91,7 +93,8 @@ def init_every_rank(sets_of):
 
     def body(rank):
         try:
-            made[rank] = Runtime.create(config=cfg, control=world.plane(rank), mode="loopback",
+            made[rank] = Runtime.create(config=config_of(rank) if config_of else cfg,
+                                        control=world.plane(rank), mode="loopback",
                                         process_sets=sets_of(rank))
         except BaseException as exc:  # noqa: BLE001 - checked by the test
             raised[rank] = exc
@@ -205,3 +208,42 @@ def test_a_different_communicator_raises_on_every_rank(fake_mpi, sets_of, shown)
     want = (f"ranks passed different process sets to init(): {shown}. Every rank must pass "
             "the same process_sets to hvd.init(), in the same order.")
     assert [(type(e), str(e)) for e in raised] == [(ValueError, want)] * N
+
+
+@pytest.mark.timeout(60)
+def test_dynamic_agrees_with_the_variable_set_elsewhere(horovod_log):
+    """`process_sets="dynamic"` turns on what HOROVOD_DYNAMIC_PROCESS_SETS=1 does: a rank with
+    the variable and no argument (a survivor re-initialized by an elastic reset, whose init()
+    passes nothing) agrees with a rank that passes "dynamic"."""
+    cfg = read_env({}).replace(dynamic_process_sets=True)
+    raised, made = init_every_rank(lambda r: "dynamic" if r == 2 else None,
+                                   config_of=lambda r: cfg)
+    assert raised == [None] * N
+    assert [rt.dynamic_process_sets for rt in made] == [True] * N
+    assert horovod_log.lines("on rank 0; every rank uses rank 0's value") == []
+
+
+@pytest.mark.timeout(60)
+def test_a_set_without_ranks_raises_on_every_rank(fake_mpi):
+    raised, _ = init_every_rank(lambda r: [hvd.ProcessSet([0, 1]),
+                                           hvd.ProcessSet(fake_mpi.COMM_NULL)])
+    want = ("process set 1 of the process_sets passed to init() has no ranks: every rank "
+            "passed MPI.COMM_NULL or a set without ranks (the global process set is always "
+            "there; leave it out)")
+    assert [(type(e), str(e)) for e in raised] == [(ValueError, want)] * N
+
+
+def test_init_dynamic_sets_the_variable_for_later_inits(monkeypatch):
+    """Horovod's behaviour: init(process_sets="dynamic") sets HOROVOD_DYNAMIC_PROCESS_SETS, so
+    an init() after shutdown() (or an elastic reset) stays dynamic."""
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "0")  # restored after the test
+    hvd.init(process_sets="dynamic")
+    try:
+        assert os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] == "1"
+    finally:
+        hvd.shutdown()
+    hvd.init()
+    try:
+        assert current().dynamic_process_sets
+    finally:
+        hvd.shutdown()
