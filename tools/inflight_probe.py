@@ -106,13 +106,13 @@ def main() -> int:
             torch.cuda.synchronize()
             td.append(torch_block(pool))
         if rank == 0:
-            def med(rows, key):
-                return statistics.median(r[key] for r in rows) * 1e6
+            def med(rows, key, scale=1e6):  # seconds to µs
+                return statistics.median(r[key] for r in rows) * scale
             print(f"{mib:g} MiB x {depth}: ringvod {med(rv, 'op'):.1f} us/op, torch.distributed "
                   f"{med(td, 'op'):.1f} us/op | submit {med(rv, 'submit'):.0f} us (torch "
                   f"{med(td, 'submit'):.0f}), first launch at {med(rv, 'first'):.0f} us, last "
                   f"launch ends {med(rv, 'last'):.0f} us, launch {med(rv, 'launch'):.1f} us, "
-                  f"round {med(rv, 'round'):.1f} us x {med(rv, 'rounds') / 1e6:g}", flush=True)
+                  f"round {med(rv, 'round'):.1f} us x {med(rv, 'rounds', 1):g}", flush=True)
         pool.clear()
     dist.destroy_process_group()
     hvd.shutdown()
