@@ -1,11 +1,10 @@
 """Lifecycle and topology queries: `init`, `shutdown`, `rank`, `size`, ... and process sets."""
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 from . import _current as _rt
-from .config import warn_no_effect
+from .config import update_environ, warn_no_effect
 from .errors import NotInitializedError
 from .handle import Handle
 from .process_sets import ProcessSet, global_process_set
@@ -38,7 +37,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     if _rt.current_or_none() is not None:
         return
     if process_sets == "dynamic":
-        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+        update_environ({"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
     rt = Runtime.create(comm=comm, process_sets=process_sets)
     if rt.rank == 0:
         warn_no_effect(rt.config)
