@@ -1,7 +1,7 @@
 """Elastic training, worker side (framework-neutral): state objects, the retry loop, and the
 rendezvous with the elastic driver of `hvdrun` (`launcher/elastic/`).
 
-Horovod's model, kept as is:
+Horovod's model, kept as is but for the sync agreement (last point):
 
 * The training function is wrapped by `run(func)`; it receives a `State` and commits it every
   few batches (`state.commit()` = `save()` + `check_host_updates()`).
@@ -10,9 +10,12 @@ Horovod's model, kept as is:
   `check_host_updates()` raise `HostsUpdatedInterrupt` on every rank (no restore).
 * Either way the wrapper resets: `shutdown()`, a new rendezvous with the driver, `init()`,
   the reset callbacks, `state.sync()` (broadcast from the new rank 0, a survivor), and the
-  function runs again. An interrupt for hosts that were only removed skips the sync, unless
-  the driver's new round has a worker that was not in the previous one (new workers always
-  sync, so every rank must).
+  function runs again. An interrupt for hosts that were only removed skips the sync, but only
+  when every rank of the new world can: before each call of the function the ranks agree
+  (one allreduce) whether any of them needs the sync, and then all sync or none does. A new
+  worker always needs it, and so does a rank whose collective failed (a peer that dies during
+  `check_host_updates()`' broadcast can leave some ranks with the interrupt and others with
+  the failure).
 
 Driver protocol (over the job's authenticated key-value store, scope `elastic`):
 
@@ -246,7 +249,8 @@ class State:
 
         Raises:
             HostsUpdatedInterrupt: with `skip_sync=True` when hosts were only removed (the
-                retry loop still syncs when the new round has a new worker).
+                retry loop still syncs when any rank of the new world needs it: a new
+                worker, or a rank where this broadcast failed).
             HorovodInternalError: the broadcast failed.
         """
         from . import ops  # noqa: PLC0415
@@ -341,7 +345,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
         synced_once = False
         while True:
             try:
-                if not skip_sync:
+                # All ranks sync or none: a rank's own reason may not be the others'.
+                if _sync_needed(not skip_sync or _round_has_new_worker):
                     state.sync()
                 if synced_once:
                     last_reset_timings["synced"] = time.time()
@@ -360,12 +365,30 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 skip_sync = exc.skip_sync
             _round_has_new_worker = False
             reset()
-            if _round_has_new_worker:  # a new worker syncs from rank 0: so does everyone
-                skip_sync = False
             state.on_reset()
             last_reset_timings["callbacks"] = time.time()
 
     return wrapper
+
+
+def _sync_needed(need: bool) -> bool:
+    """Whether any rank needs `state.sync()`: one allreduce (MAX) of every rank's `need`.
+
+    Each entry into the training function (the first, and after every reset) runs it on every
+    rank of the world, so the ranks cannot split between syncing and training. They can
+    disagree locally: a peer that dies during `check_host_updates()`' broadcast leaves some
+    ranks with `HostsUpdatedInterrupt(skip_sync=True)` and others with `HorovodInternalError`
+    (restore, so sync); a new worker always syncs.
+
+    Raises:
+        HorovodInternalError: the allreduce failed (e.g. a peer died).
+    """
+    from . import ops  # noqa: PLC0415
+    from .types import ReduceOp  # noqa: PLC0415
+
+    flags = ops.allreduce(np.array([int(need)], np.int64), op=ReduceOp.MAX,
+                          name="elastic.sync_needed")
+    return bool(flags[0])
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

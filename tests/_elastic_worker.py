@@ -12,6 +12,8 @@ ET_COMMIT   commit every this many steps (default 3)
 ET_SLEEP    seconds per step (default 0.05)
 ET_KILL     "host:step[,host:step]": the worker on that host SIGKILLs itself once at that step
 ET_FAIL     "host:step": the worker on that host exits 3 at that step (every time)
+ET_UPDATE_FAILS  a rank: the first HostsUpdatedInterrupt of `check_host_updates()` becomes a
+            HorovodInternalError on that rank only, as when a peer dies during its broadcast
 ET_TORCH    1: torch instead (TorchState: model, optimizer, ElasticSampler; see main_torch)
 ET_DATASET, ET_BATCH  torch: dataset size (60) and batch size per rank (2)
 ET_BPPS     torch: backward_passes_per_step (default 1); the averaged gradient is then
@@ -81,6 +83,8 @@ def main_numpy() -> None:
 
     hvd.init(process_sets=os.environ.get("ET_PROCESS_SETS") or None)  # "dynamic"
     state = elastic.ObjectState(step=0, w=np.zeros(4), log=[], sizes=[])
+    if os.environ.get("ET_UPDATE_FAILS") == str(hvd.rank()):
+        _fail_first_update(state)
     resets = []
 
     def on_reset() -> None:
@@ -113,6 +117,23 @@ def main_numpy() -> None:
 
     train(state)
     write(hvd, state.w, state, resets)
+
+
+def _fail_first_update(state) -> None:
+    from collective.errors import HorovodInternalError, HostsUpdatedInterrupt
+
+    check = state.check_host_updates
+
+    def check_host_updates() -> None:
+        try:
+            check()
+        except HostsUpdatedInterrupt:
+            if state.check_host_updates is check:
+                raise
+            state.check_host_updates = check  # once
+            raise HorovodInternalError("test: the update's broadcast failed on this rank")
+
+    state.check_host_updates = check_host_updates
 
 
 def main_torch() -> None:

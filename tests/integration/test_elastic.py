@@ -107,6 +107,32 @@ def test_host_removed_interrupts_without_rollback(tmp_path: Path) -> None:
     no_orphans(job)
 
 
+def test_update_failing_on_one_rank_syncs_everywhere(tmp_path: Path) -> None:
+    """Test 3a: a host is removed, and the broadcast of `check_host_updates()` that announces
+    it fails on rank 1 only (as when a peer dies during it): rank 1 restores and syncs, rank 0
+    took the interrupt for removed hosts (skip_sync). The ranks agree after the reset, so both
+    sync instead of rank 0 training against rank 1's sync broadcast (a hang)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    steps = 40
+    job = Job(tmp_path, ["-np", "3", "--min-np", "2", "--host-discovery-script",
+                         f"cat {hosts}"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.08",
+               "ET_UPDATE_FAILS": "1"}, 60)
+    job.wait_progress(4)
+    hosts.write_text("localhost:2\n")
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [r["rank"] for r in res] == [0, 1], out
+    for r in res:
+        assert r["size"] == 2 and r["log"] == list(range(steps)), r
+        assert r["w"] == [_expected_w(steps)] * 4, r["w"]
+    assert "hosts removed" in out and "restoring the last commit" in out, out
+    assert "the update's broadcast failed" in out, out
+    no_orphans(job)
+
+
 @pytest.mark.parametrize("np_args, after, what", [
     (["-np", "4"], "localhost:1\n127.0.0.1:3\n", "hosts added and removed"),
     (["-np", "3", "--max-np", "3"], "localhost:1\n127.0.0.1:2\n", "hosts removed"),

@@ -1,0 +1,78 @@
+"""The elastic retry loop (`collective.elastic.run_fn`) on loopback ranks (threads of this
+process): after a reset every rank must make the same sync decision, whichever way it left the
+training function. The reset is a no-op here (the loopback world stays up), which stands for a
+new world of the same ranks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import collective as hvd
+from collective.elastic import ObjectState, run_fn
+from collective.errors import HorovodInternalError, HostsUpdatedInterrupt
+from tests._spmd import run_loopback
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class CountingState(ObjectState):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.syncs = 0
+
+    def sync(self) -> None:
+        self.syncs += 1
+        super().sync()
+
+
+def _run(outcomes: list[BaseException]) -> list[tuple[int, int, float]]:
+    """Rank r's first call of the training function advances `step` and raises outcomes[r];
+    the second call runs one allreduce. Returns (syncs, step, allreduce result) per rank."""
+
+    def body(rank: int) -> tuple[int, int, float]:
+        state = CountingState(step=0)
+        calls = []
+
+        def train(state):
+            calls.append(state.step)
+            if len(calls) == 1:
+                state.step += 1  # not committed: a restore drops it, an interrupt keeps it
+                raise outcomes[rank]
+            return float(hvd.allreduce(np.ones(1), name="after.reset", op=hvd.Sum)[0])
+
+        resets = []
+
+        def reset() -> None:
+            resets.append(1)
+            if len(resets) > 1:  # the broken loop of a hang: stop once the test timed out
+                raise RuntimeError("a second reset")
+
+        total = run_fn(train, reset)(state)
+        return state.syncs, state.step, total
+
+    return run_loopback(len(outcomes), body, timeout=20.0)
+
+
+@pytest.mark.parametrize("failed", [[1], [0], [0, 2], [2]])
+def test_mixed_interrupt_and_failure_sync_everywhere(failed: list[int]) -> None:
+    """A peer dies during `check_host_updates()`' broadcast: some ranks got the interrupt for
+    removed hosts (skip_sync=True), the others the `HorovodInternalError`. The failed ranks
+    restore and must sync, so every rank syncs (a rank that skipped would run the training
+    collectives against the others' sync broadcast: a hang) and all end with rank 0's state."""
+    outcomes = [HorovodInternalError("peer died") if r in failed else HostsUpdatedInterrupt(True)
+                for r in range(3)]
+    res = _run(outcomes)
+    assert [syncs for syncs, _, _ in res] == [2, 2, 2], res
+    assert len({step for _, step, _ in res}) == 1, res
+    assert [total for _, _, total in res] == [3.0] * 3, res
+
+
+def test_interrupt_for_removed_hosts_everywhere_skips_sync() -> None:
+    """Every rank got skip_sync=True: no sync after the reset, the uncommitted step is kept."""
+    res = _run([HostsUpdatedInterrupt(True)] * 2)
+    assert res == [(1, 1, 2.0)] * 2
+
+
+def test_interrupt_for_added_hosts_syncs() -> None:
+    res = _run([HostsUpdatedInterrupt(False)] * 2)
+    assert [syncs for syncs, _, _ in res] == [2, 2], res
