@@ -121,6 +121,15 @@ class Runtime:
         self._members = [self._sets[k] for k in sorted(self._sets)]
 
     def _add_static(self, ps: ProcessSet, ranks: list[int]) -> None:
+        """Registers `ps` with the ranks every rank agreed on (init's sets, add_process_set).
+
+        Raises:
+            ValueError: no ranks, a duplicate, or ranks out of range (every rank alike).
+        """
+        if not ranks:
+            raise ValueError(f"process set {ps} has no ranks: every rank passed MPI.COMM_NULL "
+                             "or an empty set (the global process set is always there; leave "
+                             "it out)")
         for other in self._registry.values():
             if other is not global_process_set and other.ranks == ranks:
                 raise ValueError(f"Attempted to add a duplicate process set: {ps}")
@@ -328,18 +337,21 @@ def _agree(control: Any, config: Config,
             else [_ranks_here(ps, control) for ps in static]}
     views = [_agreement_of(b, r)
              for r, b in enumerate(control.allgather(json.dumps(mine).encode()))]
-    if any(isinstance(sets, str) for _, sets in views):
+    compared = [sets for _, sets in views]
+    if "dynamic" in compared:
         # "dynamic" turns on what HOROVOD_DYNAMIC_PROCESS_SETS=1 does: a rank that has the
         # variable set and passes no static sets (a survivor re-initialized after an elastic
         # reset, too) agrees with it.
-        views = [(opts, "dynamic" if sets == [] and opts["dynamic_process_sets"] else sets)
-                 for opts, sets in views]
-    agreed = _common_sets([sets for _, sets in views])
+        compared = ["dynamic" if sets == [] and opts["dynamic_process_sets"] else sets
+                    for opts, sets in views]
+    agreed = _common_sets(compared)
     if agreed is None:
         by: dict[str, list[int]] = {}
         for r, (_, sets) in enumerate(views):
             shown = '"dynamic"' if isinstance(sets, str) else "[" + ", ".join(
                 "COMM_NULL" if s is None else str(s) for s in sets) + "]"
+            if compared[r] != sets:
+                shown += " with HOROVOD_DYNAMIC_PROCESS_SETS=1"
             by.setdefault(shown, []).append(r)
         raise ValueError(
             "ranks passed different process sets to init(): "
@@ -347,12 +359,6 @@ def _agree(control: Any, config: Config,
             + ". Every rank must pass the same process_sets to hvd.init(), in the same order."
             + (' For dynamic process sets, pass process_sets="dynamic" on every rank or set '
                "HOROVOD_DYNAMIC_PROCESS_SETS=1." if '"dynamic"' in by else ""))
-    empty = [i for i, ranks in enumerate(agreed) if not ranks]
-    if empty:
-        raise ValueError(
-            f"process set {empty[0]} of the process_sets passed to init() has no ranks: every "
-            "rank passed MPI.COMM_NULL or a set without ranks (the global process set is always "
-            "there; leave it out)")
     ours = views[0][0]
     changes: dict[str, Any] = {}
     for o in SHARED_OPTIONS:

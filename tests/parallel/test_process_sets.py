@@ -2,6 +2,8 @@
 global broadcast roots, membership errors, and sets working concurrently."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -136,7 +138,8 @@ def test_duplicate_static_sets_are_rejected():
 
 def test_dynamic_sets_add_use_remove():
     hvd.shutdown()
-    hvd.init(process_sets="dynamic")
+    before = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS")
+    hvd.init(process_sets="dynamic")  # sets the variable, as Horovod: restored below
     try:
         me = hvd.rank()
         a = hvd.add_process_set(sorted({0, N - 1}))
@@ -176,6 +179,10 @@ def test_dynamic_sets_add_use_remove():
                                    np.full(1, N))
     finally:
         hvd.shutdown()
+        if before is None:  # later tests of this process run without dynamic sets
+            os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
+        else:
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = before
         for ps in STATIC:
             ps._invalidate()
         hvd.init(process_sets=STATIC)

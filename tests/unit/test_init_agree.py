@@ -227,9 +227,33 @@ def test_dynamic_agrees_with_the_variable_set_elsewhere(horovod_log):
 def test_a_set_without_ranks_raises_on_every_rank(fake_mpi):
     raised, _ = init_every_rank(lambda r: [hvd.ProcessSet([0, 1]),
                                            hvd.ProcessSet(fake_mpi.COMM_NULL)])
-    want = ("process set 1 of the process_sets passed to init() has no ranks: every rank "
-            "passed MPI.COMM_NULL or a set without ranks (the global process set is always "
-            "there; leave it out)")
+    assert [type(e) for e in raised] == [ValueError] * N
+    for e in raised:
+        assert str(e).startswith("process set ProcessSet("), e
+        assert str(e).endswith(" has no ranks: every rank passed MPI.COMM_NULL or an empty set "
+                               "(the global process set is always there; leave it out)"), e
+
+
+@pytest.mark.timeout(60)
+def test_add_process_set_without_ranks_raises_on_every_rank():
+    def body(rank):
+        with pytest.raises(ValueError, match=r"has no ranks: every rank passed MPI.COMM_NULL"):
+            hvd.add_process_set([])
+        return float(hvd.allreduce(np.ones(1), op=hvd.Sum, name="after")[0])
+
+    assert run_loopback(N, body, timeout=40, dynamic_process_sets=True) == [float(N)] * N
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_counted_as_dynamic_by_the_variable_is_named_so():
+    cfg = read_env({}).replace(dynamic_process_sets=True)
+    raised, _ = init_every_rank(
+        lambda r: ["dynamic", None, [hvd.ProcessSet([0, 1])]][r], config_of=lambda r: cfg)
+    want = ('ranks passed different process sets to init(): ranks [0] passed "dynamic"; '
+            "ranks [1] passed [] with HOROVOD_DYNAMIC_PROCESS_SETS=1; ranks [2] passed "
+            "[[0, 1]]. Every rank must pass the same process_sets to hvd.init(), in the same "
+            'order. For dynamic process sets, pass process_sets="dynamic" on every rank or set '
+            "HOROVOD_DYNAMIC_PROCESS_SETS=1.")
     assert [(type(e), str(e)) for e in raised] == [(ValueError, want)] * N
 
 
