@@ -60,6 +60,9 @@ class Runtime:
         self._registry: dict[int, ProcessSet] = {}
         self._members: list[ProcessSetState] = []
         self._ps_changes: list[tuple[str, Any, Handle]] = []
+        # The message of the change at the head of the queue, worked out once (a rank may wait
+        # many cycles for the others): (its handle, the message).
+        self._head_msg: tuple[Handle, list] | None = None
         self.shut_down = False
         self.cause: BaseException | None = None
         self._topology()
@@ -213,8 +216,10 @@ class Runtime:
             head = self._ps_changes[0] if self._ps_changes else None
         mine = None
         if head is not None:
-            mine = (["add", _ranks_here(head[1], self.control)] if head[0] == "add"
-                    else ["remove", int(head[1])])
+            if self._head_msg is None or self._head_msg[0] is not head[2]:
+                self._head_msg = (head[2], ["add", _ranks_here(head[1], self.control)]
+                                  if head[0] == "add" else ["remove", int(head[1])])
+            mine = self._head_msg[1]
         views = [_change_of(b, r, self.size)
                  for r, b in enumerate(self.control.allgather(json.dumps(mine).encode()))]
         if any(v is None for v in views):
@@ -381,8 +386,12 @@ def _ranks_here(ps: ProcessSet, control: Any) -> list[int] | None:
     if comm == MPI.COMM_NULL:
         return None
     world = getattr(control, "comm", MPI.COMM_WORLD).Get_group()
-    return sorted(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
-                                            world))
+    group = comm.Get_group()
+    try:
+        return sorted(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
 
 
 def _common_sets(views: list[str | list[list[int] | None]]) -> list[list[int]] | None:

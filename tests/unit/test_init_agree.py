@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -120,6 +121,9 @@ class FakeComm:
 
     def Get_size(self):
         return len(self.world_ranks)
+
+    def Free(self):
+        """Groups are freed after use; the stand-in's group is the communicator itself."""
 
 
 @pytest.fixture
@@ -271,3 +275,24 @@ def test_init_dynamic_sets_the_variable_for_later_inits(monkeypatch):
         assert current().dynamic_process_sets
     finally:
         hvd.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_queued_communicator_set_is_resolved_once(fake_mpi):
+    """A rank that waits for the others' add_process_set works out its communicator's ranks
+    once, not every cycle (each resolution makes MPI groups)."""
+    calls = []
+    translate = fake_mpi.Group.Translate_ranks
+    fake_mpi.Group.Translate_ranks = lambda *a: calls.append(1) or translate(*a)
+    comm = FakeComm([0, 1, 2])
+
+    def body(rank):
+        if rank == 0:
+            ps = hvd.add_process_set(hvd.ProcessSet(comm))
+        else:
+            time.sleep(0.3)  # rank 0 waits many cycles for the others
+            ps = hvd.add_process_set([0, 1, 2])
+        return ps.ranks
+
+    assert run_loopback(N, body, timeout=40, dynamic_process_sets=True) == [[0, 1, 2]] * N
+    assert len(calls) == 1
