@@ -18,7 +18,7 @@ from .._common import split_list
 from ._buffers import enqueue, finish
 from collective.adapter import wait_now
 from .compression import Compression, check_compressor
-from .mpi_ops import _check, _no_effect, _run, _sparse_allreduce, process_set_size
+from .mpi_ops import _check, _no_effect, _run, _sparse_allreduce, allreduce, process_set_size
 
 __all__ = ["GradientReducer"]
 
@@ -99,6 +99,17 @@ class GradientReducer:
                 taken.update(idx)
         out.extend([i] for i in dense if i not in taken)
         return out
+
+    def all_true(self, flag: Any) -> Any:
+        """`flag` (a boolean tensor) AND-ed across the process set, so that every rank takes
+        the same branch (e.g. a loss-scale optimizer's skip of a step with non-finite
+        gradients, which would otherwise skip this rank's gradient reduction only)."""
+        ps = self.process_set
+        if (ps is not global_process_set and not ps.included()) or process_set_size(ps) == 1:
+            return flag
+        agreed = allreduce(tf.cast(flag, tf.int32), op=ReduceOp.MIN,
+                           name=f"{self.name}.all_true", process_set=ps, ignore_name_scope=True)
+        return tf.cast(agreed, tf.bool)
 
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
         """The reduced gradients, in order (see the module docstring)."""

@@ -412,6 +412,36 @@ def test_backward_passes_per_step_accumulates_then_reduces():
     assert model.optimizer.get_config()["gradient_accumulation_steps"] is None
 
 
+def test_loss_scale_optimizer_reduces_and_skips_on_every_rank():
+    me = hvd.rank()
+    scale = 2.0 ** 15
+    # Wrapping a LossScaleOptimizer reduces in its inner optimizer (it used to reduce nothing).
+    v = keras.Variable(np.zeros(2, np.float32))
+    opt = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=scale))
+    assert isinstance(opt, keras.optimizers.LossScaleOptimizer) and opt.initial_scale == scale
+    opt.apply([tf.fill([2], scale * (me + 1))], [v])
+    np.testing.assert_allclose(v.numpy(), [-(SIZE + 1) / 2] * 2)
+    # One rank's non-finite gradients make every rank skip the step (it used to hang).
+    w = keras.Variable(np.zeros(2, np.float32))
+    lso = keras.optimizers.LossScaleOptimizer(hvd.DistributedOptimizer(
+        keras.optimizers.SGD(1.0)), initial_scale=scale)
+    lso.apply([tf.fill([2], np.inf if me == 0 else 1.0)], [w])
+    assert int(lso.iterations.numpy()) == 0 and float(lso.dynamic_scale.numpy()) == scale / 2
+    np.testing.assert_array_equal(w.numpy(), [0.0, 0.0])
+    lso.apply([tf.fill([2], scale / 2 * (me + 1))], [w])
+    np.testing.assert_allclose(w.numpy(), [-(SIZE + 1) / 2] * 2)
+    # The same inside model.fit's compiled step.
+    model = _model()
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))), loss="mse")
+    x, y = _dataset(8)
+    before = _weights(model)
+    model.fit(x * (np.inf if me == 0 else 1.0), y, batch_size=4, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    np.testing.assert_array_equal(_weights(model), before)
+
+
 # -- callbacks' effects --------------------------------------------------------------------------
 class _Record(keras.callbacks.Callback):
     def __init__(self):

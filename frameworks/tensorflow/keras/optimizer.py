@@ -11,6 +11,14 @@ N-th (divided by N when `average_aggregated_gradients`).
 The class saves under the wrapped optimizer's own name, so `keras.models.load_model` gives back
 the plain optimizer and `hvd.load_model` wraps it again.
 
+A `keras.optimizers.LossScaleOptimizer` (mixed precision; `compile` adds one around the
+optimizer under the `mixed_float16` policy) never runs its own update path, only its inner
+optimizer's: `DistributedOptimizer(LossScaleOptimizer(opt))` therefore returns
+`LossScaleOptimizer(DistributedOptimizer(opt))`. A loss-scale optimizer around a
+`DistributedOptimizer` skips a step when the gradients are not finite; its finiteness check is
+agreed across the process set (all ranks skip, or none), else the ranks that skip would not
+join the gradient reduction of the others (a hang, or steps reduced out of order).
+
 A `momentum` option becomes live: it reads a TF variable inside the compiled step, so that the
 learning-rate callbacks' momentum correction takes effect in `model.fit`.
 """
@@ -127,6 +135,24 @@ class _DistributedOptimizerMixin:
         return config
 
 
+_keras_check_finite = getattr(keras.optimizers.LossScaleOptimizer.check_finite, "_hvd_original",
+                              keras.optimizers.LossScaleOptimizer.check_finite)
+
+
+def _check_finite_everywhere(self: Any, grads: Any) -> Any:
+    """`LossScaleOptimizer.check_finite`, AND-ed across the process set when the inner
+    optimizer is a `DistributedOptimizer` (see the module docstring)."""
+    finite = _keras_check_finite(self, grads)
+    inner = getattr(self, "inner_optimizer", None)
+    if not isinstance(inner, _DistributedOptimizerMixin):
+        return finite
+    return inner._hvd_reducer.all_true(finite)
+
+
+# Installed on Keras' class (once): `compile` builds a plain LossScaleOptimizer around ours.
+_check_finite_everywhere._hvd_original = _keras_check_finite  # type: ignore[attr-defined]
+keras.optimizers.LossScaleOptimizer.check_finite = _check_finite_everywhere
+
 _classes: dict[type, type] = {}
 
 
@@ -161,6 +187,15 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError("DistributedOptimizer wraps a keras.optimizers.Optimizer (Keras 3), "
                          f"got {type(optimizer).__name__}")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        inner = DistributedOptimizer(optimizer.inner_optimizer, name, device_dense,
+                                     device_sparse, compression, sparse_as_dense,
+                                     gradient_predivide_factor, op, backward_passes_per_step,
+                                     average_aggregated_gradients, num_groups, groups,
+                                     process_set, scale_local_gradients)
+        return keras.optimizers.LossScaleOptimizer(
+            inner, initial_scale=optimizer.initial_scale,
+            dynamic_growth_steps=optimizer.dynamic_growth_steps, name=optimizer.name)
     if isinstance(optimizer, _DistributedOptimizerMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if backward_passes_per_step < 1:
