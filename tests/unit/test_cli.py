@@ -218,6 +218,16 @@ def test_config_file_precedence_is_positional(tmp_path):
     assert env["HOROVOD_CYCLE_TIME"] == "7.0"  # later flag overrides the file
 
 
+@pytest.mark.parametrize("controller,flag,mode", [("mpi", "--gloo", "tcp"),
+                                                  ("gloo", "--mpi", "mpi")])
+def test_controller_flag_after_config_file_wins(tmp_path, controller, flag, mode):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"controller: {controller}\n")
+    args = parse("-np", "1", "--config-file", str(f), flag)
+    assert cli._mode(args) == mode
+    assert cli._mode(parse("-np", "1", flag, "--config-file", str(f))) != mode  # file wins
+
+
 def test_yaml_table_names_real_dests():
     dests = {a.dest for a in cli.build_parser()._actions}
     for section in cli.YAML_KEYS.values():
