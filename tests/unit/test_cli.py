@@ -434,3 +434,25 @@ def test_gloo_and_tcp_both_select_tcp_mode():
     assert cli.settings_from_args(parse("-np", "2", "--tcp", "true")).mode == "tcp"
     s = cli.settings_from_args(parse("-np", "2", "--mpi", "--tcp", "true"))
     assert s.mode == "mpi" and s.tcp_only  # Horovod's meaning: MPI over TCP only
+
+
+@pytest.mark.parametrize("given,env,expected", [(None, "7", 7.0), (None, None, 30.0),
+                                                (3, "7", 3.0)])
+def test_horovod_run_start_timeout_reads_the_environment(monkeypatch, given, env, expected):
+    import launcher.launch
+    from launcher import api
+
+    seen = []
+
+    def run_tcp(settings, **_kw):
+        seen.append(settings)
+        raise KeyboardInterrupt("stop before any worker starts")
+
+    monkeypatch.setattr(launcher.launch, "run_tcp", run_tcp)
+    if env is None:
+        monkeypatch.delenv("HOROVOD_START_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("HOROVOD_START_TIMEOUT", env)
+    with pytest.raises(KeyboardInterrupt):
+        api.run(print, num_proc=1, use_gloo=True, start_timeout=given)
+    assert seen[0].start_timeout == expected
