@@ -310,6 +310,31 @@ def test_ssh_commands():
     assert "--start-timeout" in timeout_message("x")
 
 
+def test_ctrl_c_during_the_ssh_check_stops_it_at_once(monkeypatch):
+    """A host that never answers: Ctrl-C must not wait for --start-timeout."""
+    import signal
+    import time
+
+    from launcher import ssh
+
+    # The probe becomes `sh -c 'sleep 30' h true`: a host that never answers.
+    monkeypatch.setattr(ssh, "ssh_base", lambda host, *_a, **_kw: ["sh", "-c", "sleep 30", host])
+
+    def interrupt(_sig, _frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    start = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            ssh.check_hosts(["a", "b"], timeout=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - start < 5
+
+
 # --- mpirun --------------------------------------------------------------------------------
 
 OMPI4 = parse_mpi_version("mpirun (Open MPI) 4.1.5\n\nReport bugs to http://www.open-mpi.org/")
