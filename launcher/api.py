@@ -32,6 +32,16 @@ def _hosts(num_proc: int, hosts: str | None, hostfile: str | None) -> list[HostI
     return [HostInfo("localhost", num_proc)]
 
 
+def _start_timeout(start_timeout: float | None) -> float:
+    """The given timeout, else HOROVOD_START_TIMEOUT, else 30 s (as horovodrun's)."""
+    if start_timeout is not None:
+        return float(start_timeout)
+    from collective.config import environ_snapshot  # noqa: PLC0415
+
+    raw = environ_snapshot().get("HOROVOD_START_TIMEOUT", "")
+    return float(raw) if raw.strip() else 30.0
+
+
 def _mode(use_gloo: bool | None, use_mpi: bool | None) -> str:
     if use_gloo and use_mpi:
         raise ValueError("use_gloo and use_mpi are mutually exclusive")
@@ -107,7 +117,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         num_proc=num_proc, hosts=tuple(_hosts(num_proc, hosts, hostfile)),
         mode=MODE_TCP if elastic else _mode(use_gloo, use_mpi),
         command=(py, "-m", "launcher.run_task"),
-        start_timeout=30.0 if start_timeout is None else float(start_timeout),
+        start_timeout=_start_timeout(start_timeout),
         ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
         network_interfaces=tuple(nics), output_filename=output_filename,
         verbose=bool(verbose), mpi_args=mpi_args)

@@ -165,6 +165,19 @@ def apply_config_file(path: str, namespace: argparse.Namespace) -> None:
             setattr(namespace, dest, (not value) if negate else value)
 
 
+class _ControllerAction(argparse.Action):
+    """`--gloo` / `--mpi`: selects that controller and deselects the other, so a flag after
+    `--config-file` overrides the file's `controller` (as every other flag does)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        namespace.use_gloo = self.dest == "use_gloo"
+        namespace.use_mpi = self.dest == "use_mpi"
+
+
 class _Parser(argparse.ArgumentParser):
     """Prints a usage error as the message and a one-line hint, not the whole usage block."""
 
@@ -262,10 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     hg.add_argument("--host-discovery-script", help="elastic: script printing host:slots lines")
 
     cg = p.add_argument_group("controller arguments").add_mutually_exclusive_group()
-    cg.add_argument("--gloo", dest="use_gloo", action="store_true", default=None,
+    cg.add_argument("--gloo", dest="use_gloo", action=_ControllerAction, default=None,
                     help="tcp mode (Horovod's Gloo mode): spawn the workers here/over ssh "
                          "with a rendezvous server; no MPI needed")
-    cg.add_argument("--mpi", dest="use_mpi", action="store_true", default=None,
+    cg.add_argument("--mpi", dest="use_mpi", action=_ControllerAction, default=None,
                     help="MPI mode: run through mpirun (the default when mpi4py and mpirun "
                          "are installed)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="command to run")

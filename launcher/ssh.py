@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
+
+from ._proc import killpg_quiet
 
 __all__ = ["ssh_base", "remote_command", "ssh_worker_argv", "check_hosts", "timeout_message",
            "SSHCheckError", "StartTimeoutError"]
@@ -84,11 +88,18 @@ def check_hosts(hosts: Sequence[str], timeout: float, port: int | None = None,
     if not hosts:
         return
     deadline = time.monotonic() + timeout
+    lock = threading.Lock()  # guards procs and stopped
+    procs: list[subprocess.Popen[bytes]] = []
+    stopped = threading.Event()
 
     def probe(host: str) -> tuple[str, int | None, str]:
         argv = ssh_base(host, port, identity_file, connect_timeout=timeout) + ["true"]
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+        with lock:
+            if stopped.is_set():
+                return host, None, ""
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(p)
         try:
             out, _ = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -97,9 +108,21 @@ def check_hosts(hosts: Sequence[str], timeout: float, port: int | None = None,
             return host, None, ""
         return host, p.returncode, out.decode(errors="replace")
 
-    with ThreadPoolExecutor(max_workers=min(32, len(hosts)),
-                            thread_name_prefix="hvdrun-ssh-check") as pool:
+    pool = ThreadPoolExecutor(max_workers=min(32, len(hosts)),
+                              thread_name_prefix="hvdrun-ssh-check")
+    try:
         results = list(pool.map(probe, hosts))
+    except BaseException:
+        # Ctrl-C: stop the probes now, or the pool's shutdown below waits for each of them
+        # until --start-timeout (the ssh clients are in their own sessions: no SIGINT there).
+        with lock:
+            stopped.set()
+            for p in procs:
+                if p.returncode is None:
+                    killpg_quiet(p.pid, signal.SIGKILL)  # ssh and whatever it started
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     timed_out = [h for h, rc, _ in results if rc is None]
     failed = [(h, out) for h, rc, out in results if rc not in (None, 0)]
     for h, out in failed:

@@ -218,6 +218,16 @@ def test_config_file_precedence_is_positional(tmp_path):
     assert env["HOROVOD_CYCLE_TIME"] == "7.0"  # later flag overrides the file
 
 
+@pytest.mark.parametrize("controller,flag,mode", [("mpi", "--gloo", "tcp"),
+                                                  ("gloo", "--mpi", "mpi")])
+def test_controller_flag_after_config_file_wins(tmp_path, controller, flag, mode):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"controller: {controller}\n")
+    args = parse("-np", "1", "--config-file", str(f), flag)
+    assert cli._mode(args) == mode
+    assert cli._mode(parse("-np", "1", flag, "--config-file", str(f))) != mode  # file wins
+
+
 def test_yaml_table_names_real_dests():
     dests = {a.dest for a in cli.build_parser()._actions}
     for section in cli.YAML_KEYS.values():
@@ -298,6 +308,31 @@ def test_ssh_commands():
     assert words[4:] == ["/src", "--", "python", "my script.py", "--x=$HOME"]
     assert "Timed out waiting for ssh" in timeout_message("ssh")
     assert "--start-timeout" in timeout_message("x")
+
+
+def test_ctrl_c_during_the_ssh_check_stops_it_at_once(monkeypatch):
+    """A host that never answers: Ctrl-C must not wait for --start-timeout."""
+    import signal
+    import time
+
+    from launcher import ssh
+
+    # The probe becomes `sh -c 'sleep 30' h true`: a host that never answers.
+    monkeypatch.setattr(ssh, "ssh_base", lambda host, *_a, **_kw: ["sh", "-c", "sleep 30", host])
+
+    def interrupt(_sig, _frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    start = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            ssh.check_hosts(["a", "b"], timeout=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - start < 5
 
 
 # --- mpirun --------------------------------------------------------------------------------
@@ -424,3 +459,25 @@ def test_gloo_and_tcp_both_select_tcp_mode():
     assert cli.settings_from_args(parse("-np", "2", "--tcp", "true")).mode == "tcp"
     s = cli.settings_from_args(parse("-np", "2", "--mpi", "--tcp", "true"))
     assert s.mode == "mpi" and s.tcp_only  # Horovod's meaning: MPI over TCP only
+
+
+@pytest.mark.parametrize("given,env,expected", [(None, "7", 7.0), (None, None, 30.0),
+                                                (3, "7", 3.0)])
+def test_horovod_run_start_timeout_reads_the_environment(monkeypatch, given, env, expected):
+    import launcher.launch
+    from launcher import api
+
+    seen = []
+
+    def run_tcp(settings, **_kw):
+        seen.append(settings)
+        raise KeyboardInterrupt("stop before any worker starts")
+
+    monkeypatch.setattr(launcher.launch, "run_tcp", run_tcp)
+    if env is None:
+        monkeypatch.delenv("HOROVOD_START_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("HOROVOD_START_TIMEOUT", env)
+    with pytest.raises(KeyboardInterrupt):
+        api.run(print, num_proc=1, use_gloo=True, start_timeout=given)
+    assert seen[0].start_timeout == expected
