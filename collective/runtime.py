@@ -191,6 +191,19 @@ class Runtime:
                              "process set.")
         return state
 
+    def registered_set(self, ps_id: int) -> ProcessSet:
+        """The registered process set with id `ps_id` (Horovod's graph ops name sets by id).
+
+        Raises:
+            ValueError: no set has that id (Horovod's text).
+        """
+        with self._lock:
+            ps = self._registry.get(ps_id)
+        if ps is None:
+            raise ValueError(f"Process set with id {ps_id}: Process set provided does not "
+                             "exist, or has not been registered.")
+        return ps
+
     def ranks_of(self, ps: ProcessSet) -> list[int]:
         if ps is global_process_set or ps is None:
             return list(range(self.size))

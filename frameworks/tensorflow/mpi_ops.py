@@ -34,6 +34,7 @@ from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product
 
 from .._common import process_set_rank, process_set_size
 from ._buffers import dtype_of, eager, enqueue, finish, run_one
+from collective import _current
 from collective.adapter import wait_now
 from .compression import Compression, check_compressor
 
@@ -100,12 +101,12 @@ def local_rank_op(name: str | None = None) -> tf.Tensor:
 
 
 def _set_of(process_set_id: int, process_set: ProcessSet | None) -> ProcessSet:
+    """`process_set`, else the registered set with id `process_set_id` (Horovod's form)."""
     if process_set is not None:
         return process_set
     if process_set_id == 0:
         return global_process_set
-    raise ValueError(f"process_set_id={process_set_id}: ringvod looks process sets up by object; "
-                     "pass process_set=<the ProcessSet> instead")
+    return _current.current().registered_set(process_set_id)
 
 
 def size_op(process_set_id: int = 0, name: str | None = None,

@@ -92,6 +92,14 @@ def test_basics_and_aliases():
     assert int(hvd.local_rank_op()) == hvd.local_rank()
     assert int(hvd.local_size_op()) == hvd.local_size()
     assert int(hvd.process_set_included_op(process_set=PS_EVEN)) == int(hvd.rank() % 2 == 0)
+    # Horovod's form: the set by id.
+    ps_id = PS_EVEN.process_set_id
+    assert int(hvd.process_set_included_op(process_set_id=ps_id)) == int(hvd.rank() % 2 == 0)
+    if PS_EVEN.included():
+        assert int(hvd.size_op(process_set_id=ps_id)) == len(PS_EVEN.ranks)
+    with pytest.raises(ValueError, match="Process set provided does not exist, or has not been "
+                                         "registered"):
+        hvd.size_op(process_set_id=ps_id + 100)
     assert (hvd.Average, hvd.Sum, hvd.Adasum) == (0, 1, 2)
     assert hvd_keras.size() == SIZE
 
