@@ -28,6 +28,8 @@ Device seam (no CuPy here; the NCCL engine owns every CUDA call):
 
 Configuration:
     `config()`: the running job's `Config` (the `HOROVOD_*` settings read at `init()`).
+    `process_set_by_id(ps_id)`: the registered `ProcessSet` with that id (graph ops that
+        name sets by id, as Horovod's TensorFlow ops do).
     `bucket_schedule(cap_mb, global_set, owner)`: for an optimizer that reduces its gradients
         in buckets, the schedule through which autotune changes the bucket size (None: keep
         it); it closes when `owner` is garbage-collected.
@@ -44,7 +46,8 @@ from .gradset import GradientSet
 from .gradset import register as gradient_set
 from .ops import enqueue, run_one, wait_now
 
-__all__ = ["enqueue", "run_one", "wait_now", "waiting_hook", "config", "bucket_schedule",
+__all__ = ["enqueue", "run_one", "wait_now", "waiting_hook", "config", "process_set_by_id",
+           "bucket_schedule",
            "gradient_set", "GradientSet",
            "DeviceBuffer", "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]
 
@@ -56,6 +59,15 @@ def config() -> Config:
         NotInitializedError: `init()` has not been called.
     """
     return current().config
+
+
+def process_set_by_id(ps_id: int) -> Any:
+    """The registered process set with id `ps_id`.
+
+    Raises:
+        ValueError: no set has that id; NotInitializedError: before `init()`.
+    """
+    return current().registered_set(ps_id)
 
 
 def waiting_hook() -> Callable[[int], None] | None:

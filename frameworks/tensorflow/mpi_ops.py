@@ -34,8 +34,7 @@ from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product
 
 from .._common import process_set_rank, process_set_size
 from ._buffers import dtype_of, eager, enqueue, finish, run_one
-from collective import _current
-from collective.adapter import wait_now
+from collective.adapter import process_set_by_id, wait_now
 from .compression import Compression, check_compressor
 
 __all__ = [
@@ -106,7 +105,7 @@ def _set_of(process_set_id: int, process_set: ProcessSet | None) -> ProcessSet:
         return process_set
     if process_set_id == 0:
         return global_process_set
-    return _current.current().registered_set(process_set_id)
+    return process_set_by_id(process_set_id)
 
 
 def size_op(process_set_id: int = 0, name: str | None = None,
