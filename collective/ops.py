@@ -21,7 +21,7 @@ from .errors import HorovodInternalError
 from .handle import GroupHandle, Handle
 from .process_sets import ProcessSet, global_process_set
 from .types import CPU_DEVICE, DataType, ReduceOp, Request, RequestType, dtype_of
-from .wire import MAX_STR_BYTES
+from .wire import MAX_STR_BYTES, quote_name
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "enqueue", "resolve_op",
@@ -187,9 +187,9 @@ def _check_name(name: str, label: str) -> None:
     """
     n = len(name.encode("utf-8", "surrogatepass"))
     if n > MAX_STR_BYTES:
-        raise ValueError(f"{label}: the name of tensor {name[:60]!r}... is {n} bytes long "
-                         f"(UTF-8); names are limited to {MAX_STR_BYTES} bytes (1 MiB), op "
-                         "prefix included. Give the tensor a shorter name.")
+        raise ValueError(f"{label}: the name of tensor {quote_name(name)} is too long: names "
+                         f"are limited to {MAX_STR_BYTES} bytes (1 MiB, UTF-8), op prefix "
+                         "included. Give the tensor a shorter name.")
 
 
 _ALLREDUCE, _REDUCESCATTER, _BROADCAST, _ALLTOALL = (

@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 
 from .hosts import HostInfo, parse_hostfile, parse_hosts
 from .run_task import FUNC_KEY, FUNC_SCOPE, RESULT_SCOPE, dumps
-from .settings import MODE_MPI, MODE_TCP, LaunchSettings, default_mode
+from .settings import (MODE_MPI, MODE_TCP, LaunchSettings, default_mode,
+                       start_timeout_or_env)
 
 __all__ = ["run"]
 
@@ -30,16 +31,6 @@ def _hosts(num_proc: int, hosts: str | None, hostfile: str | None) -> list[HostI
     if hostfile:
         return parse_hostfile(hostfile)
     return [HostInfo("localhost", num_proc)]
-
-
-def _start_timeout(start_timeout: float | None) -> float:
-    """The given timeout, else HOROVOD_START_TIMEOUT, else 30 s (as horovodrun's)."""
-    if start_timeout is not None:
-        return float(start_timeout)
-    from collective.config import environ_snapshot  # noqa: PLC0415
-
-    raw = environ_snapshot().get("HOROVOD_START_TIMEOUT", "")
-    return float(raw) if raw.strip() else 30.0
 
 
 def _mode(use_gloo: bool | None, use_mpi: bool | None) -> str:
@@ -117,7 +108,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         num_proc=num_proc, hosts=tuple(_hosts(num_proc, hosts, hostfile)),
         mode=MODE_TCP if elastic else _mode(use_gloo, use_mpi),
         command=(py, "-m", "launcher.run_task"),
-        start_timeout=_start_timeout(start_timeout),
+        start_timeout=start_timeout_or_env(start_timeout),
         ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
         network_interfaces=tuple(nics), output_filename=output_filename,
         verbose=bool(verbose), mpi_args=mpi_args)

@@ -19,10 +19,11 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from collective.config import OPTIONS, Option, environ_snapshot
+from collective.config import OPTIONS, Option
 
 from .hosts import HostInfo, parse_hostfile, parse_hosts
-from .settings import MODE_MPI, MODE_TCP, LaunchSettings, default_mode
+from .settings import (MODE_MPI, MODE_TCP, LaunchSettings, default_mode,
+                       start_timeout_or_env)
 
 __all__ = ["main", "build_parser", "env_from_args", "settings_from_args", "YAML_KEYS",
            "FLAG_OPTIONS", "version"]
@@ -384,10 +385,7 @@ def settings_from_args(args: argparse.Namespace, *, check_command: bool = True
     if args.ssh_port is not None and args.ssh_port < 0:
         raise ValueError(f"ssh_port={args.ssh_port} must be >= 0")
     env = env_from_args(args)
-    start_timeout = args.start_timeout
-    if start_timeout is None:
-        raw = environ_snapshot().get("HOROVOD_START_TIMEOUT", "")
-        start_timeout = float(raw) if raw.strip() else 30.0
+    start_timeout = start_timeout_or_env(args.start_timeout)
     nics: list[str] = []
     if args.nics_deprecated:
         nics += [n.strip() for n in args.nics_deprecated.split(",") if n.strip()]

@@ -6,9 +6,11 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from collective.config import environ_snapshot
+
 from .hosts import HostInfo, get_host_assignments, total_slots
 
-__all__ = ["LaunchSettings", "default_mode", "MODE_TCP", "MODE_MPI"]
+__all__ = ["LaunchSettings", "default_mode", "start_timeout_or_env", "MODE_TCP", "MODE_MPI"]
 
 MODE_TCP, MODE_MPI = "tcp", "mpi"
 
@@ -18,6 +20,15 @@ def default_mode() -> str:
     if importlib.util.find_spec("mpi4py") is not None and shutil.which("mpirun") is not None:
         return MODE_MPI
     return MODE_TCP
+
+
+def start_timeout_or_env(given: float | None) -> float:
+    """`given`, else HOROVOD_START_TIMEOUT, else 30 s (horovodrun's rule, for `hvdrun` and
+    `horovod.run` alike)."""
+    if given is not None:
+        return float(given)
+    raw = environ_snapshot().get("HOROVOD_START_TIMEOUT", "")
+    return float(raw) if raw.strip() else 30.0
 
 
 @dataclass(frozen=True)

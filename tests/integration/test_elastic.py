@@ -82,18 +82,24 @@ def test_host_added_by_discovery(tmp_path: Path, process_sets: str) -> None:
     no_orphans(job)
 
 
+def _lose_a_host(tmp_path: Path, steps: int, timeout: float, **env: str):
+    """A 3-worker job on two hosts (localhost:2, 127.0.0.1:1) whose discovery output drops
+    127.0.0.1 after 4 steps; returns (job, exit code, output) once it finished."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    job = Job(tmp_path, ["-np", "3", "--min-np", "2", "--host-discovery-script",
+                         f"cat {hosts}"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.08", **env}, timeout)
+    job.wait_progress(4)
+    hosts.write_text("localhost:2\n")
+    return (job, *job.finish())
+
+
 def test_host_removed_interrupts_without_rollback(tmp_path: Path) -> None:
     """Test 3: a host disappears from the discovery output: HostsUpdatedInterrupt, the worker
     there leaves cleanly, no committed work is rolled back."""
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n127.0.0.1:1\n")
     steps = 50
-    job = Job(tmp_path, ["-np", "3", "--min-np", "2", "--host-discovery-script",
-                         f"cat {hosts}"],
-              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.08"}, 90)
-    job.wait_progress(4)
-    hosts.write_text("localhost:2\n")
-    code, out = job.finish()
+    job, code, out = _lose_a_host(tmp_path, steps, 90)
     assert code == 0, out
     res = job.results()
     assert [r["rank"] for r in res] == [0, 1], out
@@ -112,16 +118,8 @@ def test_update_failing_on_one_rank_syncs_everywhere(tmp_path: Path) -> None:
     it fails on rank 1 only (as when a peer dies during it): rank 1 restores and syncs, rank 0
     took the interrupt for removed hosts (skip_sync). The ranks agree after the reset, so both
     sync instead of rank 0 training against rank 1's sync broadcast (a hang)."""
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n127.0.0.1:1\n")
     steps = 40
-    job = Job(tmp_path, ["-np", "3", "--min-np", "2", "--host-discovery-script",
-                         f"cat {hosts}"],
-              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.08",
-               "ET_UPDATE_FAILS": "1"}, 60)
-    job.wait_progress(4)
-    hosts.write_text("localhost:2\n")
-    code, out = job.finish()
+    job, code, out = _lose_a_host(tmp_path, steps, 60, ET_UPDATE_FAILS="1")
     assert code == 0, out
     res = job.results()
     assert [r["rank"] for r in res] == [0, 1], out
