@@ -41,7 +41,7 @@ class CacheState(enum.Enum):
 
 def _params(req: Request) -> tuple:
     return (int(req.type), int(req.dtype), tuple(req.shape), req.device >= 0, req.prescale,
-            req.postscale, int(req.reduce_op))
+            req.postscale, int(req.reduce_op), req.layout)
 
 
 @dataclass
@@ -128,9 +128,9 @@ class ResponseCache:
 
 # -- wire format (control plane payloads) -----------------------------------------------------
 # Fixed-layout fields, never pickle: a peer's message is data, not code (collective/wire.py).
-_REQ_MAGIC, _RESP_MAGIC = b"RQ1", b"RS1"
+_REQ_MAGIC, _RESP_MAGIC = b"RQ2", b"RS1"
 _REQ_HEAD = struct.Struct("<IB")  # count, shutdown
-_REQ_ROW = struct.Struct("<iBBiiBddB")  # rank type dtype device root op pre post ndim
+_REQ_ROW = struct.Struct("<iBBiiBddQB")  # rank type dtype device root op pre post layout ndim
 _RESP_HEAD = struct.Struct("<IBB")  # count, shutdown, join_active
 _RESP_ROW = struct.Struct("<BBBiiiddIII")  # type dtype op device root last pre post n_names
 #                                            n_sizes n_shapes
@@ -152,7 +152,7 @@ def encode_requests(reqs: Sequence[Request], shutdown: bool) -> bytes:
             raise WireError(f"tensor {r.name[:60]!r}: name longer than {MAX_STR_BYTES} bytes "
                             f"or rank above {MAX_DIMS}")
         add(_REQ_ROW.pack(r.rank, r.type, r.dtype, r.device, r.root, r.reduce_op, r.prescale,
-                          r.postscale, len(shape)))
+                          r.postscale, r.layout, len(shape)))
         if shape:
             add(_DIMS[len(shape)].pack(*shape))
         add(_U32.pack(len(name)))
@@ -176,8 +176,8 @@ def decode_requests(data: bytes) -> tuple[list[Request], bool]:
         for _ in range(n):
             if pos + row > end:
                 raise WireError("truncated")
-            rank, rtype, dtype, device, root, op, pre, post, ndim = _REQ_ROW.unpack_from(
-                data, pos)
+            rank, rtype, dtype, device, root, op, pre, post, layout, ndim = (
+                _REQ_ROW.unpack_from(data, pos))
             pos += row
             if ndim:
                 st = _DIMS[ndim]  # IndexError past MAX_DIMS
@@ -198,7 +198,7 @@ def decode_requests(data: bytes) -> tuple[list[Request], bool]:
             name = data[pos:pos + ln].decode("utf-8", "surrogatepass")
             pos += ln
             out.append(Request(rank, _REQUEST_TYPES[rtype], name, _DATA_TYPES[dtype], shape,
-                               device, root, _REDUCE_OPS[op], pre, post))
+                               device, root, _REDUCE_OPS[op], pre, post, layout=layout))
     except WireError as exc:
         raise WireError(f"malformed request list: {exc} at offset {pos}") from None
     except (KeyError, IndexError, UnicodeDecodeError, struct.error) as exc:
@@ -475,6 +475,12 @@ class MessageTable:
                 f"{_shape_str(b.shape)}."))
             if err:
                 return err
+        err = mismatch(lambda r: f"layout {r.layout:#x}", lambda a, b: (
+            f"Mismatched {op.name} tensor layouts: the tensor packs tensors whose shapes differ "
+            "across ranks (e.g. a DistributedOptimizer gradient bucket of a model that is not "
+            "the same on every rank)."))
+        if err:
+            return err
         if op in (RequestType.ALLREDUCE, RequestType.ADASUM, RequestType.REDUCESCATTER):
             err = mismatch(lambda r: (r.prescale, r.postscale), lambda a, b: (
                 f"Mismatched prescale and/or postscale factors: One rank sent factors "

@@ -80,11 +80,13 @@ def enqueue(kind: RequestType, tensors: Sequence[Any], *, name: str | None = Non
             dtypes: Sequence[DataType] | None = None, shapes: Sequence[tuple] | None = None,
             device: int = CPU_DEVICE, ready_events: Sequence[Any] | None = None,
             allocate: Callable[[tuple, Any], Any] | None = None, grouped: bool = False,
-            contexts: Sequence[dict] | None = None) -> Handle:
+            contexts: Sequence[dict] | None = None, layout: int = 0) -> Handle:
     """Queues one op (or a grouped op) and returns its handle. For adapters and the numpy API.
 
     Host tensors are numpy arrays (dtype and shape read from them); device tensors are opaque
-    objects for the device engine, with `dtypes`/`shapes` given explicitly.
+    objects for the device engine, with `dtypes`/`shapes` given explicitly. `layout`: for a
+    tensor packed from smaller ones, a digest of their shapes (an unsigned 64-bit int): ranks
+    that send different digests under one name get a `MismatchError`, as for shapes.
 
     Raises:
         ValueError: not initialised, bad process set or root, bad splits, duplicate name,
@@ -116,6 +118,9 @@ def enqueue(kind: RequestType, tensors: Sequence[Any], *, name: str | None = Non
                           postscale, -1, outputs[0] if outputs is not None else None, allocate,
                           ready_events[0] if ready_events is not None else None, splits,
                           contexts[0] if contexts is not None else None)]
+    if layout:
+        for e in entries:
+            e.request.layout = layout
     caller = _waiting_caller
     if caller.coord is None:
         rt.submit(state, entries)

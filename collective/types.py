@@ -133,6 +133,9 @@ class Request:
     prescale: float = 1.0
     postscale: float = 1.0
     group_id: int = -1  # local only: members of one grouped op
+    # A digest of how the tensor is assembled from smaller ones (0: not assembled), compared
+    # across ranks like the shape: a gradient bucket's member shapes (`ops.enqueue(layout=)`).
+    layout: int = 0
 
     def num_elements(self) -> int:
         n = 1

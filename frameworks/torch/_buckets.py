@@ -21,12 +21,13 @@ ordered after this step's unpack on the training stream.
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Bucket", "plan_buckets", "FIRST_BUCKET_BYTES"]
+__all__ = ["Bucket", "plan_buckets", "layout_digest", "FIRST_BUCKET_BYTES"]
 
 FIRST_BUCKET_BYTES = 1024 * 1024
 
@@ -48,12 +49,19 @@ class Bucket:
     """Consecutive same-dtype, same-device parameters reduced as one flat tensor."""
 
     __slots__ = ("params", "name", "index", "numel", "offsets", "flat", "views", "ready",
-                 "handle", "send", "cctx", "lock")
+                 "handle", "send", "cctx", "lock", "member_names", "layout")
 
-    def __init__(self, params: list[torch.Tensor], name: str, index: int = 0) -> None:
+    def __init__(self, params: list[torch.Tensor], name: str, index: int = 0,
+                 member_names: Sequence[str] | None = None) -> None:
         self.params = params
         self.name = name
         self.index = index  # position in the optimizer's plan
+        self.member_names = list(member_names) if member_names is not None else [
+            str(i) for i in range(len(params))]
+        # The members' shapes and memory layouts, sent with the bucket's allreduce: ranks whose
+        # buckets hold the same number of elements in different shapes get a MismatchError
+        # instead of summing unrelated gradients.
+        self.layout = layout_digest(params)
         self.offsets: list[int] = []
         n = 0
         for p in params:
@@ -120,9 +128,23 @@ class Bucket:
         else:
             torch._foreach_copy_(grads, self.views)
 
+    def describe(self, limit: int = 12) -> str:
+        """The members' names and shapes, for error texts."""
+        items = [f"{n!r} {tuple(p.shape)}" + (" channels_last" if _channels_last(p) else "")
+                 for n, p in zip(self.member_names[:limit], self.params)]
+        more = len(self.params) - limit
+        return ", ".join(items) + (f" and {more} more" if more > 0 else "")
+
     def reset(self) -> None:
         self.ready = 0
         self.handle = self.send = self.cctx = None
+
+
+def layout_digest(params: Sequence[torch.Tensor]) -> int:
+    """A nonzero unsigned 64-bit digest of the parameters' shapes and memory layouts, in order."""
+    text = ";".join(f"{tuple(p.shape)}{'c' if _channels_last(p) else ''}" for p in params)
+    value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return value or 1
 
 
 def plan_buckets(params: Sequence[torch.Tensor], names: Sequence[str], cap_bytes: int,

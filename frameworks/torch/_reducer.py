@@ -174,7 +174,8 @@ class GradientReducer:
         plan = plan_buckets([s.param for s in slots], [s.name for s in slots],
                             int(cap_mb * 1024 * 1024))
         for indices, name in plan:
-            bucket = Bucket([slots[i].param for i in indices], name, len(self.buckets))
+            bucket = Bucket([slots[i].param for i in indices], name, len(self.buckets),
+                            [slots[i].name for i in indices])
             for i in indices:
                 slots[i].bucket = bucket
             self.buckets.append(bucket)
@@ -311,7 +312,7 @@ class GradientReducer:
         pre, post = self.scale
         bucket.handle = enqueue(RequestType.ALLREDUCE, [send], outputs=[send], name=bucket.name,
                                 process_set=self.process_set, op=self.op, prescale=pre,
-                                postscale=post)
+                                postscale=post, layout=bucket.layout)
 
     def _prepare(self, slot: _Slot) -> torch.Tensor | None:
         """Returns the dense tensor to reduce in place (None: launched as sparse)."""
@@ -388,7 +389,13 @@ class GradientReducer:
                     self._launch_group(group)
             for bucket in self.buckets:
                 assert bucket.send is not None
-                bucket.handle.wait()
+                try:
+                    bucket.handle.wait()
+                except MismatchError as exc:
+                    raise MismatchError(
+                        f"{exc} DistributedOptimizer's gradient bucket {bucket.name!r} on rank "
+                        f"{collective.rank()} holds {bucket.describe()}; every rank must "
+                        "wrap the same model's parameters, in the same order.") from None
                 bucket.unpack(self.compression.decompress(bucket.send, bucket.cctx))
             for slot in self.slots:
                 if (slot.member >= 0 and in_set) or slot.group is not None or (

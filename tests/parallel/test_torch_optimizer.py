@@ -6,6 +6,7 @@ gradients, unused parameters and process sets. Valid at any world size.
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 
 import pytest
@@ -304,6 +305,40 @@ def test_a_parameter_unused_on_one_rank_before_a_synchronous_op():
         assert metric.item() == SIZE
         opt.step()
     assert all_equal(flat_params(model), "unused-then-sync")
+
+
+def test_parameters_that_differ_across_ranks_fail_everywhere():
+    # The last rank's `w` is (3, 2) where the others' is (2, 3): a bucket holds as many elements
+    # on every rank, and would average unrelated gradients. Every rank gets an error naming the
+    # bucket's parameters (per gradient: the gradient set's check), and the job goes on.
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    last = hvd.rank() == SIZE - 1
+    model = nn.ParameterDict({"w": nn.Parameter(torch.ones((3, 2) if last else (2, 3))),
+                              "b": nn.Parameter(torch.ones(2))})
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    if os.environ.get("HOROVOD_BUCKET_CAP_MB") == "0":
+        expected = pytest.raises(ValueError, match="gradients differ across ranks")
+    else:
+        shape = r"\(3, 2\)" if last else r"\(2, 3\)"
+        expected = pytest.raises(
+            hvd.HorovodInternalError,
+            match=rf"Mismatched ALLREDUCE tensor layouts.*rank\(s\) {SIZE - 1} sent layout .*"
+                  rf"bucket 'bucket\.w\+1' on rank {hvd.rank()} holds 'w' {shape}, 'b' \(2,\)")
+    with expected:
+        opt.zero_grad()
+        (model["w"].sum() + model["b"].sum()).backward()
+        opt.step()
+    opt._hvd_reducer.reset()
+    ok = make_model()
+    ok_opt = hvd.DistributedOptimizer(torch.optim.SGD(ok.parameters(), lr=0.1),
+                                      named_parameters=ok.named_parameters())
+    x, y = batch(0, 0, B)
+    ok_opt.zero_grad()
+    nn.functional.mse_loss(ok(x), y).backward()
+    ok_opt.step()
+    assert all_equal(flat_params(ok), "layout-mismatch-then-ok")
 
 
 def test_grad_scaler_and_clipping():

@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from frameworks.torch._buckets import Bucket, _unflat, plan_buckets  # noqa: E402
+from frameworks.torch._buckets import Bucket, _unflat, layout_digest, plan_buckets  # noqa: E402
 
 
 def test_plan_is_reverse_order_small_first_bucket_and_split_by_dtype():
@@ -71,3 +71,19 @@ def test_mark_ready_completes_once_per_step():
     assert [bucket.mark_ready() for _ in range(3)] == [False, False, True]
     bucket.reset()
     assert bucket.ready == 0 and bucket.handle is None
+
+
+def test_layout_digest_tells_shapes_and_memory_layouts_apart():
+    def p(*shape, cl=False):
+        t = torch.zeros(shape)
+        return torch.nn.Parameter(t.to(memory_format=torch.channels_last) if cl else t)
+
+    d = layout_digest([p(2, 3), p(4)])
+    assert d == layout_digest([p(2, 3), p(4)]) and 0 < d < 2**64
+    others = [layout_digest([p(3, 2), p(4)]), layout_digest([p(4), p(2, 3)]),
+              layout_digest([p(6), p(4)]), layout_digest([p(2, 3)])]
+    assert d not in others and len(set(others)) == len(others)
+    assert layout_digest([p(1, 2, 3, 4)]) != layout_digest([p(1, 2, 3, 4, cl=True)])
+    bucket = Bucket([p(2, 3), p(4)], "b", member_names=["w", "b"])
+    assert bucket.layout == d and bucket.describe() == "'w' (2, 3), 'b' (4,)"
+    assert Bucket([p(1)] * 3, "c").describe(limit=2) == "'0' (1,), '1' (1,) and 1 more"

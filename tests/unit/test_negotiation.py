@@ -171,6 +171,20 @@ def test_shape_mismatch_text(type, label):
                           "[2, 3], but another rank sent a tensor of shape [3, 2].")
 
 
+def test_layout_mismatch_text():
+    # Same shape, different layout digests (a gradient bucket packing differently shaped
+    # parameters on one rank); after the shape check, and a layout of 0 on both passes.
+    err = mismatch(req(0, "t", layout=0xab), req(1, "t", layout=0xcd))
+    assert err.startswith("Mismatched ALLREDUCE tensor layouts: the tensor packs tensors whose "
+                          "shapes differ across ranks")
+    assert "rank(s) 0 sent layout 0xab; rank(s) 1 sent layout 0xcd" in err
+    assert mismatch(req(0, "t", shape=(2,), layout=1), req(1, "t", layout=2)).startswith(
+        "Mismatched ALLREDUCE tensor shapes")
+    t = table()
+    [resp] = t.process([[req(0, "t", layout=7)], [req(1, "t", layout=7)]])
+    assert resp.type == ResponseType.ALLREDUCE
+
+
 def test_scale_factor_mismatch_text():
     err = mismatch(req(0, "t", prescale=1.0, postscale=2.0), req(1, "t", prescale=1.0,
                                                                    postscale=0.5))

@@ -40,7 +40,8 @@ def test_miss_then_hit():
 
 @pytest.mark.parametrize("change", [
     dict(shape=(5,)), dict(dtype=DataType.FLOAT64), dict(device=0), dict(prescale=2.0),
-    dict(postscale=0.5), dict(reduce_op=ReduceOp.MAX), dict(type=RequestType.ALLGATHER)])
+    dict(postscale=0.5), dict(reduce_op=ReduceOp.MAX), dict(type=RequestType.ALLGATHER),
+    dict(layout=5)])
 def test_any_parameter_change_is_invalid(change):
     c = ResponseCache(4)
     c.put(resp("a"), req("a"))

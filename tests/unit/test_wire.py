@@ -15,7 +15,7 @@ from collective.wire import MAX_STR_BYTES, WireError, clip_text, quote_name
 
 REQS = [Request(rank=1, type=RequestType.ALLREDUCE, name="grad.w", dtype=DataType.FLOAT16,
                 shape=(3, 4), device=0, root=-1, reduce_op=ReduceOp.AVERAGE, prescale=0.5,
-                postscale=2.0),
+                postscale=2.0, layout=2**64 - 1),
         Request(rank=1, type=RequestType.BROADCAST, name="ünï/ö", dtype=DataType.INT8,
                 shape=(), root=3),
         Request(rank=1, type=RequestType.JOIN, name="join.noname")]
@@ -74,7 +74,7 @@ def test_garbage_raises_wire_error_only() -> None:
 def test_huge_counts_do_not_allocate() -> None:
     # a request list claiming 2**32-1 entries in 8 bytes is refused before any work
     with pytest.raises(WireError, match="cannot fit"):
-        decode_requests(b"RQ1" + struct.pack("<IB", 0xFFFFFFFF, 0))
+        decode_requests(b"RQ2" + struct.pack("<IB", 0xFFFFFFFF, 0))
     with pytest.raises(WireError, match="cannot fit"):
         decode_responses(b"RS1" + struct.pack("<IBB", 0xFFFFFFFF, 0, 0))
 
