@@ -90,8 +90,10 @@ class Bucket:
                           for p, off in zip(self.params, self.offsets)]
         return self.flat
 
-    def pack(self) -> torch.Tensor:
+    def pack(self, sparse_as_dense: bool = False) -> torch.Tensor:
         """Copies every member's gradient into the flat buffer (zeros where there is none).
+        Sparse gradients are densified into it with `sparse_as_dense`, else they are reduced on
+        their own and take zeros here.
 
         Raises:
             AssertionError: a gradient requires grad (backward(create_graph=True)).
@@ -103,18 +105,19 @@ class Bucket:
                 if g is not None and g.requires_grad:
                     raise AssertionError("DistributedOptimizer does not support gradients that "
                                          "require grad (backward(create_graph=True))")
-                if g is None or g.is_sparse:  # sparse ones are reduced on their own
+                if g is None or (g.is_sparse and not sparse_as_dense):
                     view.zero_()
                 else:
-                    view.copy_(g)
+                    view.copy_(g.to_dense() if g.is_sparse else g)
         else:
             torch._foreach_copy_(self.views, grads)  # any layout: copies follow each view
         return flat
 
-    def unpack(self, reduced: torch.Tensor) -> None:
+    def unpack(self, reduced: torch.Tensor, sparse_as_dense: bool = False) -> None:
         """Writes the reduced values back into every member's `.grad` (in place; a member
-        without a gradient gets a new tensor). `reduced` is the flat buffer itself, or a
-        decompressed copy of it."""
+        without a gradient gets a new tensor; with `sparse_as_dense` a sparse one gets the
+        result as a new sparse tensor). `reduced` is the flat buffer itself, or a decompressed
+        copy of it."""
         flat = self._buffer()
         if reduced is not flat:
             flat.copy_(reduced)
@@ -125,6 +128,8 @@ class Bucket:
                     p.grad = view.clone()
                 elif not g.is_sparse:
                     g.copy_(view)
+                elif sparse_as_dense:
+                    p.grad = view.to_sparse()
         else:
             torch._foreach_copy_(grads, self.views)
 

@@ -205,8 +205,11 @@ class GradientReducer:
         bucket = slot.bucket
         if bucket is not None:
             grad = slot.param.grad
-            if grad is not None and grad.is_sparse:
-                self._launch(slot)  # its own (sparse) reduction; zeros in the bucket
+            if grad is not None and grad.is_sparse and not self.sparse_as_dense:
+                # Its own (sparse) reduction; zeros in the bucket. With sparse_as_dense it is
+                # densified into the bucket, so that a rank without this gradient (zeros in
+                # its bucket) still takes part in the same op.
+                self._launch(slot)
             if bucket.mark_ready():
                 self._launch_bucket(bucket)
             return
@@ -306,7 +309,7 @@ class GradientReducer:
         slot.queued = True
 
     def _launch_bucket(self, bucket: Bucket) -> None:
-        flat = bucket.pack()
+        flat = bucket.pack(self.sparse_as_dense)
         send, bucket.cctx = self.compression.compress(flat)
         bucket.send = send
         pre, post = self.scale
@@ -396,7 +399,8 @@ class GradientReducer:
                         f"{exc} DistributedOptimizer's gradient bucket {bucket.name!r} on rank "
                         f"{collective.rank()} holds {bucket.describe()}; every rank must "
                         "wrap the same model's parameters, in the same order.") from None
-                bucket.unpack(self.compression.decompress(bucket.send, bucket.cctx))
+                bucket.unpack(self.compression.decompress(bucket.send, bucket.cctx),
+                              self.sparse_as_dense)
             for slot in self.slots:
                 if (slot.member >= 0 and in_set) or slot.group is not None or (
                         slot.bucket is not None and slot.handle is None):

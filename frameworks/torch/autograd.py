@@ -6,7 +6,8 @@ Each wraps its async op in a `torch.autograd.Function` whose backward pass is Ho
 * allreduce: allreduce of the gradient with the same op and scale factors;
 * allgather: allreduce (Average) of the gradient, then this rank's slice;
 * broadcast: allreduce (Average) of the gradient, zero on non-root ranks;
-* alltoall: alltoall of the gradient with the received splits;
+* alltoall: alltoall of the gradient with the received splits (zeros for rows that
+  `splits` left unsent);
 * reducescatter: allgather of the gradient, times the set's size for Sum, times the factors.
 
 Backward collectives are named after the forward op (`<name>.grad`) when it has a name, so they
@@ -198,7 +199,7 @@ class HorovodAlltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
                 ps: ProcessSet) -> tuple:
-        ctx.name, ctx.ps = name, ps
+        ctx.name, ctx.ps, ctx.dim0 = name, ps, tensor.shape[0] if tensor.dim() else 0
         out, received = wait_now(alltoall_async, tensor, splits, name, ps)
         ctx.received = received
         ctx.mark_non_differentiable(received)
@@ -208,6 +209,8 @@ class HorovodAlltoall(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
         out, _r = wait_now(alltoall_async, grad.contiguous(), ctx.received, _grad_name(ctx.name),
                            ctx.ps)
+        if out.shape[0] < ctx.dim0:  # splits left trailing rows unsent: their gradient is 0
+            out = torch.cat([out, out.new_zeros((ctx.dim0 - out.shape[0], *out.shape[1:]))])
         return out, None, None, None
 
 

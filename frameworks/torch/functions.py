@@ -3,7 +3,8 @@
 
 `broadcast_optimizer_state` sends rank root's whole optimizer state: every scalar (lr, betas,
 step counts, flags) travels pickled in one object, so it keeps its type; every state tensor is
-broadcast in place (allocated first on ranks that have no state yet, so no dummy `step()` runs).
+broadcast in place (allocated first where a rank lacks it). An empty state is first created as
+Horovod does: zero gradients and one plain `step()` (`_initialize_state`).
 """
 from __future__ import annotations
 

@@ -404,6 +404,19 @@ def test_alltoall_grad():
     torch.testing.assert_close(x.grad, want)
 
 
+def test_alltoall_grad_with_rows_left_unsent():
+    # splits may cover fewer rows than the tensor has (only more is an error); the rows left
+    # unsent get a zero gradient (the backward pass used to return too few rows, which autograd
+    # rejected).
+    me = hvd.rank()
+    x = torch.ones(SIZE + 2, 2, requires_grad=True)
+    out, received = hvd.alltoall(x, splits=[1] * SIZE, name="grad.a2a.short")
+    assert out.shape == (SIZE, 2) and received.tolist() == [1] * SIZE
+    (out * (me + 1)).sum().backward()
+    want = torch.cat([torch.arange(1.0, SIZE + 1).view(-1, 1).expand(-1, 2), torch.zeros(2, 2)])
+    torch.testing.assert_close(x.grad, want)
+
+
 def test_reducescatter_grad():
     me = hvd.rank()
     for op in (hvd.Sum, hvd.Average):

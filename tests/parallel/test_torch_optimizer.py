@@ -398,6 +398,35 @@ def test_sparse_gradients(sparse_as_dense):
     torch.testing.assert_close(emb.weight.detach(), ref.weight.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_sparse_as_dense_gradient_missing_on_some_ranks():
+    # Only rank 0 uses the sparse embedding: with sparse_as_dense its gradient is reduced
+    # densely, so the ranks without one contribute zeros to the same op (as Horovod). In the
+    # default bucket mode rank 0 used to reduce it in an op of its own, which the other ranks
+    # never started: a hang.
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.Embedding(10, 3, sparse=True), "lin": nn.Linear(3, 1)})
+    ref = nn.ModuleDict({"emb": nn.Embedding(10, 3), "lin": nn.Linear(3, 1)})
+    ref.load_state_dict(model.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters(),
+                                   sparse_as_dense=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+
+    def loss(m: nn.Module, r: int, step: int) -> torch.Tensor:
+        h = m["emb"](torch.tensor([step, 5])) if r == 0 else torch.ones(2, 3)
+        return m["lin"](h).pow(2).sum()
+
+    for step in range(2):
+        opt.zero_grad()
+        loss(model, hvd.rank(), step).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        (sum(loss(ref, r, step) for r in range(SIZE)) / SIZE).backward()
+        ref_opt.step()
+    assert all_equal(flat_params(model), "sparse-as-dense.missing")
+    torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-5, atol=1e-5)
+
+
 def test_process_set_optimizer():
     ps = PS_EVEN if hvd.rank() % 2 == 0 else PS_ODD
     members = ps.ranks
