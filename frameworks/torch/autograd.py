@@ -121,7 +121,8 @@ class HorovodAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
                 ps: ProcessSet) -> torch.Tensor:
-        ctx.dim0, ctx.name, ctx.ps = tensor.shape[0], name, ps
+        # A 0-d tensor is refused by the negotiation (every rank gets the same error).
+        ctx.dim0, ctx.name, ctx.ps = (tensor.shape[0] if tensor.dim() else 0), name, ps
         return wait_now(allgather_async, tensor, name, ps)
 
     @staticmethod
@@ -135,7 +136,7 @@ class HorovodAllgather(torch.autograd.Function):
 class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, ps: ProcessSet, *tensors: torch.Tensor) -> tuple:
-        ctx.dims, ctx.name, ctx.ps = [t.shape[0] for t in tensors], name, ps
+        ctx.dims, ctx.name, ctx.ps = [t.shape[0] if t.dim() else 0 for t in tensors], name, ps
         return tuple(wait_now(grouped_allgather_async, list(tensors), name, ps))
 
     @staticmethod

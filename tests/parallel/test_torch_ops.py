@@ -203,6 +203,14 @@ def test_allgather(dtype):
     assert torch.equal(hvd.synchronize(h), torch.cat(ps))
 
 
+def test_allgather_of_a_scalar_is_refused_everywhere():
+    # Horovod's message on every rank (its torch wrapper raised a bare IndexError first).
+    for fn in (lambda t: hvd.allgather(t, name="ag0"),
+               lambda t: hvd.grouped_allgather([t], name="gag0")[0]):
+        with pytest.raises(hvd.HorovodInternalError, match="tried to ALLGATHER a rank-zero"):
+            fn(torch.tensor(1.0, requires_grad=True))
+
+
 def test_grouped_allgather():
     a = [torch.full((r + 1, 2), float(r)) for r in range(SIZE)]
     b = [torch.arange(3 * (r + 2), dtype=torch.int32).view(r + 2, 3) for r in range(SIZE)]
