@@ -18,6 +18,11 @@ __all__ = ["Option", "OPTIONS", "SHARED_OPTIONS", "Config", "read_env", "options
 
 
 def _bool(text: str) -> bool:
+    """Horovod's rule (an int > 0 is true), plus true/false, yes/no, on/off in any case.
+
+    Raises:
+        ValueError: none of these (`read_env` turns it into a warning naming the variable).
+    """
     t = text.strip().lower()
     if t in ("", "0", "false", "no", "off"):
         return False
@@ -26,8 +31,8 @@ def _bool(text: str) -> bool:
     try:
         return int(t) > 0
     except ValueError:
-        warnings.warn(f"cannot parse boolean value {text!r}; treating it as false", RuntimeWarning)
-        return False
+        raise ValueError(f"cannot parse boolean value {text!r}; use 1/0, true/false, yes/no "
+                         "or on/off") from None
 
 
 @dataclass(frozen=True)
@@ -192,7 +197,11 @@ def options_by_field() -> Mapping[str, Option]:
 def _parse(option: Option, raw: str) -> Any:
     try:
         return option.type(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as exc:
+        if option.type is _bool:  # Horovod reads any non-number as 0: warn, don't fail
+            warnings.warn(f"{option.env}: {exc}; treating it as false", RuntimeWarning,
+                          stacklevel=3)
+            return False
         raise ValueError(
             f"{option.env}={raw!r} is not a valid {option.type.__name__}"
             f"{' (' + option.unit + ')' if option.unit else ''}: {option.doc}") from None

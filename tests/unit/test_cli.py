@@ -238,7 +238,9 @@ def test_yaml_table_names_real_dests():
 @pytest.mark.parametrize("text,match", [("params:\n  fusion_mb: 1\n", "unknown key params.fusion_mb"),
                                         ("nope: {}\n", "unknown section 'nope'"),
                                         ("controller: jsrun\n", "controller"),
-                                        ("params:\n  cache_capacity: lots\n", "cache_capacity")])
+                                        ("params:\n  cache_capacity: lots\n", "cache_capacity"),
+                                        ("timeline:\n  mark_cycles: maybe\n",
+                                         "timeline.mark_cycles='maybe': cannot parse boolean")])
 def test_config_file_errors(tmp_path, capsys, text, match):
     f = tmp_path / "c.yaml"
     f.write_text(text)

@@ -55,9 +55,11 @@ def test_boolean_parsing(raw, want):
     assert read_env({"HOROVOD_STALL_CHECK_DISABLE": raw}).stall_check_disable is want
 
 
-def test_unparsable_boolean_warns_and_is_false():
-    with pytest.warns(RuntimeWarning, match="cannot parse boolean"):
+def test_unparsable_boolean_warns_naming_the_variable_and_is_false():
+    with pytest.warns(RuntimeWarning, match="cannot parse boolean") as rec:
         assert read_env({"HOROVOD_AUTOTUNE": "maybe"}).autotune is False
+    assert len(rec) == 1
+    assert str(rec[0].message).startswith("HOROVOD_AUTOTUNE: cannot parse boolean value 'maybe'")
 
 
 def test_bad_number_names_the_variable():
