@@ -35,6 +35,18 @@ def _bool(text: str) -> bool:
                          "or on/off") from None
 
 
+def _core_list(text: str) -> str:
+    """HOROVOD_THREAD_AFFINITY: comma-separated core ids, kept as text ('' = no pinning).
+
+    Raises:
+        ValueError: an entry is not a core id.
+    """
+    cores = [c.strip() for c in text.split(",")]
+    if not all(c.isdigit() for c in cores):
+        raise ValueError(f"{text!r} is not a comma list of core ids (e.g. 0,1)")
+    return ",".join(cores)
+
+
 @dataclass(frozen=True)
 class Option:
     field: str  # attribute of Config
@@ -91,7 +103,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", int, 1, "",
            "NCCL streams per device; ringvod uses one", "--num-nccl-streams",
            no_effect=True),
-    Option("thread_affinity", "HOROVOD_THREAD_AFFINITY", str, "", "",
+    Option("thread_affinity", "HOROVOD_THREAD_AFFINITY", _core_list, "", "",
            "comma list of core ids for the coordinator thread, one per local rank",
            "--thread-affinity"),
     # --- autotune ---------------------------------------------------------------------------
@@ -202,6 +214,8 @@ def _parse(option: Option, raw: str) -> Any:
             warnings.warn(f"{option.env}: {exc}; treating it as false", RuntimeWarning,
                           stacklevel=3)
             return False
+        if option.type not in (int, float):
+            raise ValueError(f"{option.env}={raw!r}: {exc}: {option.doc}") from None
         raise ValueError(
             f"{option.env}={raw!r} is not a valid {option.type.__name__}"
             f"{' (' + option.unit + ')' if option.unit else ''}: {option.doc}") from None

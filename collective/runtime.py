@@ -169,7 +169,13 @@ class Runtime:
             return
         cores = [int(c) for c in spec.split(",") if c.strip()]
         if cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {cores[self.local_rank % len(cores)]})
+            core = cores[self.local_rank % len(cores)]
+            try:
+                os.sched_setaffinity(0, {core})
+            except OSError as exc:  # Horovod logs it and runs unpinned
+                _log_.error("HOROVOD_THREAD_AFFINITY=%s: cannot pin the coordinator thread of "
+                            "local rank %d to core %d (%s); it runs unpinned", spec,
+                            self.local_rank, core, exc)
 
     # -- process sets -------------------------------------------------------------------------
     def member_sets(self) -> list[ProcessSetState]:

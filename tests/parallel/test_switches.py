@@ -1,5 +1,6 @@
 """Options that ringvod accepts without effect warn at init(), and HOROVOD_MPI_THREADS_DISABLE
-works: under real MPI ranks (`_switches.py`)."""
+works: under real MPI ranks (`_switches.py`). HOROVOD_THREAD_AFFINITY on a core that is not
+there: under hvdrun --tcp (`_thread_affinity.py`)."""
 from __future__ import annotations
 
 import os
@@ -20,3 +21,15 @@ def test_mpi_threads_disable_and_no_effect_warning(case):
            if case == "disabled"
            else {"HOROVOD_MPI_THREADS_DISABLE": "", "HOROVOD_TORUS_ALLREDUCE": ""})
     run_spmd(SCRIPT, np=2, timeout=90, env=env, args=[case])
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.tcp
+@pytest.mark.timeout(120)
+def test_thread_affinity_on_a_missing_core_logs_and_runs_unpinned():
+    script = os.path.join(os.path.dirname(SCRIPT), "_thread_affinity.py")
+    res = run_spmd(script, np=2, timeout=60, mode="tcp",
+                   env={"HOROVOD_THREAD_AFFINITY": "65535,65534"})
+    text = res.launcher_output + "".join(r.log for r in res.ranks)
+    assert "HOROVOD_THREAD_AFFINITY=65535,65534: cannot pin the coordinator thread" in text, (
+        res.report())

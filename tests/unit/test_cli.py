@@ -32,6 +32,8 @@ def _sample(o) -> tuple[list[str], str]:
         return [o.cli, "3"], str(int(3 * o.cli_scale))
     if o.type is float:
         return [o.cli, "0.5"], "0.5"
+    if o.field == "thread_affinity":
+        return [o.cli, "0,1"], "0,1"
     if o.type is str:
         if o.field == "log_level":
             return [o.cli, "debug"], "DEBUG"
@@ -247,6 +249,13 @@ def test_config_file_errors(tmp_path, capsys, text, match):
     with pytest.raises(SystemExit):
         parse("-np", "1", "--config-file", str(f))
     assert match in capsys.readouterr().err
+
+
+def test_bad_thread_affinity_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        parse("-np", "1", "--thread-affinity", "a,b")
+    assert "argument --thread-affinity: 'a,b' is not a comma list of core ids" in (
+        capsys.readouterr().err)
 
 
 # --- worker environment --------------------------------------------------------------------
