@@ -103,6 +103,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", int, 1, "",
            "NCCL streams per device; ringvod uses one", "--num-nccl-streams",
            no_effect=True),
+    Option("enable_async_completion", "HOROVOD_ENABLE_ASYNC_COMPLETION", _bool, False, "",
+           "GPU ops complete asynchronously; ringvod's always do (CUDA events, docs/gpu.md)",
+           no_effect=True),
+    Option("enable_xla_ops", "HOROVOD_ENABLE_XLA_OPS", _bool, False, "",
+           "TensorFlow XLA custom calls; ringvod's collectives cannot run in XLA-compiled "
+           "functions (docs/tensorflow.md)", no_effect=True),
+    Option("disable_nvtx_ranges", "HOROVOD_DISABLE_NVTX_RANGES", _bool, False, "",
+           "turn off NVTX ranges; ringvod emits none", no_effect=True),
+    Option("adasum_mpi_chunk_size", "HOROVOD_ADASUM_MPI_CHUNK_SIZE", int, 1 << 30, "bytes",
+           "Adasum's MPI chunk size; ringvod has no Adasum", no_effect=True),
+    Option("ccl_cache", "HOROVOD_CCL_CACHE", _bool, False, "",
+           "oneCCL cache; ringvod has no oneCCL", no_effect=True),
     Option("thread_affinity", "HOROVOD_THREAD_AFFINITY", _core_list, "", "",
            "comma list of core ids for the coordinator thread, one per local rank",
            "--thread-affinity"),
@@ -264,6 +276,11 @@ class Config:
     batch_d2d_memcopies: bool
     bucket_cap_mb: float
     num_nccl_streams: int
+    enable_async_completion: bool
+    enable_xla_ops: bool
+    disable_nvtx_ranges: bool
+    adasum_mpi_chunk_size: int
+    ccl_cache: bool
     thread_affinity: str
     autotune: bool
     autotune_log: str
