@@ -47,6 +47,19 @@ def _core_list(text: str) -> str:
     return ",".join(cores)
 
 
+def _transport(text: str) -> str:
+    """HOROVOD_CONTROLLER / HOROVOD_CPU_OPERATIONS: 'mpi', 'gloo' or 'tcp' in any case
+    ('' = detect), as 'mpi' or 'tcp' (Horovod's Gloo is ringvod's tcp mode).
+
+    Raises:
+        ValueError: any other name (Horovod refuses them too; ringvod has no oneCCL).
+    """
+    t = text.strip().lower()
+    if t not in ("", "mpi", "gloo", "tcp"):
+        raise ValueError(f"{text!r} is not supported; use mpi, or gloo (ringvod's tcp mode)")
+    return "tcp" if t == "gloo" else t
+
+
 @dataclass(frozen=True)
 class Option:
     field: str  # attribute of Config
@@ -157,9 +170,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_hide_time", "HOROVOD_LOG_HIDE_TIME", _bool, False, "",
            "drop timestamps from log lines", "--log-without-timestamp"),
     # --- controller and transports ----------------------------------------------------------
-    Option("controller", "HOROVOD_CONTROLLER", str, "", "", "mpi or gloo/tcp (default: detect)"),
-    Option("cpu_operations", "HOROVOD_CPU_OPERATIONS", str, "", "",
-           "mpi or gloo/tcp (default: same as the controller)"),
+    Option("controller", "HOROVOD_CONTROLLER", _transport, "", "",
+           "mpi or gloo/tcp (default: detect)"),
+    Option("cpu_operations", "HOROVOD_CPU_OPERATIONS", _transport, "", "",
+           "mpi or gloo/tcp (default: same as the controller); ringvod runs host ops over the "
+           "controller's transport, so a different value only warns"),
     Option("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", _bool, False, "",
            "ask MPI for MPI_THREAD_SERIALIZED instead of MPI_THREAD_MULTIPLE (ringvod's "
            "coordinator thread needs SERIALIZED); mpi_threads_supported() then returns False",
@@ -353,14 +368,20 @@ def no_effect_set(config: Config) -> list[str]:
     return [o.env for o in OPTIONS if o.no_effect and getattr(config, o.field) != o.default]
 
 
-def warn_no_effect(config: Config) -> None:
-    """One RuntimeWarning naming every option without effect that is set (called by `init()`)."""
+def warn_no_effect(config: Config, mode: str = "") -> None:
+    """One RuntimeWarning naming every option without effect that is set (called by `init()`),
+    and one when HOROVOD_CPU_OPERATIONS asks for other host ops than the mode `init()` chose."""
     names = no_effect_set(config)
     if names:
         verb = "is set but has" if len(names) == 1 else "are set but have"
         warnings.warn(f"{', '.join(names)} {verb} no effect in ringvod (accepted for Horovod "
                       "compatibility; see the README's configuration table)", RuntimeWarning,
                       stacklevel=3)
+    if config.cpu_operations and mode in ("mpi", "tcp") and config.cpu_operations != mode:
+        asked = {"tcp": "gloo/tcp"}.get(config.cpu_operations, config.cpu_operations)
+        warnings.warn(f"HOROVOD_CPU_OPERATIONS={asked} has no effect: ringvod "
+                      f"runs host operations over its controller's transport ({mode} mode here)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def markdown_table() -> str:

@@ -27,14 +27,32 @@ _log_ = _log.get_logger()
 
 def detect_mode(config: Config, comm: Any = None) -> str:
     """Picks the backend: explicit controller, launcher variables, MPI launchers, torchrun, else
-    a single process."""
+    a single process.
+
+    Raises:
+        ValueError: HOROVOD_CONTROLLER asks for tcp mode in an MPI job of several ranks that
+            carries no tcp rendezvous (each rank would be a world of its own).
+    """
     if comm is not None and not isinstance(comm, (list, tuple)):
         return "mpi"
-    ctl = (config.controller or config.cpu_operations).strip().lower()
+    ctl = config.controller or config.cpu_operations  # "mpi", "tcp" or "" (config checks)
     if ctl == "mpi":
         return "mpi"
-    if ctl in ("gloo", "tcp"):
-        return "tcp"
+    if ctl == "tcp":
+        mpi_world = (config.ompi_size > 1 or config.pmi_size > 1
+                     or (config.pmix_rank >= 0 and config.slurm_ntasks > 1))
+        rendezvous = config.rendezvous_addr or (config.env_world_size > 0
+                                                and config.master_addr)
+        if not mpi_world or rendezvous:
+            return "tcp"
+        if config.controller:
+            raise ValueError(
+                "HOROVOD_CONTROLLER=gloo/tcp in an MPI job: ringvod's tcp mode forms its world "
+                "through hvdrun's rendezvous (hvdrun --tcp sets HOROVOD_GLOO_RENDEZVOUS_ADDR/"
+                "PORT, HOROVOD_RANK, HOROVOD_SIZE) or torchrun-style variables, not through MPI; "
+                "launch with hvdrun --tcp, or unset HOROVOD_CONTROLLER to run over MPI")
+        # HOROVOD_CPU_OPERATIONS alone does not pick the controller (as in Horovod): the MPI
+        # job runs in MPI mode, and init() warns that the host ops stay on MPI.
     if config.rendezvous_addr:
         return "tcp"
     if comm is not None or config.ompi_size > 0 or config.pmi_size > 0 or config.pmix_rank >= 0:

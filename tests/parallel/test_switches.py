@@ -15,11 +15,14 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_switches.py"
 @pytest.mark.spmd_driver
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["disabled", "default"])
+@pytest.mark.parametrize("case", ["disabled", "default", "cpu_gloo"])
 def test_mpi_threads_disable_and_no_effect_warning(case):
-    env = ({"HOROVOD_MPI_THREADS_DISABLE": "1", "HOROVOD_TORUS_ALLREDUCE": "1"}
-           if case == "disabled"
-           else {"HOROVOD_MPI_THREADS_DISABLE": "", "HOROVOD_TORUS_ALLREDUCE": ""})
+    env = {"HOROVOD_MPI_THREADS_DISABLE": "", "HOROVOD_TORUS_ALLREDUCE": "",
+           "HOROVOD_CPU_OPERATIONS": "", "HOROVOD_CONTROLLER": ""}
+    if case == "disabled":
+        env.update(HOROVOD_MPI_THREADS_DISABLE="1", HOROVOD_TORUS_ALLREDUCE="1")
+    if case == "cpu_gloo":
+        env.update(HOROVOD_CPU_OPERATIONS="gloo")
     run_spmd(SCRIPT, np=2, timeout=90, env=env, args=[case])
 
 

@@ -202,3 +202,47 @@ def test_thread_affinity_is_a_list_of_core_ids():
         with pytest.raises(ValueError, match=r"HOROVOD_THREAD_AFFINITY=.* is not a comma list "
                                              r"of core ids"):
             read_env({"HOROVOD_THREAD_AFFINITY": bad})
+
+
+@pytest.mark.parametrize("raw,want", [("gloo", "tcp"), ("GLOO", "tcp"), ("tcp", "tcp"),
+                                      ("MPI", "mpi"), (" mpi ", "mpi"), ("", "")])
+def test_controller_names(raw, want):
+    c = read_env({"HOROVOD_CONTROLLER": raw, "HOROVOD_CPU_OPERATIONS": raw})
+    assert c.controller == want and c.cpu_operations == want
+
+
+@pytest.mark.parametrize("env", ["HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS"])
+@pytest.mark.parametrize("raw", ["foo", "ccl", "nccl"])
+def test_unknown_controller_is_an_error_naming_the_variable(env, raw):
+    with pytest.raises(ValueError, match=f"{env}='{raw}': '{raw}' is not supported; use mpi, "
+                                         r"or gloo \(ringvod's tcp mode\)"):
+        read_env({env: raw})
+
+
+MPI_JOB = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}
+
+
+def test_controller_gloo_in_an_mpi_job_without_rendezvous_is_an_error():
+    from collective.runtime import detect_mode
+    with pytest.raises(ValueError, match="HOROVOD_CONTROLLER=gloo/tcp in an MPI job"):
+        detect_mode(read_env({**MPI_JOB, "HOROVOD_CONTROLLER": "gloo"}))
+    # With hvdrun's rendezvous (or alone) the controller picks tcp mode as before.
+    assert detect_mode(read_env({**MPI_JOB, "HOROVOD_CONTROLLER": "gloo",
+                                 "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"})) == "tcp"
+    assert detect_mode(read_env({"HOROVOD_CONTROLLER": "gloo"})) == "tcp"
+
+
+def test_cpu_operations_alone_does_not_split_an_mpi_job():
+    from collective.config import warn_no_effect
+    from collective.runtime import detect_mode
+    c = read_env({**MPI_JOB, "HOROVOD_CPU_OPERATIONS": "gloo"})
+    assert detect_mode(c) == "mpi"
+    with pytest.warns(RuntimeWarning, match="HOROVOD_CPU_OPERATIONS=gloo/tcp has no effect: "
+                                            r"ringvod runs host operations over its "
+                                            r"controller's transport \(mpi mode here\)"):
+        warn_no_effect(c, "mpi")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_no_effect(read_env({"HOROVOD_CPU_OPERATIONS": "gloo"}), "tcp")
+        warn_no_effect(read_env({"HOROVOD_CPU_OPERATIONS": "mpi"}), "mpi")
