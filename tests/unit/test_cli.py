@@ -492,3 +492,11 @@ def test_horovod_run_start_timeout_reads_the_environment(monkeypatch, given, env
     with pytest.raises(KeyboardInterrupt):
         api.run(print, num_proc=1, use_gloo=True, start_timeout=given)
     assert seen[0].start_timeout == expected
+
+
+def test_bad_start_timeout_in_the_environment_names_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("HOROVOD_START_TIMEOUT", "soon")
+    with pytest.raises(SystemExit):
+        cli.main(["-np", "1", "--tcp", sys.executable, "-c", "pass"])
+    assert "hvdrun: error: HOROVOD_START_TIMEOUT='soon' is not a valid float (s)" in (
+        capsys.readouterr().err)
