@@ -102,6 +102,10 @@ class Runtime:
     def create(cls, comm: Any = None, process_sets: Any = None, config: Config | None = None,
                control: Any = None, mode: str | None = None, **kw: Any) -> "Runtime":
         config = config or read_env()
+        # HOROVOD_LOG_LEVEL/_HIDE_TIME apply to what forming the world logs too (the rank
+        # prefix is the launcher's until the world says otherwise).
+        _log.configure(config.log_level, config.log_hide_time,
+                       config.rank if config.rank >= 0 else None)
         if control is None:
             mode = mode or detect_mode(config, comm)
             extra: dict[str, Any] = {}
