@@ -125,8 +125,8 @@ def configure(level: str = "warning", hide_time: bool = False, rank: int | None 
         _LOGGER.propagate = False
     _handler.setFormatter(_Formatter(rank, host, hide_time))
     _LOGGER.setLevel(lvl)
-    if bad is not None:
-        _LOGGER.warning("%s; using 'warning'", bad)
+    if bad is not None:  # once per value: init() configures before and after forming the world
+        log_once(f"bad log level {level!r}", logging.WARNING, "%s; using 'warning'", bad)
 
 
 def get_logger() -> logging.Logger:

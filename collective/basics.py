@@ -40,7 +40,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         update_environ({"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
     rt = Runtime.create(comm=comm, process_sets=process_sets)
     if rt.rank == 0:
-        warn_no_effect(rt.config)
+        warn_no_effect(rt.config, rt.mode)
     _rt.set_current(rt)
     rt.start()
 

@@ -18,6 +18,11 @@ __all__ = ["Option", "OPTIONS", "SHARED_OPTIONS", "Config", "read_env", "options
 
 
 def _bool(text: str) -> bool:
+    """Horovod's rule (an int > 0 is true), plus true/false, yes/no, on/off in any case.
+
+    Raises:
+        ValueError: none of these (`read_env` turns it into a warning naming the variable).
+    """
     t = text.strip().lower()
     if t in ("", "0", "false", "no", "off"):
         return False
@@ -26,8 +31,33 @@ def _bool(text: str) -> bool:
     try:
         return int(t) > 0
     except ValueError:
-        warnings.warn(f"cannot parse boolean value {text!r}; treating it as false", RuntimeWarning)
-        return False
+        raise ValueError(f"cannot parse boolean value {text!r}; use 1/0, true/false, yes/no "
+                         "or on/off") from None
+
+
+def _core_list(text: str) -> str:
+    """HOROVOD_THREAD_AFFINITY: comma-separated core ids, kept as text ('' = no pinning).
+
+    Raises:
+        ValueError: an entry is not a core id.
+    """
+    cores = [c.strip() for c in text.split(",")]
+    if not all(c.isdigit() for c in cores):
+        raise ValueError(f"{text!r} is not a comma list of core ids (e.g. 0,1)")
+    return ",".join(cores)
+
+
+def _transport(text: str) -> str:
+    """HOROVOD_CONTROLLER / HOROVOD_CPU_OPERATIONS: 'mpi', 'gloo' or 'tcp' in any case
+    ('' = detect), as 'mpi' or 'tcp' (Horovod's Gloo is ringvod's tcp mode).
+
+    Raises:
+        ValueError: any other name (Horovod refuses them too; ringvod has no oneCCL).
+    """
+    t = text.strip().lower()
+    if t not in ("", "mpi", "gloo", "tcp"):
+        raise ValueError(f"{text!r} is not supported; use mpi, or gloo (ringvod's tcp mode)")
+    return "tcp" if t == "gloo" else t
 
 
 @dataclass(frozen=True)
@@ -86,7 +116,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", int, 1, "",
            "NCCL streams per device; ringvod uses one", "--num-nccl-streams",
            no_effect=True),
-    Option("thread_affinity", "HOROVOD_THREAD_AFFINITY", str, "", "",
+    Option("enable_async_completion", "HOROVOD_ENABLE_ASYNC_COMPLETION", _bool, False, "",
+           "GPU ops complete asynchronously; ringvod's always do (CUDA events, docs/gpu.md)",
+           no_effect=True),
+    Option("enable_xla_ops", "HOROVOD_ENABLE_XLA_OPS", _bool, False, "",
+           "TensorFlow XLA custom calls; ringvod's collectives cannot run in XLA-compiled "
+           "functions (docs/tensorflow.md)", no_effect=True),
+    Option("disable_nvtx_ranges", "HOROVOD_DISABLE_NVTX_RANGES", _bool, False, "",
+           "turn off NVTX ranges; ringvod emits none", no_effect=True),
+    Option("adasum_mpi_chunk_size", "HOROVOD_ADASUM_MPI_CHUNK_SIZE", int, 1 << 30, "bytes",
+           "Adasum's MPI chunk size; ringvod has no Adasum", no_effect=True),
+    Option("ccl_cache", "HOROVOD_CCL_CACHE", _bool, False, "",
+           "oneCCL cache; ringvod has no oneCCL", no_effect=True),
+    Option("thread_affinity", "HOROVOD_THREAD_AFFINITY", _core_list, "", "",
            "comma list of core ids for the coordinator thread, one per local rank",
            "--thread-affinity"),
     # --- autotune ---------------------------------------------------------------------------
@@ -128,9 +170,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_hide_time", "HOROVOD_LOG_HIDE_TIME", _bool, False, "",
            "drop timestamps from log lines", "--log-without-timestamp"),
     # --- controller and transports ----------------------------------------------------------
-    Option("controller", "HOROVOD_CONTROLLER", str, "", "", "mpi or gloo/tcp (default: detect)"),
-    Option("cpu_operations", "HOROVOD_CPU_OPERATIONS", str, "", "",
-           "mpi or gloo/tcp (default: same as the controller)"),
+    Option("controller", "HOROVOD_CONTROLLER", _transport, "", "",
+           "mpi or gloo/tcp (default: detect)"),
+    Option("cpu_operations", "HOROVOD_CPU_OPERATIONS", _transport, "", "",
+           "mpi or gloo/tcp (default: same as the controller); ringvod runs host ops over the "
+           "controller's transport, so a different value only warns"),
     Option("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", _bool, False, "",
            "ask MPI for MPI_THREAD_SERIALIZED instead of MPI_THREAD_MULTIPLE (ringvod's "
            "coordinator thread needs SERIALIZED); mpi_threads_supported() then returns False",
@@ -192,7 +236,13 @@ def options_by_field() -> Mapping[str, Option]:
 def _parse(option: Option, raw: str) -> Any:
     try:
         return option.type(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as exc:
+        if option.type is _bool:  # Horovod reads any non-number as 0: warn, don't fail
+            warnings.warn(f"{option.env}: {exc}; treating it as false", RuntimeWarning,
+                          stacklevel=3)
+            return False
+        if option.type not in (int, float):
+            raise ValueError(f"{option.env}={raw!r}: {exc}: {option.doc}") from None
         raise ValueError(
             f"{option.env}={raw!r} is not a valid {option.type.__name__}"
             f"{' (' + option.unit + ')' if option.unit else ''}: {option.doc}") from None
@@ -241,6 +291,11 @@ class Config:
     batch_d2d_memcopies: bool
     bucket_cap_mb: float
     num_nccl_streams: int
+    enable_async_completion: bool
+    enable_xla_ops: bool
+    disable_nvtx_ranges: bool
+    adasum_mpi_chunk_size: int
+    ccl_cache: bool
     thread_affinity: str
     autotune: bool
     autotune_log: str
@@ -313,14 +368,20 @@ def no_effect_set(config: Config) -> list[str]:
     return [o.env for o in OPTIONS if o.no_effect and getattr(config, o.field) != o.default]
 
 
-def warn_no_effect(config: Config) -> None:
-    """One RuntimeWarning naming every option without effect that is set (called by `init()`)."""
+def warn_no_effect(config: Config, mode: str = "") -> None:
+    """One RuntimeWarning naming every option without effect that is set (called by `init()`),
+    and one when HOROVOD_CPU_OPERATIONS asks for other host ops than the mode `init()` chose."""
     names = no_effect_set(config)
     if names:
         verb = "is set but has" if len(names) == 1 else "are set but have"
         warnings.warn(f"{', '.join(names)} {verb} no effect in ringvod (accepted for Horovod "
                       "compatibility; see the README's configuration table)", RuntimeWarning,
                       stacklevel=3)
+    if config.cpu_operations and mode in ("mpi", "tcp") and config.cpu_operations != mode:
+        asked = {"tcp": "gloo/tcp"}.get(config.cpu_operations, config.cpu_operations)
+        warnings.warn(f"HOROVOD_CPU_OPERATIONS={asked} has no effect: ringvod "
+                      f"runs host operations over its controller's transport ({mode} mode here)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def markdown_table() -> str:

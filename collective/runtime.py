@@ -27,14 +27,32 @@ _log_ = _log.get_logger()
 
 def detect_mode(config: Config, comm: Any = None) -> str:
     """Picks the backend: explicit controller, launcher variables, MPI launchers, torchrun, else
-    a single process."""
+    a single process.
+
+    Raises:
+        ValueError: HOROVOD_CONTROLLER asks for tcp mode in an MPI job of several ranks that
+            carries no tcp rendezvous (each rank would be a world of its own).
+    """
     if comm is not None and not isinstance(comm, (list, tuple)):
         return "mpi"
-    ctl = (config.controller or config.cpu_operations).strip().lower()
+    ctl = config.controller or config.cpu_operations  # "mpi", "tcp" or "" (config checks)
     if ctl == "mpi":
         return "mpi"
-    if ctl in ("gloo", "tcp"):
-        return "tcp"
+    if ctl == "tcp":
+        mpi_world = (config.ompi_size > 1 or config.pmi_size > 1
+                     or (config.pmix_rank >= 0 and config.slurm_ntasks > 1))
+        rendezvous = config.rendezvous_addr or (config.env_world_size > 0
+                                                and config.master_addr)
+        if not mpi_world or rendezvous:
+            return "tcp"
+        if config.controller:
+            raise ValueError(
+                "HOROVOD_CONTROLLER=gloo/tcp in an MPI job: ringvod's tcp mode forms its world "
+                "through hvdrun's rendezvous (hvdrun --tcp sets HOROVOD_GLOO_RENDEZVOUS_ADDR/"
+                "PORT, HOROVOD_RANK, HOROVOD_SIZE) or torchrun-style variables, not through MPI; "
+                "launch with hvdrun --tcp, or unset HOROVOD_CONTROLLER to run over MPI")
+        # HOROVOD_CPU_OPERATIONS alone does not pick the controller (as in Horovod): the MPI
+        # job runs in MPI mode, and init() warns that the host ops stay on MPI.
     if config.rendezvous_addr:
         return "tcp"
     if comm is not None or config.ompi_size > 0 or config.pmi_size > 0 or config.pmix_rank >= 0:
@@ -84,6 +102,10 @@ class Runtime:
     def create(cls, comm: Any = None, process_sets: Any = None, config: Config | None = None,
                control: Any = None, mode: str | None = None, **kw: Any) -> "Runtime":
         config = config or read_env()
+        # HOROVOD_LOG_LEVEL/_HIDE_TIME apply to what forming the world logs too (the rank
+        # prefix is the launcher's until the world says otherwise).
+        _log.configure(config.log_level, config.log_hide_time,
+                       config.rank if config.rank >= 0 else None)
         if control is None:
             mode = mode or detect_mode(config, comm)
             extra: dict[str, Any] = {}
@@ -169,7 +191,13 @@ class Runtime:
             return
         cores = [int(c) for c in spec.split(",") if c.strip()]
         if cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {cores[self.local_rank % len(cores)]})
+            core = cores[self.local_rank % len(cores)]
+            try:
+                os.sched_setaffinity(0, {core})
+            except OSError as exc:  # Horovod logs it and runs unpinned
+                _log_.error("HOROVOD_THREAD_AFFINITY=%s: cannot pin the coordinator thread of "
+                            "local rank %d to core %d (%s); it runs unpinned", spec,
+                            self.local_rank, core, exc)
 
     # -- process sets -------------------------------------------------------------------------
     def member_sets(self) -> list[ProcessSetState]:

@@ -91,13 +91,21 @@ def version() -> str:
 
 
 def _is_bool(o: Option) -> bool:
-    return o.type is not int and o.type is not float and o.type is not str
+    return isinstance(o.default, bool)
 
 
 def _flag_type(o: Option) -> Callable[[str], Any]:
     if o.field == "log_level":
         return lambda s: s.upper()
-    return o.type
+    if o.type in (int, float, str):
+        return o.type
+
+    def parse(text: str) -> Any:  # argparse shows the parser's own message, not its name
+        try:
+            return o.type(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
 
 
 def _coerce(dest: str, value: Any) -> Any:

@@ -6,7 +6,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from collective.config import environ_snapshot
+from collective.config import environ_snapshot, read_env
 
 from .hosts import HostInfo, get_host_assignments, total_slots
 
@@ -24,11 +24,15 @@ def default_mode() -> str:
 
 def start_timeout_or_env(given: float | None) -> float:
     """`given`, else HOROVOD_START_TIMEOUT, else 30 s (horovodrun's rule, for `hvdrun` and
-    `horovod.run` alike)."""
+    `horovod.run` alike).
+
+    Raises:
+        ValueError: HOROVOD_START_TIMEOUT is not a number (the message names it).
+    """
     if given is not None:
         return float(given)
     raw = environ_snapshot().get("HOROVOD_START_TIMEOUT", "")
-    return float(raw) if raw.strip() else 30.0
+    return read_env({"HOROVOD_START_TIMEOUT": raw.strip()}).start_timeout
 
 
 @dataclass(frozen=True)

@@ -170,9 +170,9 @@ class Coordinator(FastPaths):
         return not self._thread.is_alive()
 
     def _loop(self) -> None:
-        self.rt._pin_thread()
         cause: BaseException | None = None
         try:
+            self.rt._pin_thread()
             timed_out = True  # the first cycle always runs
             while True:
                 cycle = self.tuning.cycle_time  # autotune may change it between cycles

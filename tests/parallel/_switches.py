@@ -2,8 +2,8 @@
 makes ringvod start MPI at MPI_THREAD_SERIALIZED, so mpi_threads_supported() is False.
 
 argv[1]: "disabled" (the environment sets HOROVOD_MPI_THREADS_DISABLE=1 and
-HOROVOD_TORUS_ALLREDUCE=1)
-or "default" (neither is set).
+HOROVOD_TORUS_ALLREDUCE=1), "cpu_gloo" (HOROVOD_CPU_OPERATIONS=gloo: the MPI job stays one
+world in MPI mode, and rank 0 warns that the setting has no effect) or "default" (none is set).
 """
 import sys
 import warnings
@@ -17,8 +17,16 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     hvd.init()
 mine = [str(w.message) for w in caught if "no effect in ringvod" in str(w.message)]
+cpu_ops = [str(w.message) for w in caught if "HOROVOD_CPU_OPERATIONS" in str(w.message)]
 me = hvd.rank()
 assert hvd.mpi_enabled(), "expected MPI mode"
+assert hvd.size() == 2, hvd.size()
+if case == "cpu_gloo":
+    assert cpu_ops == (["HOROVOD_CPU_OPERATIONS=gloo/tcp has no effect: ringvod runs host operations "
+                        "over its controller's transport (mpi mode here)"] if me == 0 else []), (
+        cpu_ops)
+else:
+    assert cpu_ops == [], cpu_ops
 if case == "disabled":
     from mpi4py import MPI
     assert MPI.Query_thread() == MPI.THREAD_SERIALIZED, MPI.Query_thread()

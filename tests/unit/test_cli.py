@@ -32,6 +32,8 @@ def _sample(o) -> tuple[list[str], str]:
         return [o.cli, "3"], str(int(3 * o.cli_scale))
     if o.type is float:
         return [o.cli, "0.5"], "0.5"
+    if o.field == "thread_affinity":
+        return [o.cli, "0,1"], "0,1"
     if o.type is str:
         if o.field == "log_level":
             return [o.cli, "debug"], "DEBUG"
@@ -238,13 +240,22 @@ def test_yaml_table_names_real_dests():
 @pytest.mark.parametrize("text,match", [("params:\n  fusion_mb: 1\n", "unknown key params.fusion_mb"),
                                         ("nope: {}\n", "unknown section 'nope'"),
                                         ("controller: jsrun\n", "controller"),
-                                        ("params:\n  cache_capacity: lots\n", "cache_capacity")])
+                                        ("params:\n  cache_capacity: lots\n", "cache_capacity"),
+                                        ("timeline:\n  mark_cycles: maybe\n",
+                                         "timeline.mark_cycles='maybe': cannot parse boolean")])
 def test_config_file_errors(tmp_path, capsys, text, match):
     f = tmp_path / "c.yaml"
     f.write_text(text)
     with pytest.raises(SystemExit):
         parse("-np", "1", "--config-file", str(f))
     assert match in capsys.readouterr().err
+
+
+def test_bad_thread_affinity_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        parse("-np", "1", "--thread-affinity", "a,b")
+    assert "argument --thread-affinity: 'a,b' is not a comma list of core ids" in (
+        capsys.readouterr().err)
 
 
 # --- worker environment --------------------------------------------------------------------
@@ -481,3 +492,11 @@ def test_horovod_run_start_timeout_reads_the_environment(monkeypatch, given, env
     with pytest.raises(KeyboardInterrupt):
         api.run(print, num_proc=1, use_gloo=True, start_timeout=given)
     assert seen[0].start_timeout == expected
+
+
+def test_bad_start_timeout_in_the_environment_names_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("HOROVOD_START_TIMEOUT", "soon")
+    with pytest.raises(SystemExit):
+        cli.main(["-np", "1", "--tcp", sys.executable, "-c", "pass"])
+    assert "hvdrun: error: HOROVOD_START_TIMEOUT='soon' is not a valid float (s)" in (
+        capsys.readouterr().err)

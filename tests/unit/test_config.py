@@ -55,9 +55,11 @@ def test_boolean_parsing(raw, want):
     assert read_env({"HOROVOD_STALL_CHECK_DISABLE": raw}).stall_check_disable is want
 
 
-def test_unparsable_boolean_warns_and_is_false():
-    with pytest.warns(RuntimeWarning, match="cannot parse boolean"):
+def test_unparsable_boolean_warns_naming_the_variable_and_is_false():
+    with pytest.warns(RuntimeWarning, match="cannot parse boolean") as rec:
         assert read_env({"HOROVOD_AUTOTUNE": "maybe"}).autotune is False
+    assert len(rec) == 1
+    assert str(rec[0].message).startswith("HOROVOD_AUTOTUNE: cannot parse boolean value 'maybe'")
 
 
 def test_bad_number_names_the_variable():
@@ -131,7 +133,34 @@ def test_only_config_reads_the_environment():
 
 NO_EFFECT_ENVS = {"HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "HOROVOD_NUM_NCCL_STREAMS",
                   "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_HIERARCHICAL_ALLREDUCE",
-                  "HOROVOD_HIERARCHICAL_ALLGATHER", "HOROVOD_TORUS_ALLREDUCE"}
+                  "HOROVOD_HIERARCHICAL_ALLGATHER", "HOROVOD_TORUS_ALLREDUCE",
+                  "HOROVOD_ENABLE_ASYNC_COMPLETION", "HOROVOD_ENABLE_XLA_OPS",
+                  "HOROVOD_DISABLE_NVTX_RANGES", "HOROVOD_ADASUM_MPI_CHUNK_SIZE",
+                  "HOROVOD_CCL_CACHE"}
+
+# Horovod's runtime variables (the compatibility contract's table, Spark's aside): each is an
+# option, so it is either honoured or warns at init() that it has no effect.
+HOROVOD_RUNTIME_ENVS = (
+    "HOROVOD_FUSION_THRESHOLD HOROVOD_CYCLE_TIME HOROVOD_CACHE_CAPACITY "
+    "HOROVOD_HIERARCHICAL_ALLREDUCE HOROVOD_HIERARCHICAL_ALLGATHER HOROVOD_TORUS_ALLREDUCE "
+    "HOROVOD_AUTOTUNE HOROVOD_AUTOTUNE_LOG HOROVOD_AUTOTUNE_WARMUP_SAMPLES "
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES "
+    "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE HOROVOD_TIMELINE HOROVOD_TIMELINE_MARK_CYCLES "
+    "HOROVOD_STALL_CHECK_DISABLE HOROVOD_STALL_CHECK_TIME_SECONDS "
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS HOROVOD_LOG_LEVEL HOROVOD_LOG_HIDE_TIME "
+    "HOROVOD_CONTROLLER HOROVOD_CPU_OPERATIONS HOROVOD_MPI_THREADS_DISABLE "
+    "HOROVOD_GLOO_TIMEOUT_SECONDS HOROVOD_GLOO_IFACE HOROVOD_GLOO_RENDEZVOUS_ADDR "
+    "HOROVOD_GLOO_RENDEZVOUS_PORT HOROVOD_RANK HOROVOD_SIZE HOROVOD_LOCAL_RANK "
+    "HOROVOD_LOCAL_SIZE HOROVOD_CROSS_RANK HOROVOD_CROSS_SIZE HOROVOD_HOSTNAME HOROVOD_ELASTIC "
+    "HOROVOD_DYNAMIC_PROCESS_SETS HOROVOD_THREAD_AFFINITY HOROVOD_NUM_NCCL_STREAMS "
+    "HOROVOD_BATCH_D2D_MEMCOPIES HOROVOD_DISABLE_GROUP_FUSION HOROVOD_ENABLE_ASYNC_COMPLETION "
+    "HOROVOD_ENABLE_XLA_OPS HOROVOD_DISABLE_NVTX_RANGES HOROVOD_ADASUM_MPI_CHUNK_SIZE "
+    "HOROVOD_CCL_CACHE HOROVOD_START_TIMEOUT HOROVOD_ELASTIC_TIMEOUT").split()
+
+
+def test_every_horovod_runtime_variable_is_an_option():
+    envs = {o.env for o in OPTIONS}
+    assert [e for e in HOROVOD_RUNTIME_ENVS if e not in envs] == []
 
 
 def test_options_without_effect_say_so_in_table_and_help():
@@ -154,11 +183,66 @@ def test_one_warning_names_every_option_without_effect_that_is_set():
     assert no_effect_set(read_env({"HOROVOD_BATCH_D2D_MEMCOPIES": "1"})) == []
     c = read_env({"HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5", "HOROVOD_NUM_NCCL_STREAMS": "2",
                   "HOROVOD_BATCH_D2D_MEMCOPIES": "0", "HOROVOD_TORUS_ALLREDUCE": "1",
+                  "HOROVOD_ENABLE_XLA_OPS": "1", "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "1024",
                   "HOROVOD_CYCLE_TIME": "5"})
     assert set(no_effect_set(c)) == {"HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
                                      "HOROVOD_NUM_NCCL_STREAMS",
-                                     "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_TORUS_ALLREDUCE"}
+                                     "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_TORUS_ALLREDUCE",
+                                     "HOROVOD_ENABLE_XLA_OPS", "HOROVOD_ADASUM_MPI_CHUNK_SIZE"}
     with pytest.warns(RuntimeWarning, match="no effect in ringvod") as rec:
         warn_no_effect(c)
     assert len(rec) == 1 and "HOROVOD_NUM_NCCL_STREAMS" in str(rec[0].message)
     assert "HOROVOD_CYCLE_TIME" not in str(rec[0].message)
+
+
+def test_thread_affinity_is_a_list_of_core_ids():
+    assert read_env({"HOROVOD_THREAD_AFFINITY": "0, 3"}).thread_affinity == "0,3"
+    assert read_env({"HOROVOD_THREAD_AFFINITY": ""}).thread_affinity == ""
+    for bad in ("a,b", "0,,1", "-1", "1.5"):
+        with pytest.raises(ValueError, match=r"HOROVOD_THREAD_AFFINITY=.* is not a comma list "
+                                             r"of core ids"):
+            read_env({"HOROVOD_THREAD_AFFINITY": bad})
+
+
+@pytest.mark.parametrize("raw,want", [("gloo", "tcp"), ("GLOO", "tcp"), ("tcp", "tcp"),
+                                      ("MPI", "mpi"), (" mpi ", "mpi"), ("", "")])
+def test_controller_names(raw, want):
+    c = read_env({"HOROVOD_CONTROLLER": raw, "HOROVOD_CPU_OPERATIONS": raw})
+    assert c.controller == want and c.cpu_operations == want
+
+
+@pytest.mark.parametrize("env", ["HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS"])
+@pytest.mark.parametrize("raw", ["foo", "ccl", "nccl"])
+def test_unknown_controller_is_an_error_naming_the_variable(env, raw):
+    with pytest.raises(ValueError, match=f"{env}='{raw}': '{raw}' is not supported; use mpi, "
+                                         r"or gloo \(ringvod's tcp mode\)"):
+        read_env({env: raw})
+
+
+MPI_JOB = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}
+
+
+def test_controller_gloo_in_an_mpi_job_without_rendezvous_is_an_error():
+    from collective.runtime import detect_mode
+    with pytest.raises(ValueError, match="HOROVOD_CONTROLLER=gloo/tcp in an MPI job"):
+        detect_mode(read_env({**MPI_JOB, "HOROVOD_CONTROLLER": "gloo"}))
+    # With hvdrun's rendezvous (or alone) the controller picks tcp mode as before.
+    assert detect_mode(read_env({**MPI_JOB, "HOROVOD_CONTROLLER": "gloo",
+                                 "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"})) == "tcp"
+    assert detect_mode(read_env({"HOROVOD_CONTROLLER": "gloo"})) == "tcp"
+
+
+def test_cpu_operations_alone_does_not_split_an_mpi_job():
+    from collective.config import warn_no_effect
+    from collective.runtime import detect_mode
+    c = read_env({**MPI_JOB, "HOROVOD_CPU_OPERATIONS": "gloo"})
+    assert detect_mode(c) == "mpi"
+    with pytest.warns(RuntimeWarning, match="HOROVOD_CPU_OPERATIONS=gloo/tcp has no effect: "
+                                            r"ringvod runs host operations over its "
+                                            r"controller's transport \(mpi mode here\)"):
+        warn_no_effect(c, "mpi")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_no_effect(read_env({"HOROVOD_CPU_OPERATIONS": "gloo"}), "tcp")
+        warn_no_effect(read_env({"HOROVOD_CPU_OPERATIONS": "mpi"}), "mpi")
