@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 __all__ = ["Option", "OPTIONS", "SHARED_OPTIONS", "Config", "read_env", "options_by_field",
-           "environ_snapshot", "no_effect_set", "warn_no_effect", "update_environ"]
+           "environ_snapshot", "no_effect_set", "warn_no_effect", "update_environ", "out_of_range"]
 
 
 def _bool(text: str) -> bool:
@@ -233,9 +233,20 @@ def options_by_field() -> Mapping[str, Option]:
     return dict(_BY_FIELD)
 
 
+def out_of_range(option: Option, value: Any) -> str | None:
+    """Why `value` is not allowed for `option` (None: it is). Numbers that hvdrun takes as flags
+    must be >= 0, from a flag or from the environment alike; the Gaussian process noise lies in
+    [0, 1]."""
+    if not option.cli or option.type not in (int, float):
+        return None
+    if option.field == "autotune_gaussian_process_noise" and not 0 <= value <= 1:
+        return "must be in [0, 1]"
+    return "must be >= 0" if value < 0 else None
+
+
 def _parse(option: Option, raw: str) -> Any:
     try:
-        return option.type(raw)
+        value = option.type(raw)
     except (TypeError, ValueError) as exc:
         if option.type is _bool:  # Horovod reads any non-number as 0: warn, don't fail
             warnings.warn(f"{option.env}: {exc}; treating it as false", RuntimeWarning,
@@ -246,6 +257,10 @@ def _parse(option: Option, raw: str) -> Any:
         raise ValueError(
             f"{option.env}={raw!r} is not a valid {option.type.__name__}"
             f"{' (' + option.unit + ')' if option.unit else ''}: {option.doc}") from None
+    why = out_of_range(option, value)
+    if why:
+        raise ValueError(f"{option.env}={raw!r} {why}: {option.doc}")
+    return value
 
 
 def read_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":

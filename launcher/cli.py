@@ -19,7 +19,7 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from collective.config import OPTIONS, Option
+from collective.config import OPTIONS, Option, out_of_range
 
 from .hosts import HostInfo, parse_hostfile, parse_hosts
 from .settings import (MODE_MPI, MODE_TCP, LaunchSettings, default_mode,
@@ -317,10 +317,9 @@ def env_from_args(args: argparse.Namespace) -> dict[str, str]:
         value = getattr(args, dest, None)
         if value is None:
             continue
-        if o.type in (int, float) and value < 0:
-            raise ValueError(f"{dest}={value} must be >= 0")
-        if o.field == "autotune_gaussian_process_noise" and not 0 <= value <= 1:
-            raise ValueError(f"{dest}={value} must be in [0, 1]")
+        why = out_of_range(o, value)
+        if why:
+            raise ValueError(f"{dest}={value} {why}")
         if o.field in _AUTOTUNE_ONLY and not autotune:
             continue
         if o.field == "timeline_mark_cycles" and not timeline:

@@ -96,8 +96,22 @@ def test_replace_and_frozen():
         c.cycle_time_ms = 3.0  # type: ignore[misc]
 
 
-def test_negative_cycle_time_clamps_to_zero():
-    assert read_env({"HOROVOD_CYCLE_TIME": "-1"}).cycle_time == 0.0
+@pytest.mark.parametrize("env,raw", [
+    ("HOROVOD_CYCLE_TIME", "-1"), ("HOROVOD_FUSION_THRESHOLD", "-5"),
+    ("HOROVOD_CACHE_CAPACITY", "-1"), ("HOROVOD_BUCKET_CAP_MB", "-1"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "-60"), ("HOROVOD_START_TIMEOUT", "-1")])
+def test_negative_values_are_refused_naming_the_variable(env, raw):
+    # As hvdrun refuses the same values as flags (they used to be taken as they were).
+    with pytest.raises(ValueError, match=rf"^{env}='{raw}' must be >= 0: "):
+        read_env({env: raw})
+
+
+def test_range_rules_leave_zero_and_launcher_identities_alone():
+    c = read_env({"HOROVOD_CYCLE_TIME": "0", "HOROVOD_FUSION_THRESHOLD": "0",
+                  "HOROVOD_RANK": "-1", "OMPI_COMM_WORLD_RANK": "-1"})
+    assert c.cycle_time == 0.0 and c.fusion_threshold == 0 and c.rank == -1
+    with pytest.raises(ValueError, match=r"GAUSSIAN_PROCESS_NOISE='1.5' must be in \[0, 1\]"):
+        read_env({"HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "1.5"})
 
 
 def test_secret_is_not_in_repr_or_str():
