@@ -250,9 +250,20 @@ def _contiguous(a: np.ndarray) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-def _require_contiguous(a: np.ndarray) -> np.ndarray:
+def _require_contiguous(a: np.ndarray, written: bool = True) -> np.ndarray:
+    """The tensor of an in-place op; `written`: this rank's result is written into it (not so
+    for a broadcast's root).
+
+    Raises:
+        ValueError: not a C-contiguous numpy array, or read-only where written (checked here:
+            the engine's write would fail on the coordinator and abort the job on every rank).
+    """
     if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
         raise ValueError("Tensor is required to be contiguous.")
+    if written and not a.flags.writeable:
+        raise ValueError("Tensor is read-only: an in-place op writes its result into it. Use "
+                         "the out-of-place form (e.g. allreduce instead of allreduce_) or pass "
+                         "a writeable array.")
     return a
 
 
@@ -379,14 +390,14 @@ def broadcast(tensor: np.ndarray, root_rank: int, name: str | None = None,
 
 def broadcast_async_(tensor: np.ndarray, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
-    t = _require_contiguous(tensor)
+    t = _require_contiguous(tensor, written=_rt.current().rank != root_rank)
     return enqueue(RequestType.BROADCAST, [t], name=name, process_set=process_set,
                    root=root_rank, outputs=[t])
 
 
 def broadcast_(tensor: np.ndarray, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> np.ndarray:
-    t = _require_contiguous(tensor)
+    t = _require_contiguous(tensor, written=_rt.current().rank != root_rank)
     return run_one(RequestType.BROADCAST, t, t, name, process_set, Sum, 1.0, 1.0, root_rank)
 
 

@@ -96,6 +96,29 @@ def test_allreduce_noncontiguous_input_is_copied():
         hvd.allreduce_(base[:, ::2], name="noncontig_inplace")
 
 
+def test_inplace_op_on_a_read_only_array_is_a_local_error():
+    # Once, the engine's write into the array raised on the coordinator and aborted the job.
+    ro = np.ones(3)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        hvd.allreduce_(ro, op=hvd.Sum, name="ro_inplace")
+    with pytest.raises(ValueError, match="read-only"):
+        hvd.allreduce_async_(ro, op=hvd.Sum, name="ro_inplace_async")
+    with pytest.raises(ValueError, match="read-only"):
+        hvd.grouped_allreduce_([np.ones(1), ro], op=hvd.Sum, name="ro_grouped")
+    if hvd.rank() != 0:  # the root only sends: a read-only array is fine there
+        with pytest.raises(ValueError, match="read-only"):
+            hvd.broadcast_(ro, root_rank=0, name="ro_bcast")
+    src = np.full(3, 7.0)
+    src.flags.writeable = False
+    out = hvd.broadcast_(src if hvd.rank() == 0 else np.zeros(3), root_rank=0, name="ro_root")
+    np.testing.assert_allclose(out, np.full(3, 7.0))
+    np.testing.assert_allclose(hvd.allreduce(ro, op=hvd.Sum, name="ro_out_of_place"),
+                               np.full(3, hvd.size()))
+    np.testing.assert_allclose(hvd.allreduce(np.ones(2), op=hvd.Sum, name="ro_after"),
+                               np.full(2, hvd.size()))
+
+
 def test_many_async_allreduces_fuse_and_complete():
     n = 60
     xs = [np.full(257 + i, i + hvd.rank(), dtype=np.float32) for i in range(n)]
