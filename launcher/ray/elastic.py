@@ -120,11 +120,17 @@ class RaySpawner:
             on_exit(wid, 1, None)
             return
         except Exception as exc:  # noqa: BLE001 - the function raised
+            # The worker ends here, as its process would under `hvdrun`: the actor outlives
+            # its task, and its runtime (still a member of the job, still answering
+            # negotiation) would keep its peers waiting in their collectives forever instead
+            # of failing them over to the next round.
+            self.stop(wid, 0)
             self.errors[wid] = "".join(traceback.format_exception_only(exc)).strip()
             self._message(f"ringvod on Ray: worker {wid} on node {node} failed:\n"
                           f"{self.errors[wid]}")
             on_exit(wid, 1, None)
             return
+        self.stop(wid, 0)  # the function returned: the worker ends (see above)
         if out[0] == _EXIT:
             code = out[1]
             on_exit(wid, 0 if code in (None, 0) else 1, None)

@@ -409,3 +409,55 @@ def test_elastic_node_leaves_then_joins(cluster):
     assert res[0]["sizes"] == [2, 1, 2] and res[0]["epoch"] >= 10
     assert res[0]["weights"] == res[1]["weights"] and res[0]["epoch"] == res[1]["epoch"]
     assert _all_cpus_free()
+
+
+def _elastic_raise_on_rank_1():
+    import numpy as np
+
+    import collective as hvd
+    from collective import elastic
+    hvd.init()
+    state = elastic.ObjectState(epoch=0, sizes=[])
+
+    @elastic.run
+    def loop(state):
+        state.sizes.append(hvd.size())
+        for state.epoch in range(state.epoch, 4):
+            if hvd.rank() == 1 and state.epoch == 1:
+                raise ValueError("user error on rank 1")
+            hvd.allreduce(np.ones(2), op=hvd.Sum, name="x")  # rank 0 waits here for rank 1
+            state.commit()
+        return {"rank": hvd.rank(), "size": hvd.size(), "sizes": state.sizes,
+                "epoch": state.epoch}
+
+    return loop(state)
+
+
+@needs_ray
+@pytest.mark.timeout(300)
+def test_elastic_worker_raising_fails_its_peers_over_instead_of_hanging(cluster):
+    import threading
+
+    from horovod.ray import RayExecutor
+    # One worker per node: rank 1 raises while rank 0 waits in an allreduce for it. Its actor
+    # outlived the task, and its runtime kept rank 0 waiting forever; it must end as a process
+    # would, so that rank 0 fails over and finishes alone (rank 1's node is blacklisted).
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=120), min_workers=1, max_workers=2,
+                     cpus_per_worker=CPUS_PER_NODE, elastic_timeout=60)
+    ex.start()
+    out, err = [], []
+
+    def run():
+        try:
+            out.append(ex.run(_elastic_raise_on_rank_1))
+        except BaseException as exc:  # noqa: BLE001
+            err.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(150)
+    ex.shutdown()
+    assert not t.is_alive(), "the survivor hung in its allreduce with the failed worker"
+    assert not err, err
+    assert out[0] == [{"rank": 0, "size": 1, "sizes": [2, 1], "epoch": 3}], out
+    assert _all_cpus_free()
