@@ -203,8 +203,11 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
         server.stop()
     say(result.summary)
     if result.exit_code != 0:
-        raise RuntimeError(f"ringvod on Ray: elastic job failed: {result.error}\n"
+        exc = RuntimeError(f"ringvod on Ray: elastic job failed: {result.error}\n"
                            f"{result.summary}")
+        for wid in sorted(spawner.errors):  # what the workers raised, with their tracebacks
+            exc.add_note(f"ringvod on Ray: worker {wid}: {spawner.errors[wid]}")
+        raise exc
     done = sorted(spawner.results.values(), key=lambda rv: rv[0])
     return [value for _, value in done]
 

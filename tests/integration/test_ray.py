@@ -461,3 +461,24 @@ def test_elastic_worker_raising_fails_its_peers_over_instead_of_hanging(cluster)
     assert not err, err
     assert out[0] == [{"rank": 0, "size": 1, "sizes": [2, 1], "epoch": 3}], out
     assert _all_cpus_free()
+
+
+@needs_ray
+@pytest.mark.timeout(300)
+def test_failed_elastic_job_carries_what_the_worker_raised(cluster):
+    from horovod.ray import RayExecutor
+    # min_workers=2 with one worker per node: once rank 1 raises, its node is blacklisted and
+    # the job cannot re-form; the error must carry rank 1's exception and traceback, not just
+    # "timed out waiting for slots".
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=120), min_workers=2, max_workers=2,
+                     cpus_per_worker=CPUS_PER_NODE, elastic_timeout=5)
+    ex.start()
+    try:
+        with pytest.raises(RuntimeError, match="elastic job failed") as err:
+            ex.run(_elastic_raise_on_rank_1)
+    finally:
+        ex.shutdown()
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert "ValueError" in notes and "user error on rank 1" in notes, notes
+    assert "_elastic_raise_on_rank_1" in notes, notes  # the traceback
+    assert _all_cpus_free()
