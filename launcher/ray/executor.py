@@ -194,7 +194,8 @@ class RayExecutor:
                              f"to place a fixed number of workers on each node")
         for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts),
                             ("num_workers_per_host", num_workers_per_host)):
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if cpus_per_worker < 0:
             raise ValueError(f"cpus_per_worker={cpus_per_worker} must be >= 0")
@@ -257,7 +258,8 @@ class RayExecutor:
         Raises:
             RuntimeError: already started.
             TimeoutError: the placement group or the workers were not ready in time.
-            ValueError: a named network interface has no address here.
+            ValueError: a named network interface has no address here, or a worker would
+                reserve nothing (cpus_per_worker=0 without use_gpu).
         """
         if self.workers or self._elastic_start is not None:
             raise RuntimeError("this RayExecutor is already started; call shutdown() first")
@@ -407,6 +409,9 @@ class RayExecutor:
         unit = {"CPU": self.cpus_per_worker}
         if self.gpus_per_worker:
             unit["GPU"] = self.gpus_per_worker
+        if not any(unit.values()):  # Ray refuses an empty bundle with a text of its own
+            raise ValueError("cpus_per_worker=0 without use_gpu: a worker would reserve "
+                             "nothing; give cpus_per_worker > 0, or use_gpu=True")
         if self.num_hosts is not None:
             per = self.num_workers_per_host
             bundles = [{k: v * per for k, v in unit.items()} for _ in range(self.num_hosts)]

@@ -214,6 +214,10 @@ def test_executor_argument_errors(cluster):
         RayExecutor(s, num_workers=2, min_workers=1)
     with pytest.raises(ValueError, match="below min_workers"):
         RayExecutor(s, min_workers=3, max_workers=2)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        RayExecutor(s, num_workers=True)
+    with pytest.raises(ValueError, match="reserve nothing"):
+        RayExecutor(s, num_workers=1, cpus_per_worker=0).start()
     elastic = RayExecutor(s, min_workers=1, max_workers=2)
     with pytest.raises(NotImplementedError, match="run\\(\\) only"):
         elastic.execute(lambda w: 1)
