@@ -169,7 +169,7 @@ def apply_config_file(path: str, namespace: argparse.Namespace) -> None:
             dest = dest.lstrip("!")
             try:
                 value = _coerce(dest, value)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 raise ValueError(f"{path}: {section}.{key}={value!r}: {exc}") from None
             setattr(namespace, dest, (not value) if negate else value)
 

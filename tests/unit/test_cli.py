@@ -242,7 +242,10 @@ def test_yaml_table_names_real_dests():
                                         ("controller: jsrun\n", "controller"),
                                         ("params:\n  cache_capacity: lots\n", "cache_capacity"),
                                         ("timeline:\n  mark_cycles: maybe\n",
-                                         "timeline.mark_cycles='maybe': cannot parse boolean")])
+                                         "timeline.mark_cycles='maybe': cannot parse boolean"),
+                                        ("library_options:\n  thread_affinity: a,b\n",
+                                         "library_options.thread_affinity='a,b': 'a,b' is not a "
+                                         "comma list of core ids")])
 def test_config_file_errors(tmp_path, capsys, text, match):
     f = tmp_path / "c.yaml"
     f.write_text(text)
