@@ -130,7 +130,8 @@ class RaySpawner:
                           f"{self.errors[wid]}")
             on_exit(wid, 1, None)
             return
-        self.stop(wid, 0)  # the function returned: the worker ends (see above)
+        # The function returned: the actor stays until the job's end (`close`), so that its
+        # runtime's last messages reach the peers still finishing the same step.
         if out[0] == _EXIT:
             code = out[1]
             on_exit(wid, 0 if code in (None, 0) else 1, None)
