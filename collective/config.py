@@ -60,6 +60,22 @@ def _transport(text: str) -> str:
     return "tcp" if t == "gloo" else t
 
 
+def _cpu_operations(text: str) -> str:
+    """HOROVOD_CPU_OPERATIONS: as `_transport`, plus Horovod's 'ccl' (oneCCL), which ringvod
+    accepts and, having no oneCCL, warns about like any value other than its mode's.
+
+    Raises:
+        ValueError: any other name.
+    """
+    if text.strip().lower() == "ccl":
+        return "ccl"
+    try:
+        return _transport(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not supported; use mpi, gloo (ringvod's tcp mode) or "
+                         "ccl (no effect in ringvod)") from None
+
+
 @dataclass(frozen=True)
 class Option:
     field: str  # attribute of Config
@@ -172,9 +188,9 @@ OPTIONS: tuple[Option, ...] = (
     # --- controller and transports ----------------------------------------------------------
     Option("controller", "HOROVOD_CONTROLLER", _transport, "", "",
            "mpi or gloo/tcp (default: detect)"),
-    Option("cpu_operations", "HOROVOD_CPU_OPERATIONS", _transport, "", "",
-           "mpi or gloo/tcp (default: same as the controller); ringvod runs host ops over the "
-           "controller's transport, so a different value only warns"),
+    Option("cpu_operations", "HOROVOD_CPU_OPERATIONS", _cpu_operations, "", "",
+           "mpi, gloo/tcp or ccl (default: same as the controller); ringvod runs host ops over "
+           "the controller's transport, so a different value only warns"),
     Option("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", _bool, False, "",
            "ask MPI for MPI_THREAD_SERIALIZED instead of MPI_THREAD_MULTIPLE (ringvod's "
            "coordinator thread needs SERIALIZED); mpi_threads_supported() then returns False",

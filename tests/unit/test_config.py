@@ -228,9 +228,21 @@ def test_controller_names(raw, want):
 @pytest.mark.parametrize("env", ["HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS"])
 @pytest.mark.parametrize("raw", ["foo", "ccl", "nccl"])
 def test_unknown_controller_is_an_error_naming_the_variable(env, raw):
+    if env == "HOROVOD_CPU_OPERATIONS" and raw == "ccl":  # Horovod's oneCCL: accepted, warned
+        return
     with pytest.raises(ValueError, match=f"{env}='{raw}': '{raw}' is not supported; use mpi, "
-                                         r"or gloo \(ringvod's tcp mode\)"):
+                                         r"(or )?gloo \(ringvod's tcp mode\)"):
         read_env({env: raw})
+
+
+def test_cpu_operations_ccl_is_accepted_and_has_no_effect():
+    # Horovod accepts CCL for host ops (oneCCL); ringvod has none: it warns, the mode stays.
+    from collective.config import warn_no_effect
+    from collective.runtime import detect_mode
+    c = read_env({**MPI_JOB, "HOROVOD_CPU_OPERATIONS": "CCL"})
+    assert c.cpu_operations == "ccl" and detect_mode(c) == "mpi"
+    with pytest.warns(RuntimeWarning, match="HOROVOD_CPU_OPERATIONS=ccl has no effect"):
+        warn_no_effect(c, "mpi")
 
 
 MPI_JOB = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}
