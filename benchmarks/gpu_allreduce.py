@@ -20,6 +20,9 @@ Measures, per size (float32, Sum, in place):
 * dependent (ringvod only): `synchronize(allreduce_async_(x))` on one tensor, op after op,
   each waited for before the next is submitted: one negotiation and thread hand-off per op,
   the per-op host cost without fusion or overlap;
+* with `--eager-ab`: more ringvod in-flight series, each with `collective.ops.EAGER_BYTES` set
+  to a value (0 turns the large-op rule off; a trailing `d` launches through a driven cycle
+  instead of the express lane), alternating with the others;
 * lone: one synchronous op (`hvd.allreduce_`, `dist.all_reduce`) followed by a host wait for
   the GPU, repeated; the median (what a program that needs the value at once sees).
 """
@@ -75,12 +78,15 @@ def main() -> int:
     p.add_argument("--json", default="")
     p.add_argument("--png", default="")
     p.add_argument("--max-bytes", type=int, default=1 << 30)
+    p.add_argument("--min-bytes", type=int, default=0)
     p.add_argument("--lone-sizes", default="1024,65536,1048576")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--quick", action="store_true", help="fewer iterations")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per size")
     p.add_argument("--fuse-all", action="store_true", help="A/B: fuse large device allreduces "
                    "too (collective.fusion.ALONE_BYTES = 0)")
+    p.add_argument("--eager-ab", default="", help="A/B: extra ringvod in-flight series with "
+                   "collective.ops.EAGER_BYTES set to each of these values (0 = off)")
     a = p.parse_args()
     if a.fuse_all:
         import collective.fusion
@@ -129,9 +135,28 @@ def main() -> int:
         raw(x)
         cstream.synchronize()
 
+    import collective.ops as cops
+    default_eager, start_now = cops.EAGER_BYTES, cops._start_now
+
+    def drive_only(rt, state, e):
+        rt.submit(state, [e], wake=False)
+        rt.coordinator.drive()
+
+    def with_eager(v):  # "N": EAGER_BYTES = N; "Nd": and a driven cycle without the express lane
+        def block(pool, names):
+            cops.EAGER_BYTES = int(v.rstrip("d"))
+            if v.endswith("d"):
+                cops._start_now = drive_only
+            try:
+                ringvod_block(pool, names)
+            finally:
+                cops.EAGER_BYTES, cops._start_now = default_eager, start_now
+        return block
+
     impls = [("ringvod", ringvod_block), ("CuPy NCCL", each(raw)),
              ("torch.distributed", each(torchdist))]
-    for nb in [s for s in SIZES if s <= a.max_bytes]:
+    impls += [(f"ringvod eager={v}", with_eager(v)) for v in a.eager_ab.split(",") if v]
+    for nb in [s for s in SIZES if a.min_bytes <= s <= a.max_bytes]:
         # ~20 ms of GPU time per block at ~300 GB/s (at least 20 ops, at most 200).
         iters = min(max(20, int(20e-3 * 300e9 / 2 / max(nb, 1))), 200)
         if a.quick:
@@ -186,6 +211,19 @@ def main() -> int:
               "ringvod's dependent ops (each waited for before the next):")
         print(format_table(["size", "in flight", "ringvod us", "busbw", "cupy us", "busbw",
                             "torch us", "busbw", "rv/raw", "rv/torch", "dependent us"], table))
+        for label, _ in impls[3:]:
+            vt = []
+            for nb in sorted({r["bytes"] for r in rows}):
+                by = {r["series"]: r for r in rows if r["bytes"] == nb}
+                rv, td, base = by[label], by["torch.distributed"], by["ringvod"]
+                vt.append([human_bytes(nb), f"{rv['time_us']:.1f}", f"{base['time_us']:.1f}",
+                           f"{td['time_us']:.1f}", f"{rv['busbw_gbs'] / td['busbw_gbs']:.2f}x",
+                           f"{base['busbw_gbs'] / td['busbw_gbs']:.2f}x",
+                           " ".join(f"{v:.0f}" for v in rv["rounds_us"]),
+                           " ".join(f"{v:.0f}" for v in base["rounds_us"])])
+            print(f"A/B in flight: {label} against ringvod (EAGER_BYTES={default_eager}):")
+            print(format_table(["size", "variant us", "ringvod us", "torch us", "var/torch",
+                                "rv/torch", "variant rounds", "ringvod rounds"], vt))
         lt = []
         for nb in sorted({r["bytes"] for r in lone_rows}):
             by = {r["series"]: r["lone_us"] for r in lone_rows if r["bytes"] == nb}

@@ -38,6 +38,10 @@ Average, Sum, Adasum = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
 Min, Max, Product = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
 _BOOL = DataType.BOOL
 
+# An async device allreduce this large, started by a user's call (`enqueue(eager=True)`), is
+# negotiated and launched on the caller's thread (`_start_now`).
+EAGER_BYTES = 16 << 20
+
 _PREFIX = {RequestType.ALLREDUCE: "allreduce", RequestType.ALLGATHER: "allgather",
            RequestType.BROADCAST: "broadcast", RequestType.ALLTOALL: "alltoall",
            RequestType.REDUCESCATTER: "reducescatter"}
@@ -80,13 +84,17 @@ def enqueue(kind: RequestType, tensors: Sequence[Any], *, name: str | None = Non
             dtypes: Sequence[DataType] | None = None, shapes: Sequence[tuple] | None = None,
             device: int = CPU_DEVICE, ready_events: Sequence[Any] | None = None,
             allocate: Callable[[tuple, Any], Any] | None = None, grouped: bool = False,
-            contexts: Sequence[dict] | None = None, layout: int = 0) -> Handle:
+            contexts: Sequence[dict] | None = None, layout: int = 0,
+            eager: bool = False) -> Handle:
     """Queues one op (or a grouped op) and returns its handle. For adapters and the numpy API.
 
     Host tensors are numpy arrays (dtype and shape read from them); device tensors are opaque
     objects for the device engine, with `dtypes`/`shapes` given explicitly. `layout`: for a
     tensor packed from smaller ones, a digest of their shapes (an unsigned 64-bit int): ranks
     that send different digests under one name get a `MismatchError`, as for shapes.
+    `eager`: the op comes from a user's async call (not a gradient hook): a single device
+    allreduce of `EAGER_BYTES` or more is then negotiated and launched before this returns
+    (`_start_now`).
 
     Raises:
         ValueError: not initialised, bad process set or root, bad splits, duplicate name,
@@ -123,7 +131,10 @@ def enqueue(kind: RequestType, tensors: Sequence[Any], *, name: str | None = Non
             e.request.layout = layout
     caller = _waiting_caller
     if caller.coord is None:
-        rt.submit(state, entries)
+        if eager and device != CPU_DEVICE and not grouped and _eager(entries[0].request):
+            _start_now(rt, state, entries[0])
+        else:
+            rt.submit(state, entries)
     else:  # the first op of a synchronous function (`wait_now`), which waits for it at once
         coord, caller.coord = caller.coord, None
         if not grouped and coord.express(state, entries[0]):
@@ -162,6 +173,27 @@ def run_one(kind: RequestType, tensor: Any, output: Any, name: str | None,
     rt.submit(state, [e], wake=False)
     coord.drive()
     return _wait_blocking(coord, h, Handle.wait)
+
+
+def _eager(req: Request) -> bool:
+    return (req.type is _ALLREDUCE and EAGER_BYTES > 0
+            and req.num_elements() * req.dtype.itemsize >= EAGER_BYTES)
+
+
+def _start_now(rt: Any, state: Any, e: Entry) -> None:
+    """Negotiates and launches a large async device allreduce on the caller's thread, as a
+    synchronous op would (the express lane, else a driven cycle), without waiting for its
+    result. Handed to the coordinator thread instead, the op would reach the GPU only when the
+    caller lets go of the GIL (its next wait, or the interpreter's switch interval): a program
+    that starts many large ops and then waits for them would leave the GPU idle for its whole
+    submit loop. A cycle's host time is hidden behind the GPU time of an op this large, not
+    behind a smaller one's (benchmarks/RESULTS.md). The call returns once the other ranks
+    have taken part in the round: when they submitted the op too, or at their next round
+    (the op then waits as any other)."""
+    coord = rt.coordinator
+    if not coord.express(state, e):
+        rt.submit(state, [e], wake=False)
+        coord.drive()
 
 
 def _names(rt: Any, kind: RequestType, name: str | None, process_set: ProcessSet,

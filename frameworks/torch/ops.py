@@ -69,6 +69,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Starts reducing `tensor` across the process set into a new tensor; returns a handle.
+    A CUDA tensor of 16 MiB or more (`collective.ops.EAGER_BYTES`) is negotiated and launched
+    before the call returns, once every rank has taken part in that round (docs/torch.md).
 
     Raises:
         ValueError: not initialised, unsupported dtype, non-contiguous tensor, duplicate pending
@@ -78,7 +80,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     h = enqueue(RequestType.ALLREDUCE, [tensor], outputs=[output], name=name,
                 process_set=process_set, op=op, prescale=prescale_factor,
-                postscale=postscale_factor)
+                postscale=postscale_factor, eager=True)
     return _add(h, lambda _: output, tensor, output)
 
 
@@ -90,7 +92,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     op = resolve_op(op, average)
     h = enqueue(RequestType.ALLREDUCE, [tensor], outputs=[tensor], name=name,
                 process_set=process_set, op=op, prescale=prescale_factor,
-                postscale=postscale_factor)
+                postscale=postscale_factor, eager=True)
     return _add(h, lambda _: tensor, tensor)
 
 

@@ -427,6 +427,51 @@ def an_op_on_a_second_device_names_both_devices(n: int) -> None:
     run_loopback(n, body)
 
 
+@case
+def large_async_ops_start_on_the_callers_thread(n: int) -> None:
+    # A user's async device allreduce of EAGER_BYTES or more (`enqueue(eager=True)`) is
+    # negotiated and launched inside its enqueue (the express lane, else a driven cycle);
+    # smaller ones and gradient hooks' ops (eager=False) go to the coordinator thread. Ranks
+    # that start the large ops in different orders fall back to ordinary rounds: every result
+    # arrives, none hangs.
+    from collective import _current as runtime
+    from collective import ops as ops_mod
+
+    big = ops_mod.EAGER_BYTES // 4  # float32 elements of the smallest eager op
+
+    def body(rank: int) -> None:
+        coord = runtime.current().coordinator
+        enq(RequestType.ALLREDUCE, [np.ones(4, np.float32)], DataType.FLOAT32,
+            name="bind").wait(10)  # the first device op binds the GPU on the coordinator thread
+        names = [f"big{i}" for i in range(4)]
+
+        def block(order: list[str], eager: bool, length: int) -> None:
+            hs = {nm: enq(RequestType.ALLREDUCE,
+                          [np.full(length, float(rank + i), np.float32)], DataType.FLOAT32,
+                          op=ReduceOp.SUM, name=nm + str(length), eager=eager)
+                  for i, nm in sorted(enumerate(names), key=lambda p: order.index(p[1]))}
+            for i, nm in enumerate(names):
+                want = float(sum(range(n)) + n * i)
+                got = value(hs[nm].wait(10))
+                assert got.shape == (length,) and np.all(got == want), (nm, got[:3], want)
+
+        for _ in range(3):  # the first block fills the response cache
+            block(names, True, big)
+        before = coord.express_rounds
+        for _ in range(3):
+            block(names, True, big)
+        ran_here = coord.express_rounds - before
+        assert ran_here >= 1, "no large async op was negotiated on the caller's thread"
+        before = coord.express_rounds
+        for _ in range(2):
+            block(names, False, big)  # a gradient hook's op
+            block(names, True, big // 2)  # below EAGER_BYTES
+        assert coord.express_rounds == before, coord.express_rounds - before
+        for _ in range(3):  # opposite orders on odd and even ranks
+            block(names if rank % 2 == 0 else names[::-1], True, big)
+    run_loopback(n, body, timeout=60)
+
+
 def main() -> int:
     passed = failed = 0
     for n in (2, 3):

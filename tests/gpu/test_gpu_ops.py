@@ -302,6 +302,31 @@ def test_stream_ordering(hvd) -> None:
 
 
 @pytest.mark.spmd
+def test_large_async_ops_start_at_once_in_any_order(hvd) -> None:
+    """Async allreduces of `collective.ops.EAGER_BYTES` or more are negotiated and launched by
+    the call itself (the express lane on the caller's thread); started in opposite orders on
+    the two ranks they fall back to ordinary rounds. Every result is right, nothing hangs."""
+    from collective import _current
+    from collective.ops import EAGER_BYTES
+
+    r, n = hvd.rank(), hvd.size()
+    coord = _current.current().coordinator
+    numel = EAGER_BYTES // 4 + 3
+    xs = [torch.empty(numel, device="cuda") for _ in range(4)]
+    before = coord.express_rounds
+    for it in range(8):
+        order = list(range(4)) if it < 5 or r % 2 == 0 else [3, 2, 1, 0]
+        for i in order:
+            xs[i].fill_(float(r + i + it))
+        hs = {i: hvd.allreduce_async_(xs[i], op=hvd.Sum, name=f"eager.{i}") for i in order}
+        for i in range(4):
+            hvd.synchronize(hs[i])
+            want = float(sum(q + i + it for q in range(n)))
+            assert torch.all(xs[i] == want).item(), (it, i, xs[i][:3], want)
+    assert coord.express_rounds > before, "no large async op ran on the caller's thread"
+
+
+@pytest.mark.spmd
 def test_mixed_cpu_and_gpu(hvd) -> None:
     r, n = hvd.rank(), hvd.size()
     hs = []
