@@ -79,6 +79,8 @@ def main() -> int:
     p.add_argument("--png", default="")
     p.add_argument("--max-bytes", type=int, default=1 << 30)
     p.add_argument("--min-bytes", type=int, default=0)
+    p.add_argument("--sizes", default="", help="comma list of sizes in bytes instead of the "
+                   "default series")
     p.add_argument("--lone-sizes", default="1024,65536,1048576")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -87,6 +89,8 @@ def main() -> int:
                    "too (collective.fusion.ALONE_BYTES = 0)")
     p.add_argument("--eager-ab", default="", help="A/B: extra ringvod in-flight series with "
                    "collective.ops.EAGER_BYTES set to each of these values (0 = off)")
+    p.add_argument("--alone-ab", default="", help="A/B: extra ringvod in-flight series with "
+                   "collective.fusion.ALONE_BYTES set to each of these values (0 = fuse all)")
     a = p.parse_args()
     if a.fuse_all:
         import collective.fusion
@@ -155,8 +159,22 @@ def main() -> int:
 
     impls = [("ringvod", ringvod_block), ("CuPy NCCL", each(raw)),
              ("torch.distributed", each(torchdist))]
+    import collective.fusion as cfusion
+    default_alone = cfusion.ALONE_BYTES
+
+    def with_alone(v):
+        def block(pool, names):
+            cfusion.ALONE_BYTES = int(v)
+            try:
+                ringvod_block(pool, names)
+            finally:
+                cfusion.ALONE_BYTES = default_alone
+        return block
+
     impls += [(f"ringvod eager={v}", with_eager(v)) for v in a.eager_ab.split(",") if v]
-    for nb in [s for s in SIZES if a.min_bytes <= s <= a.max_bytes]:
+    impls += [(f"ringvod alone={v}", with_alone(v)) for v in a.alone_ab.split(",") if v]
+    sizes = [int(x) for x in a.sizes.split(",") if x] or SIZES
+    for nb in [s for s in sizes if a.min_bytes <= s <= a.max_bytes]:
         # ~20 ms of GPU time per block at ~300 GB/s (at least 20 ops, at most 200).
         iters = min(max(20, int(20e-3 * 300e9 / 2 / max(nb, 1))), 200)
         if a.quick:
@@ -221,7 +239,8 @@ def main() -> int:
                            f"{base['busbw_gbs'] / td['busbw_gbs']:.2f}x",
                            " ".join(f"{v:.0f}" for v in rv["rounds_us"]),
                            " ".join(f"{v:.0f}" for v in base["rounds_us"])])
-            print(f"A/B in flight: {label} against ringvod (EAGER_BYTES={default_eager}):")
+            print(f"A/B in flight: {label} against ringvod (EAGER_BYTES={default_eager}, "
+                  f"ALONE_BYTES={default_alone}):")
             print(format_table(["size", "variant us", "ringvod us", "torch us", "var/torch",
                                 "rv/torch", "variant rounds", "ringvod rounds"], vt))
         lt = []

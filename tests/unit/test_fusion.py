@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collective.fusion import plan_fusion, response_bytes
+from collective.fusion import ALONE_BYTES, plan_fusion, response_bytes
 from collective.types import DataType, ReduceOp, Response, ResponseType
 
 pytestmark = pytest.mark.timeout(30)
@@ -160,7 +160,7 @@ def test_empty_and_single():
 
 
 def test_large_device_allreduces_run_alone():
-    big = 8 * 1024 * 1024 // 4  # float32 elements of ALONE_BYTES
+    big = ALONE_BYTES // 4  # float32 elements
     gpu = [ar("s0", device=0), ar("b1", big, device=0), ar("s2", device=0),
            ar("b3", big, device=0), ar("s4", device=0)]
     # Small ones fuse past the large ones (look-ahead); each large one runs by itself.
