@@ -16,6 +16,9 @@ Ops:
         synchronous functions; the calling thread runs the cycle when it can).
     `wait_now(sync, start, *args)`: `sync(start(*args))` for other synchronous functions, with
         the same fast paths.
+    `splits_values(splits, name, rank)`: alltoall's splits checked by the rule every entry
+        point shares (whole row counts; floats only when whole, never truncated), for an
+        adapter that can check them before the op is queued (a graph being traced).
     `waiting_hook()`: the runtime's `waiting(+1/-1)`, to call around a blocking wait on a
         device op's handle (device requests are then negotiated at once).
     `gradient_set(names, shapes, dtypes, device, process_set, op, prescale, postscale)`: a
@@ -44,10 +47,10 @@ from .engines.device import (DeviceBuffer, DeviceOpError, DeviceResult, allocati
                              record_ready)
 from .gradset import GradientSet
 from .gradset import register as gradient_set
-from .ops import enqueue, run_one, wait_now
+from .ops import enqueue, run_one, splits_values, wait_now
 
-__all__ = ["enqueue", "run_one", "wait_now", "waiting_hook", "config", "process_set_by_id",
-           "bucket_schedule",
+__all__ = ["enqueue", "run_one", "wait_now", "splits_values", "waiting_hook", "config",
+           "process_set_by_id", "bucket_schedule",
            "gradient_set", "GradientSet",
            "DeviceBuffer", "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]
 

@@ -251,27 +251,54 @@ def _entry(state: Any, kind: RequestType, name: str, tensor: Any, dtype: DataTyp
               ready_event, None, {} if context is None else context)
     if kind == _ALLTOALL:
         e.result_kind = "alltoall"
-        e.splits = _alltoall_splits(splits, shape, state.size)
+        e.splits = _alltoall_splits(splits, shape, state.size, name, state.ranks[state.rank])
     return e
 
 
-def _alltoall_splits(splits: Any, shape: tuple, size: int) -> np.ndarray:
+def splits_values(splits: Any, name: str | None, rank: int) -> np.ndarray:
+    """alltoall's `splits` (a list, array or tensor's values) as a 1-D integer array: the one
+    rule for every entry point. Integers are taken as given; floats only when every value is
+    a whole number (2.0, as `n / size` gives); nothing is rounded or truncated. `name`: the
+    op's tensor name (None: unnamed); `rank`: this process's rank, for the message.
+
+    Raises:
+        ValueError: not 1-D, or a value that is not a whole row count (1.5, nan, a bool, a
+            string), naming the tensor, the rank and what was given.
+    """
+    arr = np.asarray(splits)
+    if arr.ndim != 1:
+        raise ValueError("alltoall expects a 1D splits tensor")
+    kind = arr.dtype.kind
+    if kind in "iu":
+        return arr
+    if kind == "f":
+        f = arr.astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            whole = np.isfinite(f) & (np.abs(f) < 2.0 ** 31) & (np.mod(f, 1) == 0)
+        if whole.all():
+            return f.astype(np.int64)
+    shown = np.array2string(arr, separator=", ", threshold=16)
+    tensor = "an unnamed tensor" if name is None else f"tensor {quote_name(name)}"
+    raise ValueError(
+        f"alltoall expects splits to contain 32-bit integer elements: rank {rank} gave "
+        f"splits={shown} ({arr.dtype}) for {tensor}, which are not whole row counts (they "
+        "are never rounded or truncated). Give integers, e.g. a list of ints or an int32 "
+        "tensor; floats are accepted only when every value is whole, such as 2.0.")
+
+
+def _alltoall_splits(splits: Any, shape: tuple, size: int, name: str, rank: int) -> np.ndarray:
     dim0 = shape[0] if shape else 0
     if splits is None:
         if dim0 % size:
             raise ValueError("splits not provided, but first dimension of tensor is not an even "
                              "multiple of the number of workers.")
         return np.full(size, dim0 // size, dtype=np.int32)
-    arr = np.asarray(splits)
-    if arr.ndim != 1:
-        raise ValueError("alltoall expects a 1D splits tensor")
-    if arr.dtype.kind not in "iu":
-        raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
+    arr = splits_values(splits, name, rank)
     if arr.size != size:
         raise ValueError("Number of entries in splits does not equal number of workers.")
     if (arr < 0).any():
         raise ValueError("alltoall splits must be non-negative")
-    if int(arr.sum()) > dim0:
+    if sum(int(v) for v in arr) > dim0:  # Python ints: no overflow, whatever the dtype
         raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
     return arr.astype(np.int32)
 

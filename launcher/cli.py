@@ -25,8 +25,8 @@ from .hosts import HostInfo, parse_hostfile, parse_hosts
 from .settings import (MODE_MPI, MODE_TCP, LaunchSettings, default_mode,
                        start_timeout_or_env)
 
-__all__ = ["main", "build_parser", "env_from_args", "settings_from_args", "YAML_KEYS",
-           "FLAG_OPTIONS", "version"]
+__all__ = ["main", "build_parser", "env_from_args", "settings_from_args", "ignored_flags",
+           "YAML_KEYS", "FLAG_OPTIONS", "version"]
 
 FALLBACK_VERSION = "0.1.0"
 
@@ -305,7 +305,8 @@ def _fmt(o: Option, value: Any) -> str:
 def env_from_args(args: argparse.Namespace) -> dict[str, str]:
     """HOROVOD_* variables for the flags that were set (Horovod's `set_env_from_args`).
 
-    Autotune variables are exported only with --autotune, timeline ones only with a filename.
+    Autotune variables are exported only with --autotune, timeline ones only with a filename
+    (`main` warns about the flags dropped so: `ignored_flags`).
 
     Raises:
         ValueError: `<arg>=<v> must be >= 0`, or the Gaussian process noise is outside [0, 1].
@@ -326,6 +327,70 @@ def env_from_args(args: argparse.Namespace) -> dict[str, str]:
             continue
         env[o.env] = _fmt(o, value)
     return env
+
+
+def _flag(field: str) -> str:
+    return next(o.cli for o in FLAG_OPTIONS.values() if o.field == field)
+
+
+def _given(args: argparse.Namespace, dest: str) -> bool:
+    """A flag that was set to something that would matter (`--no-x`, False, asks nothing)."""
+    value = getattr(args, dest, None)
+    return value is not None and value is not False and value != ""
+
+
+_ELASTIC_ONLY = (("slots", "--slots-per-host"), ("reset_limit", "--reset-limit"),
+                 ("blacklist_cooldown_range", "--blacklist-cooldown-range"),
+                 ("elastic_timeout", "--elastic-timeout"))
+_MPI_ONLY = (("mpi_args", "--mpi-args"), ("binding_args", "--binding-args"),
+             ("mpi_threads_disable", "--mpi-threads-disable"))
+_TCP_ONLY = (("gloo_timeout_seconds", "--gloo-timeout-seconds"),
+             ("start_timeout", "--start-timeout"))
+
+
+def ignored_flags(args: argparse.Namespace, mode: str, elastic: bool) -> list[str]:
+    """One warning line per flag that was given but has no effect, because the flag or mode it
+    only works with is absent. horovodrun drops them silently; they stay accepted (scripts
+    written for it keep working), so this only tells.
+
+    Args:
+        mode: the job's mode (`MODE_TCP` or `MODE_MPI`).
+        elastic: an elastic job (`--min-np`, `--max-np` or `--host-discovery-script`).
+    """
+    out = []
+
+    def warn(flag: str, why: str) -> None:
+        out.append(f"hvdrun: warning: ignoring {flag}: {why}")
+
+    if not _given(args, "autotune"):
+        for dest, o in FLAG_OPTIONS.items():
+            if o.field in _AUTOTUNE_ONLY and _given(args, dest):
+                warn(o.cli, "it only applies with --autotune")
+    if _given(args, "timeline_mark_cycles") and not _given(args, "timeline_filename"):
+        warn(_flag("timeline_mark_cycles"), "it only applies with --timeline-filename")
+    if _given(args, "no_stall_check"):
+        for field in ("stall_check_time", "stall_shutdown_time"):
+            dest = _flag(field).lstrip("-").replace("-", "_")
+            if _given(args, dest):
+                warn(_flag(field), "--no-stall-check turns the stall check off")
+    if not elastic:
+        for dest, flag in _ELASTIC_ONLY:
+            if _given(args, dest):
+                warn(flag, "it only applies to elastic jobs (--host-discovery-script, "
+                           "--min-np or --max-np)")
+    elif _given(args, "slots") and not _given(args, "host_discovery_script"):
+        warn("--slots-per-host", "it only applies with --host-discovery-script (give the "
+                                 "slots of -H/--hostfile hosts there, as host:N)")
+    if mode == MODE_TCP:
+        for dest, flag in _MPI_ONLY:
+            if _given(args, dest):
+                warn(flag, "it only applies in MPI mode (--mpi); this job runs in tcp mode")
+    else:
+        for dest, flag in _TCP_ONLY:
+            if _given(args, dest):
+                warn(flag, "it only applies in tcp mode (--gloo/--tcp); this job runs in MPI "
+                           "mode")
+    return out
 
 
 def _hosts(args: argparse.Namespace) -> list[HostInfo]:
@@ -429,12 +494,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings, elastic = elastic_settings_from_args(args)
         except (ValueError, OSError) as exc:
             parser.error(str(exc))
+        _warn_ignored(args, settings.mode, elastic=True)
         return launch_elastic(settings, elastic)
     try:
         settings = settings_from_args(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    _warn_ignored(args, settings.mode, elastic=False)
     return _launch(settings, quiet=args.quiet)
+
+
+def _warn_ignored(args: argparse.Namespace, mode: str, elastic: bool) -> None:
+    lines = ignored_flags(args, mode, elastic)
+    if lines:
+        sys.stderr.write("".join(line + "\n" for line in lines))
+        sys.stderr.flush()
 
 
 def start_line(settings: LaunchSettings, mpi_text: str = "") -> str:

@@ -34,7 +34,7 @@ from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product
 
 from .._common import process_set_rank, process_set_size
 from ._buffers import dtype_of, eager, enqueue, finish, run_one
-from collective.adapter import process_set_by_id, wait_now
+from collective.adapter import process_set_by_id, splits_values, wait_now
 from .compression import Compression, check_compressor
 
 __all__ = [
@@ -160,7 +160,7 @@ def _k_broadcast(ts: list[tf.Tensor], root: int, name: str | None,
 
 def _k_alltoall(t: tf.Tensor, splits: tf.Tensor | None, name: str | None,
                 ps: ProcessSet) -> list[tf.Tensor]:
-    sp = None if splits is None else np.asarray(splits._numpy(), dtype=np.int32)
+    sp = None if splits is None else splits._numpy()  # checked (never truncated) by enqueue
     res = wait_now(_wait, lambda: enqueue(RequestType.ALLTOALL, [t], name=name, process_set=ps,
                                           splits=sp))
     out, received = res
@@ -412,17 +412,22 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     differentiable (the gradient is an alltoall with the received splits).
 
     Raises:
-        ValueError: bad splits (wrong length, negative, more rows than the tensor has).
+        ValueError: bad splits (wrong length, negative, not whole row counts, more rows
+            than the tensor has).
     """
     t = eager(tensor)
     _check([t])
     name = _name(name, ignore_name_scope)
     sp = None
     if splits is not None:
+        # Passed on as given: the op checks the values (whole row counts, never truncated)
+        # when it is queued. Non-integer splits known now (always, eagerly; constants in a
+        # graph being traced) are checked here, so a bad value fails at the call.
         sp = tf.convert_to_tensor(splits)
-        if sp.dtype.is_floating:
-            raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
-        sp = tf.cast(sp, tf.int32)
+        if not sp.dtype.is_integer:
+            known = tf.get_static_value(sp)
+            if known is not None:
+                sp = tf.constant(splits_values(known, name, collective.rank()))
     nset = process_set_size(process_set)
 
     def run(x: tf.Tensor, s: tf.Tensor | None, nm: str | None) -> list[tf.Tensor]:

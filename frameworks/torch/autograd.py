@@ -222,7 +222,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     is given. Differentiable.
 
     Raises:
-        ValueError: bad splits.
+        ValueError: bad splits (not whole row counts, wrong length, negative, too many rows).
     """
     arr = _splits_array(splits)
     out, received = HorovodAlltoall.apply(tensor, arr, name, process_set)

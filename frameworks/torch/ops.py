@@ -193,15 +193,16 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 
 def _splits_array(splits: Any) -> np.ndarray | None:
+    """`splits` as numpy values, unconverted: the runtime checks them (whole row counts only,
+    never truncated) when the op is queued, with the tensor's name in the message."""
     if splits is None:
         return None
     if isinstance(splits, torch.Tensor):
-        if splits.device.type != "cpu":
-            splits = splits.cpu()
-        if splits.dtype.is_floating_point:
-            raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
-        return splits.numpy().astype(np.int32)
-    return np.asarray(splits, dtype=np.int32)
+        splits = splits.detach().cpu()
+        if splits.dtype == torch.bfloat16:  # no numpy form
+            splits = splits.to(torch.float32)
+        return splits.numpy()
+    return np.asarray(splits)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
@@ -211,7 +212,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     `synchronize` returns `(output, received_splits)`.
 
     Raises:
-        ValueError: bad splits (wrong length, negative, more rows than the tensor has).
+        ValueError: bad splits (wrong length, negative, not whole row counts, more rows
+            than the tensor has).
     """
     h = enqueue(RequestType.ALLTOALL, [tensor], name=name, process_set=process_set,
                 splits=_splits_array(splits))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from collective import ProcessSet, ReduceOp, global_process_set
+from collective import ProcessSet, ReduceOp, global_process_set, rank
 
 from .ops import allgather_async, allreduce_async, process_set_size, synchronize
 
@@ -24,6 +24,18 @@ __all__ = ["SyncBatchNorm"]
 
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _one_value_text(x: torch.Tensor, counts: torch.Tensor, ps: ProcessSet) -> str:
+    """torch.nn.BatchNorm's text for a batch of one value per channel, here over the ranks."""
+    per_rank = [int(n) for n in counts.tolist()]
+    ranks = ps.ranks if ps.ranks is not None else list(range(len(per_rank)))
+    who = ", ".join(f"rank {r}: {n}" for r, n in zip(ranks, per_rank))
+    return (f"Expected more than 1 value per channel when training, got input size "
+            f"{list(x.shape)} on rank {rank()}, and 1 value per channel over the "
+            f"{len(per_rank)} ranks of the process set ({who}): SyncBatchNorm's batch "
+            "statistics cover all of them, and the variance of one value is undefined. Give "
+            "the ranks more than 1 value per channel in all, or call the layer in eval mode.")
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -51,6 +63,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         total = counts.sum()
         if total <= 0:
             raise ValueError("SyncBatchNorm got an empty batch on every rank")
+        if total == 1:  # every rank gathered the same counts: all raise, none waits
+            raise ValueError(_one_value_text(x, counts, ps))
         g_mean = (counts.unsqueeze(1) * means).sum(0) / total
         g_m2 = m2s.sum(0) + (counts.unsqueeze(1) * (means - g_mean).pow(2)).sum(0)
         var = g_m2 / total
@@ -122,7 +136,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Raises:
-            ValueError: input with fewer than 2 dimensions.
+            ValueError: input with fewer than 2 dimensions; in training mode, 1 value per
+                channel over all the process set's ranks (raised on every rank).
         """
         self._check_input_dim(input)
         momentum = 0.0 if self.momentum is None else self.momentum

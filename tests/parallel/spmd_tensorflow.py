@@ -561,7 +561,25 @@ def test_error_paths():
     with pytest.raises(hvd.HorovodInternalError, match="AVERAGE and SUM"):
         hvd.reducescatter(tf.ones(2), op=hvd.Max)
     with pytest.raises(ValueError, match="32-bit integer"):
-        hvd.alltoall(tf.ones(2), splits=[1.0, 1.0])
+        hvd.alltoall(tf.ones(2), splits=[0.5] * SIZE)
+    # Splits are never truncated: non-integral values fail at the call (eagerly, and while
+    # tracing when they are constants), naming the tensor and rank; whole floats are counts.
+    x = tf.range(2.0 * SIZE)
+    for i, bad in enumerate(([1.5] + [0.5] * (SIZE - 1), tf.fill([SIZE], 0.5), [True] * SIZE)):
+        with pytest.raises(ValueError, match="32-bit integer elements") as info:
+            hvd.alltoall(x, splits=bad, name=f"a2a.bad.{i}")
+        for part in (f"a2a.bad.{i}", f"rank {me}", "whole", "2.0"):
+            assert part in str(info.value), (part, str(info.value))
+    with pytest.raises(ValueError, match="32-bit integer elements"):
+        tf.function(lambda t: hvd.alltoall(t, splits=[0.5] * SIZE, name="a2a.bad.graph"))(x)
+    for i, good in enumerate(([2.0] * SIZE, tf.fill([SIZE], 2.0),
+                              tf.constant([2] * SIZE, tf.int64))):
+        out, received = hvd.alltoall(x, splits=good, name=f"a2a.whole.{i}")
+        assert received.numpy().tolist() == [2] * SIZE
+        assert out.numpy().tolist() == [2.0 * me, 2.0 * me + 1] * SIZE
+    out, received = tf.function(lambda t: hvd.alltoall(t, splits=[2.0] * SIZE,
+                                                       name="a2a.whole.graph"))(x)
+    assert received.numpy().tolist() == [2] * SIZE
     with pytest.raises(ValueError, match="keras.optimizers.Optimizer"):
         hvd_keras.DistributedOptimizer(object())
     with pytest.raises(ValueError, match="backward_passes_per_step must be > 0"):

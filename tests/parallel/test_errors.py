@@ -174,6 +174,37 @@ def test_duplicate_name_raises_at_enqueue():
         np.testing.assert_allclose(out, np.full(1, hvd.size()))
 
 
+def test_alltoall_splits_are_whole_row_counts():
+    """Splits are never truncated: a non-integral value fails at the call on the rank that
+    gave it, naming the tensor, the rank and the values; whole floats (2.0) are row counts."""
+    n, me = hvd.size(), hvd.rank()
+    x = np.arange(2 * n, dtype=np.float32).reshape(2 * n, 1)
+    for bad in ([1.5] + [0.5] * (n - 1), np.array([0.5] * n), [float("nan")] * n,
+                np.array([2 ** 31 + 0.0] * n)):
+        with pytest.raises(ValueError) as info:
+            hvd.alltoall(x, splits=bad, name="a2a.float")
+        msg = str(info.value)
+        assert msg.startswith("alltoall expects splits to contain 32-bit integer elements")
+        for part in ("'alltoall.a2a.float'", f"rank {me}", "whole", "2.0"):
+            assert part in msg, (part, msg)
+    assert "1.5" in _msg(lambda: hvd.alltoall(x, splits=[1.5] + [0.5] * (n - 1), name="a2a.f"))
+    # Integral floats and wide integers are row counts, taken exactly.
+    for i, good in enumerate(([2.0] * n, np.full(n, 2, dtype=np.int64),
+                              np.full(n, 2.0, dtype=np.float16))):
+        out, recv = hvd.alltoall(x, splits=good, name=f"a2a.whole.{i}")
+        assert recv.tolist() == [2] * n
+        np.testing.assert_array_equal(out[:, 0], [2 * me, 2 * me + 1] * n)  # same x everywhere
+    # A value too wide for int32 is not wrapped round to a small count.
+    with pytest.raises(ValueError, match=r"^Sum of splits entries is greater"):
+        hvd.alltoall(x, splits=np.array([2 ** 32 + 1] + [0] * (n - 1)), name="a2a.wide")
+
+
+def _msg(fn) -> str:
+    with pytest.raises(ValueError) as info:
+        fn()
+    return str(info.value)
+
+
 def test_local_argument_errors_are_value_errors():
     n = hvd.size()
     with pytest.raises(ValueError, match=r"^broadcast received invalid root rank"):
@@ -181,7 +212,9 @@ def test_local_argument_errors_are_value_errors():
     with pytest.raises(ValueError, match=r"^alltoall expects a 1D splits tensor"):
         hvd.alltoall(np.ones((n, 1)), splits=np.ones((1, n), dtype=np.int32), name="a1")
     with pytest.raises(ValueError, match=r"^alltoall expects splits to contain 32-bit integer"):
-        hvd.alltoall(np.ones((n, 1)), splits=np.ones(n, dtype=np.float32), name="a2")
+        hvd.alltoall(np.ones((n, 1)), splits=np.full(n, 0.5, dtype=np.float32), name="a2")
+    with pytest.raises(ValueError, match=r"^alltoall expects splits to contain 32-bit integer"):
+        hvd.alltoall(np.ones((n, 1)), splits=np.array([True] * n), name="a2b")
     with pytest.raises(ValueError, match=r"^Sum of splits entries is greater than the first "
                                          r"dimension of tensor\."):
         hvd.alltoall(np.ones((n, 1)), splits=np.full(n, 2, dtype=np.int32), name="a3")

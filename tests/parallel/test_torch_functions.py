@@ -289,3 +289,31 @@ def test_sync_batch_norm_in_a_model_with_distributed_optimizer():
         assert all_equal(v, f"syncbn.model.{k}"), k
     with pytest.raises(ValueError, match="expected at least 2D input"):
         hvd.SyncBatchNorm(3)(torch.ones(3))
+
+
+def test_sync_batch_norm_one_value_per_channel_fails_on_every_rank():
+    """As BatchNorm over the global batch: training statistics of 1 value per channel (here
+    across all ranks) raise torch's ValueError, on every rank alike (no rank left waiting),
+    and leave the running statistics alone; 1 value on each of several ranks is fine."""
+    me = hvd.rank()
+    bn = hvd.SyncBatchNorm(3)
+    for shape in ((1, 3), (1, 3, 1, 1)):  # rank 0 holds the only value; the others none
+        x = torch.randn(*shape) if me == 0 else torch.randn(0, *shape[1:])
+        with pytest.raises(ValueError, match="^Expected more than 1 value per channel when "
+                                             "training") as info:
+            bn(x)
+        if SIZE > 1:
+            msg = str(info.value)
+            for part in (f"rank {me}", f"{SIZE} ranks", "rank 0: 1", f"rank {SIZE - 1}: 0",
+                         "eval mode"):
+                assert part in msg, (part, msg)
+        assert torch.equal(bn.running_mean, torch.zeros(3))
+        assert torch.equal(bn.running_var, torch.ones(3))
+    # The layer goes on working, in step on every rank.
+    full = torch.randn(max(SIZE, 2), 3, generator=torch.Generator().manual_seed(7))
+    rows = full[me:me + 1] if SIZE > 1 else full  # one row each (two alone)
+    plain = nn.BatchNorm1d(3)
+    torch.testing.assert_close(bn(rows), plain(full)[me:me + 1] if SIZE > 1 else plain(full))
+    torch.testing.assert_close(bn.running_var, plain.running_var)
+    bn.eval()  # eval mode uses the running statistics: one value is fine
+    assert bn(full[:1]).shape == (1, 3)

@@ -269,6 +269,25 @@ def test_alltoall(dtype):
 def test_alltoall_errors():
     with pytest.raises(ValueError, match="Number of entries in splits"):
         hvd.alltoall(torch.ones(4), splits=[1] * (SIZE + 1))
+    x = torch.arange(2.0 * SIZE)
+    # Non-integral splits fail at the call (never truncated to whole rows), on every path.
+    for i, bad in enumerate(([1.5] + [0.5] * (SIZE - 1), torch.full((SIZE,), 0.5),
+                             torch.full((SIZE,), 1.5, dtype=torch.bfloat16),
+                             np.full(SIZE, 0.5), torch.ones(SIZE, dtype=torch.bool))):
+        for call in (lambda: hvd.alltoall(x, splits=bad, name=f"a2a.bad.{i}"),
+                     lambda: hvd.synchronize(hvd.alltoall_async(x, bad, name=f"a2a.bad.{i}"))):
+            with pytest.raises(ValueError, match="32-bit integer elements") as info:
+                call()
+            msg = str(info.value)
+            for part in (f"'alltoall.a2a.bad.{i}'", f"rank {hvd.rank()}", "whole", "2.0"):
+                assert part in msg, (part, msg)
+    # Whole floats are row counts; int64 values past int32 are not wrapped to small ones.
+    for i, good in enumerate(([2.0] * SIZE, torch.full((SIZE,), 2.0))):
+        out, received = hvd.alltoall(x, splits=good, name=f"a2a.whole.{i}")
+        assert received.tolist() == [2] * SIZE
+        assert out.tolist() == [2.0 * hvd.rank(), 2.0 * hvd.rank() + 1] * SIZE
+    with pytest.raises(ValueError, match="Sum of splits entries is greater"):
+        hvd.alltoall(x, splits=torch.tensor([2 ** 32 + 1] + [0] * (SIZE - 1)), name="a2a.wide")
     if SIZE > 1:
         with pytest.raises(ValueError, match="even multiple"):
             hvd.alltoall(torch.ones(SIZE + 1))

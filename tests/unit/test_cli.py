@@ -95,6 +95,107 @@ def test_autotune_and_timeline_gating():
     assert env["HOROVOD_TIMELINE_MARK_CYCLES"] == "1"
 
 
+# Flags that only work with another flag (or in one mode): given without it, hvdrun ignores
+# them as horovodrun does, but says so on stderr, one line each.
+IGNORED = [
+    (["--autotune-log-file", "a.csv"], "tcp", False, "--autotune-log-file", "--autotune"),
+    (["--autotune-warmup-samples", "0"], "tcp", False, "--autotune-warmup-samples",
+     "--autotune"),
+    (["--no-autotune", "--autotune-steps-per-sample", "4"], "tcp", False,
+     "--autotune-steps-per-sample", "--autotune"),
+    (["--autotune-bayes-opt-max-samples", "4"], "mpi", False,
+     "--autotune-bayes-opt-max-samples", "--autotune"),
+    (["--autotune-gaussian-process-noise", "0.5"], "tcp", False,
+     "--autotune-gaussian-process-noise", "--autotune"),
+    (["--timeline-mark-cycles"], "tcp", False, "--timeline-mark-cycles",
+     "--timeline-filename"),
+    (["--no-stall-check", "--stall-check-warning-time-seconds", "5"], "tcp", False,
+     "--stall-check-warning-time-seconds", "--no-stall-check"),
+    (["--stall-check-shutdown-time-seconds", "9", "--no-stall-check"], "mpi", False,
+     "--stall-check-shutdown-time-seconds", "--no-stall-check"),
+    (["--slots-per-host", "2"], "tcp", False, "--slots-per-host", "--host-discovery-script"),
+    (["--reset-limit", "3"], "mpi", False, "--reset-limit", "--min-np"),
+    (["--blacklist-cooldown-range", "1", "5"], "tcp", False, "--blacklist-cooldown-range",
+     "elastic"),
+    (["--elastic-timeout", "60"], "tcp", False, "--elastic-timeout", "elastic"),
+    (["--min-np", "1", "-H", "a:1,b:1", "--slots-per-host", "2"], "tcp", True,
+     "--slots-per-host", "--host-discovery-script"),
+    (["--mpi-args", "-x FOO"], "tcp", False, "--mpi-args", "MPI mode"),
+    (["--binding-args", "-bind-to none"], "tcp", False, "--binding-args", "MPI mode"),
+    (["--mpi-threads-disable"], "tcp", True, "--mpi-threads-disable", "MPI mode"),
+    (["--gloo-timeout-seconds", "5"], "mpi", False, "--gloo-timeout-seconds", "tcp mode"),
+    (["--start-timeout", "9"], "mpi", False, "--start-timeout", "tcp mode"),
+]
+
+
+@pytest.mark.parametrize("argv,mode,elastic,flag,needs", IGNORED,
+                         ids=[" ".join(c[0]) for c in IGNORED])
+def test_flags_ignored_without_their_companion_warn(argv, mode, elastic, flag, needs):
+    lines = cli.ignored_flags(parse(*argv), mode, elastic)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"hvdrun: warning: ignoring {flag}: "), lines
+    assert needs in lines[0] and "\n" not in lines[0], lines
+
+
+def test_flags_with_their_companion_do_not_warn():
+    for argv, mode, elastic in (
+            (["--autotune", "--autotune-log-file", "a.csv", "--autotune-warmup-samples", "0",
+              "--autotune-gaussian-process-noise", "0.5"], "tcp", False),
+            (["--timeline-filename", "t.json", "--timeline-mark-cycles"], "tcp", False),
+            (["--no-timeline-mark-cycles"], "tcp", False),  # off, as without a timeline
+            (["--stall-check-warning-time-seconds", "5",
+              "--stall-check-shutdown-time-seconds", "9"], "mpi", False),
+            (["--host-discovery-script", "d.sh", "--slots-per-host", "2", "--reset-limit", "3",
+              "--blacklist-cooldown-range", "1", "5", "--elastic-timeout", "60",
+              "--gloo-timeout-seconds", "5"], "tcp", True),
+            (["--mpi", "--mpi-args", "-x FOO", "--binding-args", "-bind-to none",
+              "--mpi-threads-disable"], "mpi", False),
+            (["--gloo-timeout-seconds", "5", "--start-timeout", "9"], "tcp", False),
+            ([], "tcp", False), ([], "mpi", False)):
+        assert cli.ignored_flags(parse(*argv), mode, elastic) == [], argv
+
+
+def test_ignored_flags_are_warned_not_refused(monkeypatch, capsys):
+    """hvdrun still runs the job (horovodrun's scripts keep working), the env still gated."""
+    seen = []
+    monkeypatch.setattr(cli, "_launch", lambda settings, quiet=False: seen.append(settings)
+                        or 0)
+    assert cli.main(["-np", "1", "--tcp", "--autotune-log-file", "a.csv",
+                     "--timeline-mark-cycles", "--mpi-args", "-x A", "-q", "true"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["hvdrun: warning: ignoring --autotune-log-file: it only applies with "
+                   "--autotune",
+                   "hvdrun: warning: ignoring --timeline-mark-cycles: it only applies with "
+                   "--timeline-filename",
+                   "hvdrun: warning: ignoring --mpi-args: it only applies in MPI mode (--mpi); "
+                   "this job runs in tcp mode"]
+    assert seen and "HOROVOD_AUTOTUNE_LOG" not in seen[0].env_overrides
+    assert "HOROVOD_TIMELINE_MARK_CYCLES" not in seen[0].env_overrides
+
+
+def test_ignored_flags_of_an_elastic_job_are_warned(monkeypatch, capsys):
+    import launcher.elastic.cli as elastic_cli
+    seen = []
+    monkeypatch.setattr(elastic_cli, "launch_elastic",
+                        lambda settings, elastic: seen.append(elastic) or 0)
+    assert cli.main(["-np", "2", "--min-np", "1", "-H", "a:1,b:1", "--slots-per-host", "4",
+                     "--reset-limit", "2", "true"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "hvdrun: warning: ignoring --slots-per-host: it only applies with "
+        "--host-discovery-script (give the slots of -H/--hostfile hosts there, as host:N)"]
+    assert seen[0].reset_limit == 2
+
+
+def test_config_file_values_without_their_companion_warn(tmp_path):
+    pytest.importorskip("yaml")
+    f = tmp_path / "c.yaml"
+    f.write_text("autotune:\n  enabled: false\n  log_file: a.csv\n"
+                 "timeline:\n  mark_cycles: true\n")
+    lines = cli.ignored_flags(parse("--config-file", str(f)), "tcp", False)
+    assert [line.split(":")[2].strip() for line in lines] == [
+        "ignoring --autotune-log-file", "ignoring --timeline-mark-cycles"]
+
+
 @pytest.mark.parametrize("flag,dest", [("--fusion-threshold-mb", "fusion_threshold_mb"),
                                        ("--cycle-time-ms", "cycle_time_ms"),
                                        ("--cache-capacity", "cache_capacity"),
