@@ -486,3 +486,61 @@ def test_failed_elastic_job_carries_what_the_worker_raised(cluster):
     assert "ValueError" in notes and "user error on rank 1" in notes, notes
     assert "_elastic_raise_on_rank_1" in notes, notes  # the traceback
     assert _all_cpus_free()
+
+
+def _elastic_rank_1_raises_at_the_end(when, marker):
+    import numpy as np
+
+    import collective as hvd
+    from collective import elastic
+    hvd.init()
+    state = elastic.ObjectState(epoch=0)
+
+    @elastic.run
+    def loop(state):
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="last")  # the job's last collective
+        return hvd.rank()
+
+    rank = loop(state)
+    deadline = time.monotonic() + 60
+    if rank == 0:
+        if when == "while rank 0 finishes":  # returns after the driver has heard of rank 1
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(2)
+        else:
+            open(marker, "w").close()
+        return {"rank": 0}
+    if when == "while rank 0 finishes":
+        open(marker, "w").close()
+    else:  # raises once rank 0 has returned
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+    raise ValueError("rank 1 raises at the end")
+
+
+@needs_ray
+@pytest.mark.timeout(300)
+def test_elastic_worker_raising_in_the_last_round_fails_the_job(cluster):
+    from horovod.ray import RayExecutor
+    # One worker per node, min_workers=2: rank 1 raises after the last collective, while or
+    # after rank 0 returns. Nothing is left for rank 0 to fail, so no new round forms: the job
+    # failed, and run() must not return rank 0's result alone (it did when the driver heard of
+    # rank 1's exception before rank 0's return).
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=120), min_workers=2, max_workers=2,
+                     cpus_per_worker=CPUS_PER_NODE, elastic_timeout=5)
+    ex.start()
+    try:
+        for when in ("while rank 0 finishes", "after rank 0 returned"):
+            marker = os.path.join(tempfile.mkdtemp(), "marker")
+            with pytest.raises(RuntimeError, match="elastic job failed") as err:
+                ex.run(_elastic_rank_1_raises_at_the_end, args=(when, marker))
+            assert "worker 1 (rank 1 on host " in str(err.value), (when, str(err.value))
+            assert "failed in the last round" in str(err.value), (when, str(err.value))
+            notes = "\n".join(getattr(err.value, "__notes__", []))
+            assert "ValueError" in notes and "rank 1 raises at the end" in notes, (when, notes)
+            assert "_elastic_rank_1_raises_at_the_end" in notes, (when, notes)  # traceback
+    finally:
+        ex.shutdown()
+    assert _all_cpus_free()
