@@ -544,3 +544,61 @@ def test_elastic_worker_raising_in_the_last_round_fails_the_job(cluster):
     finally:
         ex.shutdown()
     assert _all_cpus_free()
+
+
+def _elastic_wait_forever(marker_dir):
+    import numpy as np
+
+    import collective as hvd
+    from collective import elastic
+    hvd.init()
+    state = elastic.ObjectState(epoch=0)
+
+    @elastic.run
+    def loop(state):
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="x")
+        open(os.path.join(marker_dir, f"started.{hvd.rank()}"), "w").close()
+        time.sleep(600)
+
+    return loop(state)
+
+
+@needs_ray
+@pytest.mark.timeout(300)
+def test_elastic_workers_the_driver_ended_are_not_reported_lost(cluster):
+    import signal
+    import threading
+
+    from horovod.ray import RayExecutor
+    # SIGINT stops the job: the driver ends both (running) workers' actors. The notes must
+    # say so once per worker ("worker 0: ... ended by the elastic driver"), not call them lost
+    # with Ray's "died unexpectedly" and the worker id twice.
+    d = tempfile.mkdtemp()
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=120), min_workers=2, max_workers=2,
+                     cpus_per_worker=CPUS_PER_NODE, elastic_timeout=5)
+    ex.start()
+    started = [os.path.join(d, f"started.{r}") for r in (0, 1)]
+    stop = threading.Event()
+
+    def interrupt():  # run() handles SIGINT once its workers run (its driver's handler is in)
+        while not stop.wait(0.1):
+            if all(os.path.exists(p) for p in started):
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    t = threading.Thread(target=interrupt, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(RuntimeError, match="received SIGINT") as err:
+            ex.run(_elastic_wait_forever, args=(d,))
+    finally:
+        stop.set()
+        t.join(5)
+        ex.shutdown()
+    notes = getattr(err.value, "__notes__", [])
+    assert len(notes) == 2, notes
+    for wid, note in enumerate(notes):
+        assert note.startswith(f"ringvod on Ray: worker {wid}: its actor on Ray node "), note
+        assert note.endswith(" was ended by the elastic driver"), note
+        assert note.count(f"worker {wid}") == 1 and "lost" not in note, note
+    assert _all_cpus_free()
