@@ -239,6 +239,37 @@ def test_discovery_script_timeout_kills_its_children(tmp_path) -> None:
             os.kill(child, signal.SIGKILL)
 
 
+
+@pytest.mark.parametrize("child", [
+    # A child that left the script's session but is still the shell's child.
+    "setsid sleep 100 & echo $! > {marker}; wait",
+    # `setsid -f` forks: the sleeping child is orphaned at once (its parent exits), so
+    # neither the process group nor the process tree leads to it.
+    "setsid -f sh -c 'echo $$ > {marker}.tmp; mv {marker}.tmp {marker}; exec sleep 100'; "
+    "while [ ! -e {marker} ]; do sleep 0.05; done; sleep 100",
+], ids=["setsid-child", "setsid-orphan"])
+@pytest.mark.timeout(60)
+def test_discovery_script_timeout_kills_children_in_their_own_session(tmp_path, child) -> None:
+    marker = tmp_path / "pid"
+    start = time.monotonic()
+    with pytest.raises(DiscoveryError, match="did not finish within 2 s"):
+        HostDiscoveryScript(child.format(marker=marker),
+                            timeout=2).find_available_hosts_and_slots()
+    assert time.monotonic() - start < 10
+    pid = int(marker.read_text())
+    try:
+        assert os.getsid(pid) == pid, "the child did not start a session of its own"
+    except ProcessLookupError:
+        pass  # already gone
+    try:
+        deadline = time.monotonic() + 5
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(pid), "the script's child in a session of its own outlived the timeout"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
 def _args(*argv: str):
     return build_parser().parse_args([*argv, "python", "x.py"])
 
