@@ -7,7 +7,8 @@ import os
 import signal
 from typing import Callable
 
-__all__ = ["pdeathsig_preexec", "wait_no_reap", "killpg_quiet", "describe_exit"]
+__all__ = ["pdeathsig_preexec", "wait_no_reap", "killpg_quiet", "kill_process_tree",
+           "describe_exit"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -74,3 +75,79 @@ def killpg_quiet(pgid: int, sig: int) -> bool:
 def describe_exit(code: int, signal_name: str | None) -> str:
     """`1`, or `143 (killed by SIGTERM)` for a death by signal."""
     return f"{code} (killed by {signal_name})" if signal_name else str(code)
+
+
+def kill_process_tree(root: int, marker: str | None = None) -> None:
+    """SIGKILLs the process group led by `root` and, where /proc exists (Linux), everything
+    else `root` started: its descendants, and every process whose environment holds `marker`
+    (a `NAME=value` the caller put in `root`'s environment, which children inherit).
+
+    The group alone misses a child that left it (`setsid`, a new process group); the process
+    tree misses one whose parent has exited (a double fork, `setsid -f`: it now belongs to
+    init). The marker reaches both, unless the child cleared its environment and was orphaned
+    too; nothing short of a cgroup can find that one. Found processes are stopped (SIGSTOP)
+    before the next search, so that none can start another behind it, then all are killed.
+    """
+    needle = marker.encode() if marker else None
+    me = os.getpid()
+    killpg_quiet(root, signal.SIGSTOP)
+    found: set[int] = set()
+    for _ in range(20):  # each pass stops what it finds: forks cannot outrun it for long
+        new = (_descendants(root) | _carrying(needle)) - found - {me}
+        if not new:
+            break
+        for pid in new:
+            _kill_quiet(pid, signal.SIGSTOP)
+        found |= new
+    killpg_quiet(root, signal.SIGKILL)
+    for pid in found:
+        _kill_quiet(pid, signal.SIGKILL)
+
+
+def _kill_quiet(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:  # no /proc (not Linux)
+        return []
+
+
+def _descendants(root: int) -> set[int]:
+    """The live descendants of `root` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(pid)
+    out: set[int] = set()
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo.extend(children.get(pid, []))
+    return out
+
+
+def _carrying(needle: bytes | None) -> set[int]:
+    """The processes whose environment holds `needle` as one whole entry (from /proc)."""
+    if not needle:
+        return set()
+    out: set[int] = set()
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    out.add(pid)
+        except OSError:  # gone, or another user's
+            continue
+    return out

@@ -13,18 +13,23 @@
 """
 from __future__ import annotations
 
+import os
 import random
 import re
-import signal
+import secrets
 import subprocess
 import time
 from typing import Any, Callable, Mapping
 
-from .._proc import killpg_quiet
+from .._proc import kill_process_tree
 from ..hosts import HostInfo
 
 __all__ = ["HostDiscovery", "HostDiscoveryScript", "FixedHosts", "CallableDiscovery",
            "as_discovery", "HostManager", "DiscoveryError", "parse_discovery_output"]
+
+# Set, to a value of its own, in the environment of each run of a discovery script: what
+# `kill_process_tree` looks for when the run has to be killed.
+RUN_MARKER_ENV = "RINGVOD_DISCOVERY_RUN"
 
 _LINE = re.compile(r"^(?P<host>[\w.-]+)(?::(?P<slots>[0-9]+))?$")
 
@@ -78,22 +83,27 @@ class HostDiscoveryScript(HostDiscovery):
         self.script, self.default_slots, self.timeout = script, default_slots, timeout
 
     def find_available_hosts_and_slots(self) -> dict[str, int]:
-        # The script runs in a session of its own, so that a timeout (or an interrupt) kills
-        # the whole process group: the shell and anything it started.
+        # The script runs in a session of its own, with a variable of this run in its
+        # environment, so that a timeout (or an interrupt) kills the shell and everything it
+        # started: its process group, and (Linux) any child that left the group or the session
+        # (`setsid`) or was orphaned, found by its ancestry or by the inherited variable.
+        token = secrets.token_hex(8)
+        marker = f"{RUN_MARKER_ENV}={token}"
         try:
             proc = subprocess.Popen(self.script, shell=True, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                    env={**os.environ, RUN_MARKER_ENV: token})
         except OSError as exc:
             raise DiscoveryError(f"cannot run host discovery script {self.script!r}: "
                                  f"{exc}") from None
         try:
             stdout, stderr = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            _kill_all(proc, marker)
             raise DiscoveryError(f"host discovery script {self.script!r} did not finish "
                                  f"within {self.timeout:.0f} s") from None
         except BaseException:
-            _kill_group(proc)
+            _kill_all(proc, marker)
             raise
         if proc.returncode != 0:
             err = stderr.strip().splitlines()
@@ -103,9 +113,10 @@ class HostDiscoveryScript(HostDiscovery):
                                       f"host discovery script {self.script!r}")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILLs the process group led by `proc`, reaps `proc` and closes its pipes."""
-    killpg_quiet(proc.pid, signal.SIGKILL)
+def _kill_all(proc: subprocess.Popen, marker: str) -> None:
+    """SIGKILLs `proc` and what it started (`kill_process_tree`), reaps `proc` and closes its
+    pipes."""
+    kill_process_tree(proc.pid, marker)
     proc.wait()
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:

@@ -78,6 +78,7 @@ class _Worker:
     exit: tuple[int, str | None] | None = None
     removed: bool = False
     failed: bool = False
+    round: int = 0          # the last round it was placed in
 
     @property
     def live(self) -> bool:
@@ -328,7 +329,7 @@ class ElasticDriver:
     def _launch(self, slot: SlotInfo, sync: bool) -> None:
         wid = self._next_id
         self._next_id += 1
-        w = _Worker(wid, slot.hostname, slot.rank, answered_seq=0)
+        w = _Worker(wid, slot.hostname, slot.rank, answered_seq=0, round=self._round)
         self._workers[wid] = w
         self._answer(w, 0, self._assignment(slot, sync))
         env = dict(self.env_for(slot))
@@ -368,8 +369,13 @@ class ElasticDriver:
             self._message(f"hvdrun: {text}")
             # The survivors re-form after the failure anyway: no host update to announce.
             self._notified = self._signature()
-        if not any(x.live for x in self._workers.values()):
+        if not any(x.live for x in self._workers.values()) and not self._finished_this_round():
             self._stop("no worker is left to continue the job")
+        # (With a peer that finished in this round, the job is over: `_result` says why.)
+
+    def _finished_this_round(self) -> bool:
+        return any(w.exit is not None and w.exit[0] == 0 and not w.removed
+                   and w.round == self._round for w in self._workers.values())
 
     def _kill_all(self) -> None:
         for w in self._workers.values():
@@ -458,7 +464,7 @@ class ElasticDriver:
                                                      "elastic job"})
         for wid, slot in placed.items():
             w = self._workers[wid]
-            w.rank = slot.rank
+            w.rank, w.round = slot.rank, self._round
             self._answer(w, w.ready_seq, self._assignment(slot, sync=bool(new)))
         for s in new:
             self._launch(s, sync=True)
@@ -529,12 +535,20 @@ class ElasticDriver:
 
     def _result(self) -> ElasticResult:
         last = [w for w in self._workers.values() if not w.removed and not w.failed]
-        ok = (self._stop_reason is None and bool(last)
+        # A worker that failed in the last round fails the job (Horovod: any non-zero exit in
+        # the final rendezvous), whether its peers finished before or after it: only a
+        # failure that the survivors recovered from (by forming a new round) is forgiven.
+        broken = [w for w in self._workers.values() if w.failed and w.round == self._round]
+        reason = self._stop_reason
+        if reason is None and broken:
+            who = ", ".join(f"worker {w.id} (rank {w.rank} on host {w.host})" for w in broken)
+            reason = (f"{who} failed in the last round, which its peers finished without "
+                      "re-forming the job")
+        ok = (reason is None and bool(last)
               and all(w.exit is not None and w.exit[0] == 0 for w in last))
         final = [w for w in last if w.exit is not None and w.exit[0] == 0]
         status = "finished" if ok else "failed"
-        lines = [f"hvdrun: elastic job {status}"
-                 + (f": {self._stop_reason}" if self._stop_reason else "") + "."]
+        lines = [f"hvdrun: elastic job {status}" + (f": {reason}" if reason else "") + "."]
         lines.append(f"  {self._round + 1} round(s), {self.resets} reset(s); {self._started} "
                      f"worker(s) started, {len(self._failures)} failed, {self._removed} "
                      f"removed; final size {len(final) if ok else 0}")
@@ -543,7 +557,7 @@ class ElasticDriver:
         for b in self._blacklist_log:
             lines.append(f"  blacklisted: {b}")
         code = 0 if ok else (128 + self._interrupted if self._interrupted else 1)
-        return ElasticResult(code, "\n".join(lines), None if ok else self._stop_reason
+        return ElasticResult(code, "\n".join(lines), None if ok else reason
                              or "workers failed", len(final) if ok else 0, self.resets,
                              sorted(w.rank for w in final))
 

@@ -88,9 +88,11 @@ class RaySpawner:
         self._message = message or (lambda text: None)
         self._lock = threading.Lock()
         self._actors: dict[int, Any] = {}
+        self._stopped: set[int] = set()  # workers whose actors the driver (or `close`) ended
         self._threads: list[threading.Thread] = []
         self.results: dict[int, tuple[int, Any]] = {}  # worker id -> (last rank, value)
-        self.errors: dict[int, str] = {}  # worker id -> what went wrong
+        # worker id -> what went wrong, a text that follows "worker <id>: "
+        self.errors: dict[int, str] = {}
 
     def spawn(self, worker_id: int, hostname: str, env: dict[str, str],
               on_exit: Callable[[int, int, str | None], None]) -> None:
@@ -114,9 +116,14 @@ class RaySpawner:
         try:
             out = ray.get(ref)
         except RayActorError as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            self.errors[wid] = f"worker {wid}'s actor on Ray node {node} was lost: {first}"
-            self._message(f"ringvod on Ray: {self.errors[wid]}")
+            with self._lock:
+                stopped = wid in self._stopped
+            if stopped:  # the driver's own doing: it has said why, Ray's text would mislead
+                self.errors[wid] = f"its actor on Ray node {node} was ended by the elastic driver"
+            else:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                self.errors[wid] = f"its actor on Ray node {node} was lost: {first}"
+                self._message(f"ringvod on Ray: worker {wid}: {self.errors[wid]}")
             on_exit(wid, 1, None)
             return
         except Exception as exc:  # noqa: BLE001 - the function raised
@@ -142,6 +149,7 @@ class RaySpawner:
     def stop(self, worker_id: int, sig: int) -> None:
         with self._lock:
             actor = self._actors.get(worker_id)
+            self._stopped.add(worker_id)
         if actor is not None:
             try:
                 ray.kill(actor, no_restart=True)
@@ -151,6 +159,7 @@ class RaySpawner:
     def close(self) -> None:
         with self._lock:
             actors, threads = list(self._actors.values()), list(self._threads)
+            self._stopped.update(self._actors)
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)

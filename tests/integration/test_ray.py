@@ -486,3 +486,119 @@ def test_failed_elastic_job_carries_what_the_worker_raised(cluster):
     assert "ValueError" in notes and "user error on rank 1" in notes, notes
     assert "_elastic_raise_on_rank_1" in notes, notes  # the traceback
     assert _all_cpus_free()
+
+
+def _elastic_rank_1_raises_at_the_end(when, marker):
+    import numpy as np
+
+    import collective as hvd
+    from collective import elastic
+    hvd.init()
+    state = elastic.ObjectState(epoch=0)
+
+    @elastic.run
+    def loop(state):
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="last")  # the job's last collective
+        return hvd.rank()
+
+    rank = loop(state)
+    deadline = time.monotonic() + 60
+    if rank == 0:
+        if when == "while rank 0 finishes":  # returns after the driver has heard of rank 1
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(2)
+        else:
+            open(marker, "w").close()
+        return {"rank": 0}
+    if when == "while rank 0 finishes":
+        open(marker, "w").close()
+    else:  # raises once rank 0 has returned
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+    raise ValueError("rank 1 raises at the end")
+
+
+@needs_ray
+@pytest.mark.timeout(300)
+def test_elastic_worker_raising_in_the_last_round_fails_the_job(cluster):
+    from horovod.ray import RayExecutor
+    # One worker per node, min_workers=2: rank 1 raises after the last collective, while or
+    # after rank 0 returns. Nothing is left for rank 0 to fail, so no new round forms: the job
+    # failed, and run() must not return rank 0's result alone (it did when the driver heard of
+    # rank 1's exception before rank 0's return).
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=120), min_workers=2, max_workers=2,
+                     cpus_per_worker=CPUS_PER_NODE, elastic_timeout=5)
+    ex.start()
+    try:
+        for when in ("while rank 0 finishes", "after rank 0 returned"):
+            marker = os.path.join(tempfile.mkdtemp(), "marker")
+            with pytest.raises(RuntimeError, match="elastic job failed") as err:
+                ex.run(_elastic_rank_1_raises_at_the_end, args=(when, marker))
+            assert "worker 1 (rank 1 on host " in str(err.value), (when, str(err.value))
+            assert "failed in the last round" in str(err.value), (when, str(err.value))
+            notes = "\n".join(getattr(err.value, "__notes__", []))
+            assert "ValueError" in notes and "rank 1 raises at the end" in notes, (when, notes)
+            assert "_elastic_rank_1_raises_at_the_end" in notes, (when, notes)  # traceback
+    finally:
+        ex.shutdown()
+    assert _all_cpus_free()
+
+
+def _elastic_wait_forever(marker_dir):
+    import numpy as np
+
+    import collective as hvd
+    from collective import elastic
+    hvd.init()
+    state = elastic.ObjectState(epoch=0)
+
+    @elastic.run
+    def loop(state):
+        hvd.allreduce(np.ones(2), op=hvd.Sum, name="x")
+        open(os.path.join(marker_dir, f"started.{hvd.rank()}"), "w").close()
+        time.sleep(600)
+
+    return loop(state)
+
+
+@needs_ray
+@pytest.mark.timeout(300)
+def test_elastic_workers_the_driver_ended_are_not_reported_lost(cluster):
+    import signal
+    import threading
+
+    from horovod.ray import RayExecutor
+    # SIGINT stops the job: the driver ends both (running) workers' actors. The notes must
+    # say so once per worker ("worker 0: ... ended by the elastic driver"), not call them lost
+    # with Ray's "died unexpectedly" and the worker id twice.
+    d = tempfile.mkdtemp()
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=120), min_workers=2, max_workers=2,
+                     cpus_per_worker=CPUS_PER_NODE, elastic_timeout=5)
+    ex.start()
+    started = [os.path.join(d, f"started.{r}") for r in (0, 1)]
+    stop = threading.Event()
+
+    def interrupt():  # run() handles SIGINT once its workers run (its driver's handler is in)
+        while not stop.wait(0.1):
+            if all(os.path.exists(p) for p in started):
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    t = threading.Thread(target=interrupt, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(RuntimeError, match="received SIGINT") as err:
+            ex.run(_elastic_wait_forever, args=(d,))
+    finally:
+        stop.set()
+        t.join(5)
+        ex.shutdown()
+    notes = getattr(err.value, "__notes__", [])
+    assert len(notes) == 2, notes
+    for wid, note in enumerate(notes):
+        assert note.startswith(f"ringvod on Ray: worker {wid}: its actor on Ray node "), note
+        assert note.endswith(" was ended by the elastic driver"), note
+        assert note.count(f"worker {wid}") == 1 and "lost" not in note, note
+    assert _all_cpus_free()

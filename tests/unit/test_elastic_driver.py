@@ -126,6 +126,39 @@ def test_round_with_a_new_worker_tells_every_survivor_to_sync(
     assert [a["sync"] for a in answers if "rank" in a] == [bool(new)] * (num_proc - 1), answers
 
 
+
+@pytest.mark.parametrize("order", [(1, 0), (0, 1)], ids=["fails-first", "fails-last"])
+@pytest.mark.timeout(30)
+def test_a_failure_in_the_last_round_fails_the_job_in_either_order(order) -> None:
+    """Worker 1 fails and worker 0 finishes without another collective (so no new round):
+    the job failed, whichever exit the driver hears of first (on Ray, a big return value
+    can reach it after a peer's later exception)."""
+    d, _, _ = _driver({"a": 1, "b": 1}, 2, None)
+    for wid in order:
+        d._on_exit(wid, 0 if wid == 0 else 1, None)
+        d._step()
+    assert not any(w.exit is None for w in d._workers.values())
+    res = d._result()
+    assert res.exit_code == 1 and res.final_size == 0, res.summary
+    assert res.error == ("worker 1 (rank 1 on host b) failed in the last round, which its "
+                         "peers finished without re-forming the job"), res.error
+    assert res.summary.startswith(f"hvdrun: elastic job failed: {res.error}."), res.summary
+
+
+@pytest.mark.timeout(30)
+def test_a_failure_the_survivors_re_formed_after_is_forgiven() -> None:
+    d, _, store = _driver({"a": 1, "b": 1}, 2, None)
+    d._on_exit(1, 1, None)  # worker 1 fails; host b is blacklisted
+    d._step()
+    d.ready(0, 1)  # worker 0's collective failed: it asks for its place in a new round
+    d._step()
+    assert store.data["assign.0.1"]["size"] == 1, store.data
+    d._on_exit(0, 0, None)
+    d._step()
+    res = d._result()
+    assert res.exit_code == 0 and res.final_size == 1 and res.error is None, res.summary
+    assert "failed: worker 1 (rank 1 on host b): exit code 1" in res.summary
+
 def test_host_manager_order_and_cooldown() -> None:
     now = [100.0]
     hm = HostManager((2, 10), clock=lambda: now[0])
@@ -205,6 +238,37 @@ def test_discovery_script_timeout_kills_its_children(tmp_path) -> None:
         if not _gone(child):
             os.kill(child, signal.SIGKILL)
 
+
+
+@pytest.mark.parametrize("child", [
+    # A child that left the script's session but is still the shell's child.
+    "setsid sleep 100 & echo $! > {marker}; wait",
+    # `setsid -f` forks: the sleeping child is orphaned at once (its parent exits), so
+    # neither the process group nor the process tree leads to it.
+    "setsid -f sh -c 'echo $$ > {marker}.tmp; mv {marker}.tmp {marker}; exec sleep 100'; "
+    "while [ ! -e {marker} ]; do sleep 0.05; done; sleep 100",
+], ids=["setsid-child", "setsid-orphan"])
+@pytest.mark.timeout(60)
+def test_discovery_script_timeout_kills_children_in_their_own_session(tmp_path, child) -> None:
+    marker = tmp_path / "pid"
+    start = time.monotonic()
+    with pytest.raises(DiscoveryError, match="did not finish within 2 s"):
+        HostDiscoveryScript(child.format(marker=marker),
+                            timeout=2).find_available_hosts_and_slots()
+    assert time.monotonic() - start < 10
+    pid = int(marker.read_text())
+    try:
+        assert os.getsid(pid) == pid, "the child did not start a session of its own"
+    except ProcessLookupError:
+        pass  # already gone
+    try:
+        deadline = time.monotonic() + 5
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(pid), "the script's child in a session of its own outlived the timeout"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 def _args(*argv: str):
     return build_parser().parse_args([*argv, "python", "x.py"])
