@@ -4,7 +4,14 @@ All dense gradients of one step are reduced by ONE call into the engines (one `t
 inside a `tf.function`): each group is a grouped allreduce, all groups are started, then all
 are waited for. With no `groups`, all dense gradients form one group (negotiated once, fused
 by the engine). `tf.IndexedSlices` are allgathered unless `sparse_as_dense`; gradients of
-local sources are not reduced (scaled by 1/size when `scale_local_gradients`); None stays None.
+local sources are not reduced (scaled by 1/size when `scale_local_gradients`).
+
+A gradient that is None on some ranks only (a layer that this rank's batch did not use) must
+not leave those ranks out of the reduction: the others would wait for them forever. Eagerly,
+the ranks therefore first agree on each gradient's kind (one small Max allreduce): None where
+every rank has None; else ranks with None reduce zeros, and a mix of `IndexedSlices` with None
+(or with dense gradients) is reduced dense. Inside a `tf.function` the kinds are fixed when
+tracing, so None stays None there (every rank traces the same program).
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ from .compression import Compression, check_compressor
 from .mpi_ops import _check, _no_effect, _run, _sparse_allreduce, allreduce, process_set_size
 
 __all__ = ["GradientReducer"]
+
+_NONE, _SPARSE, _DENSE = 0, 1, 2  # a gradient's kind, as the ranks agree on it
 
 
 def _k_groups(ts: list[tf.Tensor], groups: list[list[int]], name: str, op: ReduceOp,
@@ -111,6 +120,29 @@ class GradientReducer:
                            name=f"{self.name}.all_true", process_set=ps, ignore_name_scope=True)
         return tf.cast(agreed, tf.bool)
 
+    def _agree_kinds(self, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
+        """`grads` made alike on every rank (eager only; see the module docstring): one Max
+        allreduce of each gradient's kind (0 None, 1 IndexedSlices, 2 dense) and of its
+        negation gives the highest and lowest kind across the process set."""
+        kinds = []
+        for g, v in zip(grads, variables):
+            if g is None or self.is_local(v):
+                kinds.append(_NONE)
+            elif isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense:
+                kinds.append(_SPARSE)
+            else:
+                kinds.append(_DENSE)
+        both = tf.constant(kinds + [-k for k in kinds], dtype=tf.int32)
+        agreed = allreduce(both, op=ReduceOp.MAX, name=f"{self.name}.kinds",
+                           process_set=self.process_set, ignore_name_scope=True).numpy()
+        k = len(kinds)
+        out = list(grads)
+        for i, (v, hi, lo) in enumerate(zip(variables, agreed[:k], -agreed[k:])):
+            if hi == _NONE or hi == lo or self.is_local(v):
+                continue  # None everywhere, or the same kind everywhere
+            out[i] = tf.zeros_like(v) if grads[i] is None else tf.convert_to_tensor(grads[i])
+        return out
+
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
         """The reduced gradients, in order (see the module docstring)."""
         grads = list(grads)
@@ -120,6 +152,8 @@ class GradientReducer:
         n = process_set_size(ps)
         if n == 1:
             return grads
+        if tf.executing_eagerly() and variables and len(variables) == len(grads):
+            grads = self._agree_kinds(grads, variables)
         out: list[Any] = list(grads)
         dense: list[int] = []
         for i, g in enumerate(grads):

@@ -382,6 +382,27 @@ def test_tape_local_sources_and_partial_tape():
     np.testing.assert_allclose(local[1].numpy(), [me + 1.0], rtol=1e-6)
 
 
+def test_tape_gradient_none_on_some_ranks_only_is_reduced():
+    """A source that only rank 0's loss uses has a gradient on rank 0 and None elsewhere: the
+    ranks agree (eagerly) and reduce zeros for the missing ones (it used to hang every rank)."""
+    me = hvd.rank()
+    a, b = tf.Variable([1.0]), tf.Variable([2.0])
+    emb = tf.Variable(tf.ones([4, 2]))
+    with tf.GradientTape() as tape:
+        loss = 3.0 * a[0]
+        if me == 0:
+            loss += 2.0 * b[0] + tf.reduce_sum(tf.gather(emb, [1, 2]))
+    ga, gb, ge = hvd.DistributedGradientTape(tape).gradient(loss, [a, b, emb])
+    np.testing.assert_allclose(ga.numpy(), [3.0])
+    np.testing.assert_allclose(gb.numpy(), [2.0 / SIZE])
+    want = np.zeros((4, 2), np.float32)
+    want[1:3] = 1.0 / SIZE
+    np.testing.assert_allclose(tf.convert_to_tensor(ge).numpy(), want)
+    with tf.GradientTape() as tape:  # None on every rank stays None
+        loss = 3.0 * a[0]
+    assert hvd.DistributedGradientTape(tape).gradient(loss, [a, b])[1] is None
+
+
 def test_keras_fit_with_distributed_optimizer_and_callbacks_equals_full_batch():
     me, per, steps = hvd.rank(), 4, 3
     x, y = _dataset(per * SIZE * steps)
