@@ -534,6 +534,28 @@ def test_learning_rate_schedules_and_momentum_correction():
     assert rec.logs[1]["lr"] == pytest.approx(0.1)
 
 
+def test_momentum_correction_under_mixed_precision():
+    """`compile` puts a LossScaleOptimizer (no `momentum` of its own) around the optimizer under
+    mixed_float16: the correction reaches the inner optimizer's momentum (it used to be
+    skipped)."""
+    x, y = _dataset(8)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _model()
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+                      loss="mse")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    moms = []
+    rec = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: moms.append(
+        model.optimizer.inner_optimizer.momentum.get()))
+    sched = hvd.callbacks.LearningRateScheduleCallback(0.1, lambda e: 0.5 ** e)
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[sched, rec])
+    assert moms == pytest.approx([0.9, 0.9, 0.45, 0.9])
+    assert model.optimizer.inner_optimizer.momentum.get() == pytest.approx(0.9)
+
+
 # -- load_model, SyncBatchNormalization -----------------------------------------------------------
 def test_load_model_round_trip_rewraps_the_optimizer():
     me = hvd.rank()

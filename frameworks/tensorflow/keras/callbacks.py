@@ -83,6 +83,12 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[k] = float(v)
 
 
+def _momentum_owner(opt: Any) -> Any:
+    """The optimizer that holds `momentum`: a `LossScaleOptimizer` (which `compile` puts around
+    the optimizer under a mixed-precision policy) has none of its own, its inner one has."""
+    return getattr(opt, "inner_optimizer", opt)
+
+
 def _get_momentum(opt: Any) -> float:
     m = opt.momentum
     return m.get() if isinstance(m, LiveMomentum) else float(m)
@@ -145,13 +151,14 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         old_lr = _get_lr(opt)
         new_lr = self.initial_lr * self.multiplier(epoch)
         opt.learning_rate = new_lr
-        if self.momentum_correction and hasattr(opt, "momentum") and old_lr > 0:
-            self.restore_momentum = _get_momentum(opt)
-            _set_momentum(opt, self.restore_momentum * new_lr / old_lr)
+        holder = _momentum_owner(opt)
+        if self.momentum_correction and hasattr(holder, "momentum") and old_lr > 0:
+            self.restore_momentum = _get_momentum(holder)
+            _set_momentum(holder, self.restore_momentum * new_lr / old_lr)
 
     def _restore_momentum_if_needed(self) -> None:
         if self.restore_momentum is not None:
-            _set_momentum(self.model.optimizer, self.restore_momentum)
+            _set_momentum(_momentum_owner(self.model.optimizer), self.restore_momentum)
             self.restore_momentum = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
