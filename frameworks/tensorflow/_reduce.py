@@ -3,8 +3,10 @@
 All dense gradients of one step are reduced by ONE call into the engines (one `tf.py_function`
 inside a `tf.function`): each group is a grouped allreduce, all groups are started, then all
 are waited for. With no `groups`, all dense gradients form one group (negotiated once, fused
-by the engine). `tf.IndexedSlices` are allgathered unless `sparse_as_dense`; gradients of
-local sources are not reduced (scaled by 1/size when `scale_local_gradients`).
+by the engine); when a tape records the reduction (an outer tape taking second derivatives),
+its gradient is the same reduction of the upstream gradients, as for `allreduce`.
+`tf.IndexedSlices` are allgathered unless `sparse_as_dense`; gradients of local sources are
+not reduced (scaled by 1/size when `scale_local_gradients`).
 
 A gradient that is None on some ranks only (a layer that this rank's batch did not use) must
 not leave those ranks out of the reduction: the others would wait for them forever. Eagerly,
@@ -25,7 +27,8 @@ from .._common import split_list
 from ._buffers import enqueue, finish
 from collective.adapter import wait_now
 from .compression import Compression, check_compressor
-from .mpi_ops import _check, _no_effect, _run, _sparse_allreduce, allreduce, process_set_size
+from .mpi_ops import (_check, _could_record, _differentiable, _no_effect, _run, _sparse_allreduce,
+                      allreduce, process_set_size)
 
 __all__ = ["GradientReducer"]
 
@@ -181,9 +184,16 @@ class GradientReducer:
         _check(wire)
         pos = {i: k for k, i in enumerate(order)}
         groups = [[pos[i] for i in g] for g in self._group_indices(order, variables)]
-        name, op, pre, post = self.name, self.op, self.prescale, self.postscale
-        reduced = _run(lambda e: _k_groups(e, groups, name, op, pre, post, ps), wire,
-                       [w.dtype for w in wire], [w.shape for w in wire])
+        op, pre, post = self.op, self.prescale, self.postscale
+
+        def run(ts: list[tf.Tensor], name: str) -> list[tf.Tensor]:
+            return _run(lambda e: _k_groups(e, groups, name, op, pre, post, ps), ts,
+                        [t.dtype for t in ts], [t.shape for t in ts])
+        if _could_record():  # an outer tape differentiates the reduced gradients (Hessians)
+            reduced = _differentiable(lambda xs: run(xs, self.name),
+                                      lambda dys: run(dys, f"{self.name}.grad"), wire)
+        else:
+            reduced = run(wire, self.name)
         for i, r in zip(order, reduced):
             out[i] = self.compression.decompress(r, pairs[i][1])
         return out

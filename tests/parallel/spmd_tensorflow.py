@@ -403,6 +403,28 @@ def test_tape_gradient_none_on_some_ranks_only_is_reduced():
     assert hvd.DistributedGradientTape(tape).gradient(loss, [a, b])[1] is None
 
 
+def test_tape_reduced_gradients_are_differentiable():
+    """An outer tape differentiates DistributedGradientTape's reduced gradients as it does an
+    allreduce (the gradient of the reduction is the same reduction); it used to get None."""
+    me = hvd.rank()
+    x = tf.Variable([1.0, 2.0])
+
+    def second(op):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum(x ** 3) * (me + 1.0)
+            g = hvd.DistributedGradientTape(inner, op=op).gradient(loss, x)
+        return g, outer.gradient(g, x)
+    for mode, fn in (("eager", second), ("graph", tf.function(second))):
+        for op, factor in ((hvd.Average, 1.0), (hvd.Sum, float(SIZE))):
+            g, h = fn(op)
+            mean = np.mean(np.arange(1, SIZE + 1))
+            np.testing.assert_allclose(g.numpy(), 3 * x.numpy() ** 2 * mean * factor,
+                                       err_msg=f"{mode} {op}")
+            np.testing.assert_allclose(h.numpy(), 6 * x.numpy() * (me + 1) * factor,
+                                       err_msg=f"{mode} {op}")
+
+
 def test_keras_fit_with_distributed_optimizer_and_callbacks_equals_full_batch():
     me, per, steps = hvd.rank(), 4, 3
     x, y = _dataset(per * SIZE * steps)
