@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from collective import ProcessSet, ReduceOp, RequestType, global_process_set
+from collective import MismatchError, ProcessSet, ReduceOp, RequestType, global_process_set
 
 from .._common import split_list
 from ._buffers import enqueue, finish
@@ -136,8 +136,13 @@ class GradientReducer:
             else:
                 kinds.append(_DENSE)
         both = tf.constant(kinds + [-k for k in kinds], dtype=tf.int32)
-        agreed = allreduce(both, op=ReduceOp.MAX, name=f"{self.name}.kinds",
-                           process_set=self.process_set, ignore_name_scope=True).numpy()
+        try:
+            agreed = allreduce(both, op=ReduceOp.MAX, name=f"{self.name}.kinds",
+                               process_set=self.process_set, ignore_name_scope=True).numpy()
+        except MismatchError as exc:  # a list of another length on some rank
+            raise MismatchError(f"{self.name}: the ranks reduce different numbers of gradients "
+                                f"(this rank {len(kinds)}); every rank must pass the same "
+                                f"sources/variables, in the same order ({exc})") from exc
         k = len(kinds)
         out = list(grads)
         for i, (v, hi, lo) in enumerate(zip(variables, agreed[:k], -agreed[k:])):

@@ -401,6 +401,11 @@ def test_tape_gradient_none_on_some_ranks_only_is_reduced():
     with tf.GradientTape() as tape:  # None on every rank stays None
         loss = 3.0 * a[0]
     assert hvd.DistributedGradientTape(tape).gradient(loss, [a, b])[1] is None
+    if SIZE > 1:  # sources lists of different lengths: an error on every rank (was a hang)
+        with tf.GradientTape() as tape:
+            loss = 3.0 * a[0]
+        with pytest.raises(hvd.HorovodInternalError, match="different numbers of gradients"):
+            hvd.DistributedGradientTape(tape).gradient(loss, [a] * (me + 1))
 
 
 def test_tape_reduced_gradients_are_differentiable():
