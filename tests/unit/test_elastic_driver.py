@@ -243,11 +243,13 @@ def test_discovery_script_timeout_kills_its_children(tmp_path) -> None:
 @pytest.mark.parametrize("child", [
     # A child that left the script's session but is still the shell's child.
     "setsid sleep 100 & echo $! > {marker}; wait",
+    # The same with its environment cleared (no run marker): only its ancestry leads to it.
+    "setsid env -i sleep 100 & echo $! > {marker}; wait",
     # `setsid -f` forks: the sleeping child is orphaned at once (its parent exits), so
     # neither the process group nor the process tree leads to it.
     "setsid -f sh -c 'echo $$ > {marker}.tmp; mv {marker}.tmp {marker}; exec sleep 100'; "
     "while [ ! -e {marker} ]; do sleep 0.05; done; sleep 100",
-], ids=["setsid-child", "setsid-orphan"])
+], ids=["setsid-child", "setsid-child-no-env", "setsid-orphan"])
 @pytest.mark.timeout(60)
 def test_discovery_script_timeout_kills_children_in_their_own_session(tmp_path, child) -> None:
     marker = tmp_path / "pid"
