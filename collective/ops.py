@@ -189,10 +189,15 @@ def _start_now(rt: Any, state: Any, e: Entry) -> None:
     submit loop. A cycle's host time is hidden behind the GPU time of an op this large, not
     behind a smaller one's (benchmarks/RESULTS.md). The call returns once the other ranks
     have taken part in the round: when they submitted the op too, or at their next round
-    (the op then waits as any other)."""
+    (the op then waits as any other). While ops of this rank are still waiting (a peer is
+    behind), the op goes to the coordinator thread instead, so that a loop of such calls
+    waits for a late peer's round once, not once per call."""
     coord = rt.coordinator
-    if not coord.express(state, e):
-        rt.submit(state, [e], wake=False)
+    if coord.express(state, e):
+        return
+    waiting = state.pending()  # a dict read, no lock: a stale answer only picks the other path
+    rt.submit(state, [e], wake=waiting)
+    if not waiting:
         coord.drive()
 
 

@@ -472,6 +472,48 @@ def large_async_ops_start_on_the_callers_thread(n: int) -> None:
     run_loopback(n, body, timeout=60)
 
 
+@case
+def large_async_ops_wait_for_a_late_peer_once(n: int) -> None:
+    # Rank 0 starts many large async ops while its peers are late (busy elsewhere): its first
+    # call meets their next round and the op then waits; every later call goes to the
+    # coordinator thread at once instead of running a cycle that waits for the late peers'
+    # next round again (one such wait per call would add up over a loop of calls).
+    import time
+
+    from collective import _current as runtime
+    from collective import ops as ops_mod
+
+    big = ops_mod.EAGER_BYTES // 4
+    k = 12
+
+    def body(rank: int) -> None:
+        coord = runtime.current().coordinator
+        enq(RequestType.ALLREDUCE, [np.ones(4, np.float32)], DataType.FLOAT32,
+            name="bind").wait(10)
+        driven = []
+        drive = coord.drive
+        coord.drive = lambda: (driven.append(1), drive())[1]
+
+        def block() -> None:
+            hs = [enq(RequestType.ALLREDUCE, [np.full(big, float(rank + i), np.float32)],
+                      DataType.FLOAT32, op=ReduceOp.SUM, name=f"late{i}", eager=True)
+                  for i in range(k)]
+            for i, h in enumerate(hs):
+                got = value(h.wait(30))
+                assert np.all(got == float(sum(range(n)) + n * i)), (i, got[:3])
+
+        block()  # the response cache learns the names
+        enq(RequestType.ALLREDUCE, [np.ones(4, np.float32)], DataType.FLOAT32,
+            name="sync").wait(10)
+        if rank != 0:
+            time.sleep(1.0)
+        driven.clear()
+        block()
+        if rank == 0:
+            assert len(driven) <= 1, f"{len(driven)} of {k} calls ran a cycle on the caller"
+    run_loopback(n, body, timeout=60)
+
+
 def main() -> int:
     passed = failed = 0
     for n in (2, 3):
