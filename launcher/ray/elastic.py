@@ -186,6 +186,7 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
     except ImportError as exc:
         raise ImportError("elastic jobs need ringvod's elastic driver (launcher.elastic), "
                           "which this installation lacks") from exc
+    from .executor import add_note  # noqa: PLC0415
     from .plan import rank_env  # noqa: PLC0415
 
     def say(text: str) -> None:
@@ -216,7 +217,7 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
         exc = RuntimeError(f"ringvod on Ray: elastic job failed: {result.error}\n"
                            f"{result.summary}")
         for wid in sorted(spawner.errors):  # what the workers raised, with their tracebacks
-            exc.add_note(f"ringvod on Ray: worker {wid}: {spawner.errors[wid]}")
+            add_note(exc, f"ringvod on Ray: worker {wid}: {spawner.errors[wid]}")
         raise exc
     done = sorted(spawner.results.values(), key=lambda rv: rv[0])
     return [value for _, value in done]

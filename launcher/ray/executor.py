@@ -103,6 +103,15 @@ class _WorkerInfo:
                 f"{self.hostname}, pid {self.pid})")
 
 
+def add_note(exc: BaseException, note: str) -> None:
+    """`exc.add_note(note)`; on Python 3.10, which has no `add_note` (and prints no notes), the
+    note is only appended to `exc.__notes__`, so the exception itself still reaches the caller."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+
+
 def _call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
           _executable: Any) -> Any:
     return fn(*args, **kwargs)
@@ -518,6 +527,6 @@ class RayExecutor:
                 f"actors removed; call start() to run again.",
                 rank, info.node_id if info else "", info.node_ip if info else "") from cause
         if isinstance(cause, RayTaskError):
-            cause.add_note(f"ringvod on Ray: raised on {where}; the job was stopped and its "
-                           f"actors removed")
+            add_note(cause, f"ringvod on Ray: raised on {where}; the job was stopped and its "
+                            f"actors removed")
         raise cause

@@ -199,6 +199,44 @@ def test_lost_worker_names_worker_and_node_and_leaves_no_actor(cluster):
     assert _all_cpus_free(), "actors left behind after a failure"
 
 
+def _raise_on_rank_1():
+    import numpy as np
+
+    import collective as hvd
+    hvd.init()
+    if hvd.rank() == 1:
+        raise ValueError("user error on rank 1")
+    hvd.allreduce(np.ones(2), name="waits_for_rank_1")  # rank 0 waits here for rank 1
+    return hvd.rank()
+
+
+@needs_ray
+@pytest.mark.timeout(180)
+def test_exception_in_a_worker_reaches_the_driver_as_itself(cluster):
+    from horovod.ray import RayExecutor
+    # Rank 1 raises while rank 0 waits for it in an allreduce: run() raises rank 1's own
+    # exception (type, message, the worker's traceback, a note naming rank and node) instead
+    # of hanging, and stops the job. On Python 3.10, which has no add_note, the driver raised
+    # an AttributeError from adding the note instead of the user's exception.
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    ex.start()
+    info = ex.worker_info
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="user error on rank 1") as err:
+        ex.run(_raise_on_rank_1)
+    assert time.monotonic() - t0 < 60, "the other worker kept run() waiting"
+    assert "_raise_on_rank_1" in str(err.value)  # the worker's traceback
+    notes = getattr(err.value, "__notes__", [])
+    assert len(notes) == 1 and f"rank 1 on Ray node {info[1].node_id}" in notes[0], notes
+    assert ex.workers == []
+    assert _all_cpus_free(), "actors left behind after a failure"
+    ex.start()  # the executor starts again
+    try:
+        assert ex.run(lambda: 7) == [7, 7]
+    finally:
+        ex.shutdown()
+
+
 @needs_ray
 @pytest.mark.timeout(60)
 def test_executor_argument_errors(cluster):
