@@ -65,6 +65,13 @@ class WorkerLostError(RuntimeError):
         super().__init__(message)
         self.rank, self.node_id, self.node_ip = rank, node_id, node_ip
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt from all four fields: the default (from `args`, the message alone) cannot
+        # call __init__, so Ray could not return the error from a task or actor that drives
+        # the executor (a Tune trial), and the caller got an UnserializableException instead.
+        return (type(self), (str(self), self.rank, self.node_id, self.node_ip),
+                self.__dict__)
+
 
 @dataclass
 class MiniSettings:

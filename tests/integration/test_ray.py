@@ -238,6 +238,38 @@ def test_exception_in_a_worker_reaches_the_driver_as_itself(cluster):
 
 
 @needs_ray
+@pytest.mark.timeout(180)
+def test_worker_lost_error_reaches_the_caller_of_a_task_that_drives_the_executor(cluster):
+    import pickle
+
+    import ray
+
+    from horovod.ray import WorkerLostError
+    err = WorkerLostError("the worker of rank 1 was lost", 1, "node-x", "10.0.0.2")
+    back = pickle.loads(pickle.dumps(err))
+    assert (type(back), str(back), back.rank, back.node_id, back.node_ip) == (
+        WorkerLostError, str(err), 1, "node-x", "10.0.0.2")
+
+    @ray.remote(num_cpus=0)
+    def trial():  # a Ray task (e.g. a Tune trial) running a job whose worker dies
+        from horovod.ray import RayExecutor
+        ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+        ex.start()
+        try:
+            ex.run(_crash_rank_1)
+        finally:
+            ex.shutdown()
+
+    # Ray returns the task's exception pickled: WorkerLostError could not be unpickled
+    # (its __init__ takes four arguments), so the caller got Ray's UnserializableException.
+    with pytest.raises(WorkerLostError) as caught:
+        ray.get(trial.remote(), timeout=150)
+    assert caught.value.rank == 1 and "rank 1" in str(caught.value), str(caught.value)
+    assert caught.value.node_id and caught.value.node_ip
+    assert _all_cpus_free()
+
+
+@needs_ray
 @pytest.mark.timeout(60)
 def test_executor_argument_errors(cluster):
     from horovod.ray import ElasticRayExecutor, RayExecutor
