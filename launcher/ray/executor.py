@@ -339,16 +339,20 @@ class RayExecutor:
         stops the rendezvous store. Safe to call twice; `start()` may follow."""
         self._elastic_start = None
         workers, self.workers, self._info = self.workers, [], []
-        for w in workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead, or Ray is shutting down
-                pass
-        if self._pg is not None and self._own_pg:
-            try:
-                remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001
-                pass
+        pg = self._pg if self._own_pg else None
+        # After ray.shutdown(), the actors and the placement group went with this driver's
+        # job; ray.kill() would only start a new local Ray instance (it initializes Ray).
+        if ray.is_initialized():
+            for w in workers:
+                try:
+                    ray.kill(w, no_restart=True)
+                except Exception:  # noqa: BLE001 - already dead, or Ray is shutting down
+                    pass
+            if pg is not None:
+                try:
+                    remove_placement_group(pg)
+                except Exception:  # noqa: BLE001
+                    pass
         self._pg, self._own_pg = None, False
         if self._server is not None:
             self._server.stop()

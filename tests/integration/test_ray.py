@@ -270,6 +270,33 @@ def test_worker_lost_error_reaches_the_caller_of_a_task_that_drives_the_executor
 
 
 @needs_ray
+@pytest.mark.timeout(180)
+def test_shutdown_after_ray_shutdown_starts_no_new_ray_instance():
+    # `ray.shutdown()` before `executor.shutdown()` (a finally block, a fixture's teardown):
+    # the actors went with the driver's job; ray.kill() would start a new local Ray instance.
+    code = ("import json, ray\n"
+            "from horovod.ray import RayExecutor\n"
+            "ray.init(address='local', num_cpus=1, include_dashboard=False, "
+            "log_to_driver=False)\n"
+            "ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=1)\n"
+            "ex.start()\n"
+            "ran = ex.run(lambda: 1)\n"
+            "ray.shutdown()\n"
+            "ex.shutdown()\n"
+            "print(json.dumps([ran, ray.is_initialized()]))\n"
+            "ray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env.setdefault("RAY_worker_niceness", "0")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran, initialized = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ran == [1]
+    assert initialized is False, "executor.shutdown() started a new Ray instance"
+
+
+@needs_ray
 @pytest.mark.timeout(60)
 def test_executor_argument_errors(cluster):
     from horovod.ray import ElasticRayExecutor, RayExecutor
