@@ -336,7 +336,8 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """Kills every worker actor, removes the placement group this executor reserved and
-        stops the rendezvous store. Safe to call twice; `start()` may follow."""
+        stops the rendezvous store. Safe to call twice, and after `ray.shutdown()`;
+        `start()` may follow."""
         self._elastic_start = None
         workers, self.workers, self._info = self.workers, [], []
         pg = self._pg if self._own_pg else None
