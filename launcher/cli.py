@@ -344,8 +344,7 @@ _ELASTIC_ONLY = (("slots", "--slots-per-host"), ("reset_limit", "--reset-limit")
                  ("elastic_timeout", "--elastic-timeout"))
 _MPI_ONLY = (("mpi_args", "--mpi-args"), ("binding_args", "--binding-args"),
              ("mpi_threads_disable", "--mpi-threads-disable"))
-_TCP_ONLY = (("gloo_timeout_seconds", "--gloo-timeout-seconds"),
-             ("start_timeout", "--start-timeout"))
+_TCP_ONLY = (("gloo_timeout_seconds", "--gloo-timeout-seconds"),)
 
 
 def ignored_flags(args: argparse.Namespace, mode: str, elastic: bool) -> list[str]:
@@ -544,6 +543,7 @@ def _launch(settings: LaunchSettings, quiet: bool = False) -> int:
             if not quiet:
                 sys.stderr.write(start_line(settings, launch.detected_mpi_text()) + "\n")
                 sys.stderr.flush()
+            launch.check_remote_hosts(settings)
             return run_mpi_job(settings, argv, env)
         if not quiet:
             sys.stderr.write(start_line(settings) + "\n")

@@ -448,8 +448,12 @@ def test_verbose_plan_never_shows_the_secret(worker):
 
 
 @pytest.mark.timeout(60)
-def test_start_timeout_on_silent_ssh_host(worker):
-    """A host that accepts TCP but never speaks ssh: hvdrun gives up after --start-timeout."""
+@pytest.mark.parametrize("mode", MODES)
+def test_start_timeout_on_silent_ssh_host(mode, worker):
+    """A host that accepts TCP but never speaks ssh: hvdrun gives up after --start-timeout,
+    naming the host. In MPI mode too (horovodrun checks ssh before either launch): mpirun,
+    left to find out itself, waited silently for minutes."""
+    _need(mode)
     srv = socket.socket()
     srv.bind(("127.0.0.3", 0))
     srv.listen(8)
@@ -468,7 +472,7 @@ def test_start_timeout_on_silent_ssh_host(worker):
     t.start()
     try:
         start = time.monotonic()
-        r = run_hvdrun("-np", "2", "-H", "localhost:1,127.0.0.3:1", "--tcp", "-p",
+        r = run_hvdrun("-np", "2", "-H", "localhost:1,127.0.0.3:1", f"--{mode}", "-p",
                        str(srv.getsockname()[1]), "--start-timeout", "2", sys.executable,
                        str(worker), "env", timeout=30)
         elapsed = time.monotonic() - start
