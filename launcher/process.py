@@ -7,7 +7,7 @@ Threads (all named, owned by `JobRunner.run`, which joins them before it returns
 
 | thread | what it does | how it stops |
 |---|---|---|
-| `hvdrun-rank<r>-stdout/stderr` | copies one pipe, line by line, prefixed `[<r>]<stdout>:` | EOF on the pipe |
+| `hvdrun-rank<r>-stdout/stderr` | copies one pipe, line by line (a piece ending in `\r` too), prefixed `[<r>]<stdout>:` | EOF on the pipe |
 | `hvdrun-rank<r>-wait` | waits for the process to exit (without reaping it) | the process exits |
 | `hvdrun-rank<r>-stdin` | sends an ssh worker its env and secret | payload written |
 
@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Sequence
+from typing import IO, Any, Iterator, Sequence
 
 from ._proc import describe_exit, killpg_quiet, pdeathsig_preexec, wait_no_reap
 
@@ -83,6 +84,29 @@ def failure_summary(failure: Failure) -> str:
         f"Host: {failure.hostname}\n")
 
 
+_LINE_END = re.compile(rb"\r\n|\n|\r")
+
+
+def _pieces(fd: int) -> Iterator[bytes]:
+    """A worker's output in pieces that each end in "\n", "\r\n" or "\r" (the last one, at
+    EOF, may end in neither). A piece ending in "\r", a progress bar redrawing its line (tqdm),
+    comes out as soon as it is written, as horovodrun shows it, not when a newline ends the
+    bar."""
+    pending = b""
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        pending += chunk
+        start = 0
+        for m in _LINE_END.finditer(pending):
+            yield pending[start:m.end()]
+            start = m.end()
+        pending = pending[start:]
+    if pending:
+        yield pending
+
+
 class _Output:
     """Writes prefixed worker lines to the console and the raw output to per-rank files."""
 
@@ -103,17 +127,31 @@ class _Output:
         for stream in ("stdout", "stderr"):
             self._files[(rank, stream)] = open(os.path.join(d, stream), "wb")
 
-    def line(self, rank: int, stream: str, data: bytes) -> None:
+    def pump(self, rank: int, stream: str, pipe: IO[bytes]) -> None:
+        """Copies one worker pipe until EOF, a piece at a time (see `_pieces`)."""
+        after_cr = False
+        try:
+            for piece in _pieces(pipe.fileno()):
+                # "\r\n" split between two reads: the "\n" ends the line already shown.
+                self.line(rank, stream, piece, prefix=not (after_cr and piece == b"\n"))
+                after_cr = piece.endswith(b"\r")
+        except (OSError, ValueError):
+            pass  # pipe closed under us during shutdown
+
+    def line(self, rank: int, stream: str, data: bytes, prefix: bool = True) -> None:
         f = self._files.get((rank, stream))
         if f is not None:
             f.write(data)  # byte for byte: a final line without a newline stays without one
             f.flush()
-        if not data.endswith(b"\n"):
+        if not data.endswith((b"\n", b"\r")):
             data += b"\n"  # the console gets whole prefixed lines
-        prefix = f"[{rank}]<{stream}>:"
-        if self._prefix_timestamp:
-            prefix = time.strftime("%a %b %d %H:%M:%S %Y") + prefix
-        self._write(stream, prefix + data.decode("utf-8", errors="replace"))
+        text = data.decode("utf-8", errors="replace")
+        if prefix:
+            head = f"[{rank}]<{stream}>:"
+            if self._prefix_timestamp:
+                head = time.strftime("%a %b %d %H:%M:%S %Y") + head
+            text = head + text
+        self._write(stream, text)
 
     def message(self, text: str) -> None:
         self._write("stderr", text if text.endswith("\n") else text + "\n")
@@ -290,11 +328,7 @@ class JobRunner:
             w.threads.append(t)
 
     def _pump(self, rank: int, stream: str, pipe: IO[bytes]) -> None:
-        try:
-            for line in iter(pipe.readline, b""):
-                self._out.line(rank, stream, line)
-        except (OSError, ValueError):
-            pass  # pipe closed under us during shutdown
+        self._out.pump(rank, stream, pipe)
 
     def _wait(self, rank: int, pid: int) -> None:
         self._events.put(("exit", rank, wait_no_reap(pid)))

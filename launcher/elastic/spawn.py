@@ -147,11 +147,7 @@ class ProcessSpawner:
 
     # -- threads ------------------------------------------------------------------------------
     def _pump(self, worker_id: int, stream: str, pipe: IO[bytes]) -> None:
-        try:
-            for line in iter(pipe.readline, b""):
-                self._out.line(worker_id, stream, line)
-        except (OSError, ValueError):
-            pass
+        self._out.pump(worker_id, stream, pipe)
 
     @staticmethod
     def _wait(worker_id: int, pid: int, on_exit: OnExit) -> None:

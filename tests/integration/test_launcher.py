@@ -421,6 +421,49 @@ def test_output_filename_keeps_raw_bytes(tmp_path):
         assert f"[{rank}]<stderr>:e\n" in r.stderr, explain(r)
 
 
+_PROGRESS_BAR = r"""
+import os, sys, time
+sys.stderr.write("\r 10%|#"); sys.stderr.flush()
+sys.stderr.write("\r 20%|#"); sys.stderr.flush()  # tqdm starts each redraw with "\r"
+sys.stdout.write("a\r\nb\n"); sys.stdout.flush()
+deadline = time.monotonic() + 30
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.stderr.write("\r100%|##\n")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_progress_bar_redraws_reach_the_console_at_once(tmp_path):
+    """A piece of output that ends in "\r" (tqdm's bar, once its next redraw begins) is shown,
+    prefixed, at once, as horovodrun shows it; it waited for the bar's final newline, so a
+    training loop's progress stayed invisible for the whole epoch. "\r\n" ends one line."""
+    script, done = tmp_path / "bar.py", tmp_path / "done"
+    script.write_text(_PROGRESS_BAR)
+    proc = subprocess.Popen(hvdrun_argv("-q", "-np", "1", "--tcp", sys.executable, str(script),
+                                        str(done)), cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen, wanted = b"", b"[0]<stderr>:\r[0]<stderr>: 10%|#\r"
+        os.set_blocking(proc.stderr.fileno(), False)
+        deadline = time.monotonic() + 10
+        while wanted not in seen and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stderr.read() or b""
+            time.sleep(0.05)
+        assert wanted in seen, seen  # while the worker still waits for `done`
+        done.touch()
+        os.set_blocking(proc.stderr.fileno(), True)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        done.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, seen + err
+    assert out == b"[0]<stdout>:a\r\n[0]<stdout>:b\n", out
+    assert (seen + err).endswith(b"[0]<stderr>: 20%|#\r[0]<stderr>:100%|##\n"), seen + err
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.mpi
 def test_output_filename_mpi(worker, tmp_path):
