@@ -5,6 +5,7 @@ fails. Workers are a small script written to a temp dir (no ringvod runtime need
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -490,13 +491,9 @@ def test_verbose_plan_never_shows_the_secret(worker):
     assert secret not in "".join(l for l in r.stdout.splitlines(True) if "ENV {" not in l)
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", MODES)
-def test_start_timeout_on_silent_ssh_host(mode, worker):
-    """A host that accepts TCP but never speaks ssh: hvdrun gives up after --start-timeout,
-    naming the host. In MPI mode too (horovodrun checks ssh before either launch): mpirun,
-    left to find out itself, waited silently for minutes."""
-    _need(mode)
+@contextlib.contextmanager
+def _silent_ssh_host():
+    """A port on 127.0.0.3 that accepts TCP but never speaks ssh; yields the port."""
     srv = socket.socket()
     srv.bind(("127.0.0.3", 0))
     srv.listen(8)
@@ -514,22 +511,78 @@ def test_start_timeout_on_silent_ssh_host(mode, worker):
     t = threading.Thread(target=accept, name="silent-sshd", daemon=True)
     t.start()
     try:
-        start = time.monotonic()
-        r = run_hvdrun("-np", "2", "-H", "localhost:1,127.0.0.3:1", f"--{mode}", "-p",
-                       str(srv.getsockname()[1]), "--start-timeout", "2", sys.executable,
-                       str(worker), "env", timeout=30)
-        elapsed = time.monotonic() - start
+        yield srv.getsockname()[1]
     finally:
         stop.set()
         t.join()
         for c in conns:
             c.close()
         srv.close()
+
+
+def _ssh_probes(port: int) -> list[int]:
+    """The live `ssh ... -p <port> ...` processes."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            args = (d / "cmdline").read_bytes().split(b"\0") if d.name.isdigit() else []
+        except OSError:
+            continue
+        if args and os.path.basename(args[0]) == b"ssh" and str(port).encode() in args \
+                and alive(int(d.name)):
+            out.append(int(d.name))
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_start_timeout_on_silent_ssh_host(mode, worker):
+    """A host that accepts TCP but never speaks ssh: hvdrun gives up after --start-timeout,
+    naming the host. In MPI mode too (horovodrun checks ssh before either launch): mpirun,
+    left to find out itself, waited silently for minutes."""
+    _need(mode)
+    with _silent_ssh_host() as port:
+        start = time.monotonic()
+        r = run_hvdrun("-np", "2", "-H", "localhost:1,127.0.0.3:1", f"--{mode}", "-p",
+                       str(port), "--start-timeout", "2", sys.executable,
+                       str(worker), "env", timeout=30)
+        elapsed = time.monotonic() - start
     assert r.returncode != 0, explain(r)
     assert "Timed out waiting for ssh connection to 127.0.0.3. Please check connectivity " \
            "between servers. You may need to increase the --start-timeout parameter" in r.stderr
     assert elapsed < 10, elapsed
     assert "ENV {" not in r.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_sigterm_during_the_ssh_check(mode, worker):
+    """SIGTERM (a scheduler cancelling the job) while hvdrun waits for a silent host: it
+    stops the ssh probe and exits 143 with one line. It died at once by the default action,
+    leaving the probe running, owned by init, until --start-timeout."""
+    _need(mode)
+    with _silent_ssh_host() as port:
+        proc = subprocess.Popen(
+            hvdrun_argv("-np", "2", "-H", "localhost:1,127.0.0.3:1", f"--{mode}", "-p",
+                        str(port), "--start-timeout", "40", sys.executable, str(worker), "env"),
+            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 20
+            while not _ssh_probes(port) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            probes = _ssh_probes(port)
+            assert probes, "no ssh probe started"
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        left = wait_gone(probes, timeout=5)
+    assert proc.returncode == 143, (out, err)
+    assert "hvdrun: received SIGTERM before the job started; stopped." in err, err
+    assert "Traceback" not in err, err
+    assert not left, f"ssh probes {left} outlived hvdrun"
 
 
 @pytest.mark.timeout(60)
