@@ -24,13 +24,14 @@ from __future__ import annotations
 import os
 import queue
 import re
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Iterator, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence
 
 from ._proc import describe_exit, killpg_quiet, pdeathsig_preexec, wait_no_reap
 
@@ -87,13 +88,20 @@ def failure_summary(failure: Failure) -> str:
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 
 
-def _pieces(fd: int) -> Iterator[bytes]:
+def _pieces(fd: int, stop: threading.Event) -> Iterator[bytes]:
     """A worker's output in pieces that each end in "\n", "\r\n" or "\r" (the last one, at
     EOF, may end in neither). A piece ending in "\r", a progress bar redrawing its line (tqdm),
     comes out as soon as it is written, as horovodrun shows it, not when a newline ends the
-    bar."""
+    bar. Ends at EOF, or once `stop` is set and nothing is left to read (a process the worker
+    left behind, in a session of its own, may hold the pipe open for ever)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
     pending = b""
     while True:
+        if not poller.poll(200):
+            if stop.is_set():
+                break
+            continue
         chunk = os.read(fd, 65536)
         if not chunk:
             break
@@ -118,6 +126,7 @@ class _Output:
         self._files: dict[tuple[int, str], IO[bytes]] = {}
         self._dir = output_dir
         self._width = len(str(max(num_proc - 1, 0)))
+        self._stop_pumps = threading.Event()
 
     def open_rank(self, rank: int) -> None:
         if self._dir is None:
@@ -127,11 +136,18 @@ class _Output:
         for stream in ("stdout", "stderr"):
             self._files[(rank, stream)] = open(os.path.join(d, stream), "wb")
 
+    def stop_pumps(self) -> None:
+        """Makes every `pump` return as soon as its pipe has nothing to read (within 0.2 s);
+        only then may the pipes be closed (a pump reading a closed descriptor could read
+        from whatever file reuses its number)."""
+        self._stop_pumps.set()
+
     def pump(self, rank: int, stream: str, pipe: IO[bytes]) -> None:
-        """Copies one worker pipe until EOF, a piece at a time (see `_pieces`)."""
+        """Copies one worker pipe until EOF (or `stop_pumps`), a piece at a time (see
+        `_pieces`)."""
         after_cr = False
         try:
-            for piece in _pieces(pipe.fileno()):
+            for piece in _pieces(pipe.fileno(), self._stop_pumps):
                 # "\r\n" split between two reads: the "\n" ends the line already shown.
                 self.line(rank, stream, piece, prefix=not (after_cr and piece == b"\n"))
                 after_cr = piece.endswith(b"\r")
@@ -172,6 +188,20 @@ class _Output:
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+
+
+def join_all(threads: Sequence[threading.Thread], timeout: float,
+             stop_pumps: Callable[[], None]) -> None:
+    """Joins `threads` within `timeout` seconds; if some are still running then, calls
+    `stop_pumps()` and gives them 1 s more (a pump stops within 0.2 s)."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        stop_pumps()
+        deadline = time.monotonic() + 1.0
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class _Worker:
@@ -376,10 +406,11 @@ class JobRunner:
                 w.proc.wait()
 
     def _join_threads(self) -> None:
-        deadline = time.monotonic() + 2.0
+        # Every worker has exited: its pipes reach EOF unless something it left behind in a
+        # session of its own still holds them. Such output is copied for 2 s more, then the
+        # pumps stop (closing a pipe under a blocked reader used to wait for that process).
+        join_all([t for w in self._workers for t in w.threads], 2.0, self._out.stop_pumps)
         for w in self._workers:
-            for t in w.threads:
-                t.join(max(0.0, deadline - time.monotonic()))
             for pipe in (w.proc.stdout, w.proc.stderr) if w.proc is not None else ():
                 if pipe is not None:
                     try:

@@ -25,7 +25,7 @@ from typing import IO, Callable, Protocol, Sequence
 
 from .. import network, ssh
 from .._proc import killpg_quiet, pdeathsig_preexec, wait_no_reap
-from ..process import _Output
+from ..process import _Output, join_all
 from ..remote_exec import payload
 
 __all__ = ["WorkerSpawner", "ProcessSpawner", "OnExit"]
@@ -134,8 +134,7 @@ class ProcessSpawner:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        for t in threads:
-            t.join(2.0)
+        join_all(threads, 2.0, self._out.stop_pumps)
         for proc in procs:
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 if pipe is not None:

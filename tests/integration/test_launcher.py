@@ -466,6 +466,30 @@ def test_progress_bar_redraws_reach_the_console_at_once(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
+def test_a_daemon_holding_the_output_does_not_keep_hvdrun(tmp_path, elastic):
+    """A worker leaves a process behind in a session of its own (not stopped with the
+    worker's group) that holds its stdout/stderr: hvdrun still ends, a few seconds after the
+    last worker. It waited for that process to exit (closing a pipe under a blocked reader)."""
+    pidfile = tmp_path / "daemon.pid"
+    code = ("import subprocess, sys; p = subprocess.Popen(['setsid', 'sleep', '60']); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); print('started', flush=True)")
+    where = (["--host-discovery-script", "echo localhost:1"] if elastic else ["--tcp"])
+    try:
+        start = time.monotonic()
+        r = run_hvdrun("-np", "1", *where, sys.executable, "-c", code, timeout=25)
+        elapsed = time.monotonic() - start
+    finally:
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    assert r.returncode == 0 and "[0]<stdout>:started" in r.stdout, explain(r)
+    assert elapsed < 15, elapsed
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.mpi
 def test_output_filename_mpi(worker, tmp_path):
     _need("mpi")
