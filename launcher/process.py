@@ -7,7 +7,7 @@ Threads (all named, owned by `JobRunner.run`, which joins them before it returns
 
 | thread | what it does | how it stops |
 |---|---|---|
-| `hvdrun-rank<r>-stdout/stderr` | copies one pipe, line by line (a piece ending in `\r` too), prefixed `[<r>]<stdout>:` | EOF on the pipe |
+| `hvdrun-rank<r>-stdout/stderr` | copies one pipe, line by line (a piece ending in `\r` too), prefixed `[<r>]<stdout>:` | EOF on the pipe, or 2 s after the last worker exited (`_Output.stop_pumps`) |
 | `hvdrun-rank<r>-wait` | waits for the process to exit (without reaping it) | the process exits |
 | `hvdrun-rank<r>-stdin` | sends an ssh worker its env and secret | payload written |
 
