@@ -7,8 +7,8 @@ import os
 import signal
 from typing import Callable
 
-__all__ = ["pdeathsig_preexec", "wait_no_reap", "killpg_quiet", "kill_process_tree",
-           "describe_exit"]
+__all__ = ["pdeathsig_preexec", "wait_no_reap", "has_exited", "killpg_quiet",
+           "kill_session", "kill_process_tree", "describe_exit"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -56,6 +56,16 @@ def wait_no_reap(pid: int) -> tuple[int, str | None]:
         return 128 + int(info.si_status), _signal_name(int(info.si_status))
 
 
+def has_exited(pid: int) -> bool:
+    """Whether the child `pid` has exited, without reaping it (so its pid, and the process group
+    and session it leads, cannot be reused while the caller still signals them)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return info is not None and info.si_pid == pid
+
+
 def _signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -70,6 +80,46 @@ def killpg_quiet(pgid: int, sig: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILLs every process of the session `sid` (Linux: found in /proc), and the process group
+    of the same id elsewhere.
+
+    A launcher that starts a child with `start_new_session=True` reaches everything that child
+    started this way, including processes in process groups of their own (mpirun puts each of
+    its `ssh` clients in one) and ones orphaned when the child died, which a `killpg` misses.
+    The caller must not have reaped `sid`'s leader yet, or its id may name another session.
+    Found processes are stopped first, so none can fork past the search, then killed.
+    """
+    killpg_quiet(sid, signal.SIGSTOP)
+    found: set[int] = set()
+    me = os.getpid()
+    for _ in range(20):
+        new = _in_session(sid) - found - {me}
+        if not new:
+            break
+        for pid in new:
+            _kill_quiet(pid, signal.SIGSTOP)
+        found |= new
+    killpg_quiet(sid, signal.SIGKILL)
+    for pid in found:
+        _kill_quiet(pid, signal.SIGKILL)
+
+
+def _in_session(sid: int) -> set[int]:
+    """The live processes whose session id is `sid` (from /proc; empty where there is none)."""
+    out: set[int] = set()
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # After the command: state, ppid, pgrp, session.
+        if len(fields) > 3 and fields[0] not in (b"Z", b"X") and int(fields[3]) == sid:
+            out.add(pid)
+    return out
 
 
 def describe_exit(code: int, signal_name: str | None) -> str:

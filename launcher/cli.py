@@ -13,11 +13,14 @@ before it, and flags after it override the file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import signal
 import sys
+import threading
 import typing
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from collective.config import OPTIONS, Option, out_of_range
 
@@ -26,7 +29,7 @@ from .settings import (MODE_MPI, MODE_TCP, LaunchSettings, default_mode,
                        start_timeout_or_env)
 
 __all__ = ["main", "build_parser", "env_from_args", "settings_from_args", "ignored_flags",
-           "YAML_KEYS", "FLAG_OPTIONS", "version"]
+           "YAML_KEYS", "FLAG_OPTIONS", "version", "SignalInterrupt", "interrupted_exit"]
 
 FALLBACK_VERSION = "0.1.0"
 
@@ -344,8 +347,7 @@ _ELASTIC_ONLY = (("slots", "--slots-per-host"), ("reset_limit", "--reset-limit")
                  ("elastic_timeout", "--elastic-timeout"))
 _MPI_ONLY = (("mpi_args", "--mpi-args"), ("binding_args", "--binding-args"),
              ("mpi_threads_disable", "--mpi-threads-disable"))
-_TCP_ONLY = (("gloo_timeout_seconds", "--gloo-timeout-seconds"),
-             ("start_timeout", "--start-timeout"))
+_TCP_ONLY = (("gloo_timeout_seconds", "--gloo-timeout-seconds"),)
 
 
 def ignored_flags(args: argparse.Namespace, mode: str, elastic: bool) -> list[str]:
@@ -495,13 +497,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, OSError) as exc:
             parser.error(str(exc))
         _warn_ignored(args, settings.mode, elastic=True)
-        return launch_elastic(settings, elastic)
+        with _signals_interrupt():
+            return launch_elastic(settings, elastic)
     try:
         settings = settings_from_args(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     _warn_ignored(args, settings.mode, elastic=False)
-    return _launch(settings, quiet=args.quiet)
+    with _signals_interrupt():
+        return _launch(settings, quiet=args.quiet)
+
+
+class SignalInterrupt(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while `hvdrun` starts a job (ssh check, discovery script, mpirun
+    detection), before the job's own handlers take over: raised as Ctrl-C raises
+    KeyboardInterrupt, so that what the start phase runs is stopped on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise `SignalInterrupt` in here (main thread only). A default SIGTERM
+    killed hvdrun at once, leaving an ssh probe running until --start-timeout and a slow
+    discovery script running on, owned by init."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise SignalInterrupt(signum)
+
+    old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def interrupted_exit(exc: KeyboardInterrupt) -> int:
+    """Says that hvdrun stopped before the workers started; returns 128 + the signal."""
+    signum = getattr(exc, "signum", int(signal.SIGINT))
+    sys.stderr.write(f"hvdrun: received {signal.Signals(signum).name} before the job started; "
+                     "stopped.\n")
+    return 128 + signum
 
 
 def _warn_ignored(args: argparse.Namespace, mode: str, elastic: bool) -> None:
@@ -544,6 +586,7 @@ def _launch(settings: LaunchSettings, quiet: bool = False) -> int:
             if not quiet:
                 sys.stderr.write(start_line(settings, launch.detected_mpi_text()) + "\n")
                 sys.stderr.flush()
+            launch.check_remote_hosts(settings)
             return run_mpi_job(settings, argv, env)
         if not quiet:
             sys.stderr.write(start_line(settings) + "\n")
@@ -552,9 +595,8 @@ def _launch(settings: LaunchSettings, quiet: bool = False) -> int:
     except (StartTimeoutError, SSHCheckError, MPIUnavailableError, ValueError, OSError) as exc:
         sys.stderr.write(f"hvdrun: error: {exc}\n")
         return 1
-    except KeyboardInterrupt:  # before any worker started (ssh check, mpirun detection)
-        sys.stderr.write("hvdrun: interrupted\n")
-        return 130
+    except KeyboardInterrupt as exc:  # before any worker started (ssh check, mpirun detection)
+        return interrupted_exit(exc)
     if result.failure is not None and result.interrupted_by is None:
         sys.stderr.write(failure_summary(result.failure))
     return result.exit_code

@@ -30,7 +30,7 @@ from .process import JobResult, JobRunner, WorkerSpec
 from .remote_exec import payload
 from .settings import LaunchSettings
 
-__all__ = ["run_tcp", "mpi_command", "run_mpi", "describe_plan",
+__all__ = ["run_tcp", "mpi_command", "run_mpi", "check_remote_hosts", "describe_plan",
            "detected_mpi_text"]
 
 _DETECTED: list = []  # the MPIImpl found by the last mpi_command (mpirun --version is slow)
@@ -84,6 +84,26 @@ def describe_plan(settings: LaunchSettings, local: set[str],
     return "\n".join(lines)
 
 
+def check_remote_hosts(settings: LaunchSettings, local: set[str] | None = None) -> list[str]:
+    """Runs `ssh <host> true` on the job's remote hosts, all within --start-timeout, as
+    horovodrun does before it launches in either mode (mpirun itself would wait for an
+    unreachable host for minutes, silently).
+
+    Returns:
+        The remote hosts (the ones that are not this machine).
+
+    Raises:
+        ssh.StartTimeoutError: a remote host did not answer within --start-timeout.
+        ssh.SSHCheckError: ssh to a remote host failed.
+    """
+    local = network.local_addresses() if local is None else local
+    remote = [h.hostname for h in settings.used_hosts
+              if not network.is_local_host(h.hostname, local)]
+    ssh.check_hosts(remote, settings.start_timeout, settings.ssh_port,
+                    settings.ssh_identity_file)
+    return remote
+
+
 def run_tcp(settings: LaunchSettings, *,
             on_server_started: Callable[[object, tuple[str, int], bytes], None] | None = None,
             command_for_rank: Callable[[int], list[str]] | None = None,
@@ -107,10 +127,7 @@ def run_tcp(settings: LaunchSettings, *,
 
     slots = get_host_assignments(settings.hosts, settings.num_proc)
     local = network.local_addresses()
-    remote_hosts = [h.hostname for h in settings.used_hosts
-                    if not network.is_local_host(h.hostname, local)]
-    ssh.check_hosts(remote_hosts, settings.start_timeout, settings.ssh_port,
-                    settings.ssh_identity_file)
+    remote_hosts = check_remote_hosts(settings, local)
 
     address = network.choose_server_address(remote_hosts, settings.network_interfaces)
     overrides = dict(settings.env_overrides)
@@ -197,8 +214,10 @@ def run_mpi(settings: LaunchSettings, extra_env: Mapping[str, str] | None = None
 
     Raises:
         mpirun.MPIUnavailableError, ValueError: see `mpi_command`.
+        ssh.StartTimeoutError, ssh.SSHCheckError: see `check_remote_hosts`.
     """
     argv, env = mpi_command(settings, extra_env, command)
+    check_remote_hosts(settings)
     if settings.verbose:
         sys.stderr.write("hvdrun: " + shlex.join(argv) + "\n")
     before = mpi_cleanup.candidates()

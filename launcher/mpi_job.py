@@ -7,10 +7,13 @@
 * Signals: mpirun runs in its own session, so a terminal's Ctrl-C reaches only `hvdrun`, which
   prints one line, sends mpirun SIGTERM (mpirun stops the ranks), hides mpirun's teardown
   noise (`PMIX ERROR: ...`), and exits with 128 + the signal (130 for Ctrl-C), as in tcp mode.
-  A second Ctrl-C, or mpirun still running after the grace period, gets SIGKILL.
+  A second Ctrl-C, or mpirun still running after the grace period, gets SIGKILL: mpirun and
+  everything in its session, which includes its `ssh` clients (each in a process group of its
+  own) and whatever mpirun left behind when it ended, however it ended.
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import signal
@@ -21,7 +24,7 @@ import time
 from typing import IO, Any
 
 from . import mpi_cleanup
-from ._proc import killpg_quiet, pdeathsig_preexec
+from ._proc import has_exited, kill_session, pdeathsig_preexec
 from .settings import LaunchSettings
 
 __all__ = ["run_mpi_job", "rewrite_tag", "GRACE_PERIOD_S"]
@@ -106,7 +109,9 @@ def run_mpi_job(settings: LaunchSettings, argv: list[str], env: dict[str, str],
     interrupted: int | None = None
     deadline: float | None = None
     try:
-        while proc.poll() is None:
+        # mpirun is reaped only after its session is cleared: until then its pid cannot be
+        # reused, so the session id names only what it started.
+        while not has_exited(proc.pid):
             wake.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic())))
             wake.clear()
             if events and interrupted is None:
@@ -114,16 +119,14 @@ def run_mpi_job(settings: LaunchSettings, argv: list[str], env: dict[str, str],
                 console.quiet_own_lines = True
                 console.write("stderr", f"hvdrun: received {signal.Signals(interrupted).name}; "
                                         "stopping all workers.\n")
-                proc.send_signal(signal.SIGTERM)
+                os.kill(proc.pid, signal.SIGTERM)  # (Popen.send_signal would reap it)
                 deadline = time.monotonic() + grace_period
             elif interrupted is not None and (len(events) > 1 or time.monotonic() >= deadline):
-                killpg_quiet(proc.pid, signal.SIGKILL)
+                kill_session(proc.pid)
                 deadline = float("inf")
-        code = proc.wait()
     finally:
-        if proc.poll() is None:
-            killpg_quiet(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_session(proc.pid)  # mpirun if still running, and its leftovers
+        code = proc.wait()
         for t in pumps:
             t.join(2.0)
         mpi_cleanup.clean_after(before, proc.pid)

@@ -7,7 +7,7 @@ Threads (all named, owned by `JobRunner.run`, which joins them before it returns
 
 | thread | what it does | how it stops |
 |---|---|---|
-| `hvdrun-rank<r>-stdout/stderr` | copies one pipe, line by line, prefixed `[<r>]<stdout>:` | EOF on the pipe |
+| `hvdrun-rank<r>-stdout/stderr` | copies one pipe, line by line (a piece ending in `\r` too), prefixed `[<r>]<stdout>:` | EOF on the pipe, or 2 s after the last worker exited (`_Output.stop_pumps`) |
 | `hvdrun-rank<r>-wait` | waits for the process to exit (without reaping it) | the process exits |
 | `hvdrun-rank<r>-stdin` | sends an ssh worker its env and secret | payload written |
 
@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import os
 import queue
+import re
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence
 
 from ._proc import describe_exit, killpg_quiet, pdeathsig_preexec, wait_no_reap
 
@@ -83,6 +85,36 @@ def failure_summary(failure: Failure) -> str:
         f"Host: {failure.hostname}\n")
 
 
+_LINE_END = re.compile(rb"\r\n|\n|\r")
+
+
+def _pieces(fd: int, stop: threading.Event) -> Iterator[bytes]:
+    """A worker's output in pieces that each end in "\n", "\r\n" or "\r" (the last one, at
+    EOF, may end in neither). A piece ending in "\r", a progress bar redrawing its line (tqdm),
+    comes out as soon as it is written, as horovodrun shows it, not when a newline ends the
+    bar. Ends at EOF, or once `stop` is set and nothing is left to read (a process the worker
+    left behind, in a session of its own, may hold the pipe open for ever)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    pending = b""
+    while True:
+        if not poller.poll(200):
+            if stop.is_set():
+                break
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        pending += chunk
+        start = 0
+        for m in _LINE_END.finditer(pending):
+            yield pending[start:m.end()]
+            start = m.end()
+        pending = pending[start:]
+    if pending:
+        yield pending
+
+
 class _Output:
     """Writes prefixed worker lines to the console and the raw output to per-rank files."""
 
@@ -94,6 +126,7 @@ class _Output:
         self._files: dict[tuple[int, str], IO[bytes]] = {}
         self._dir = output_dir
         self._width = len(str(max(num_proc - 1, 0)))
+        self._stop_pumps = threading.Event()
 
     def open_rank(self, rank: int) -> None:
         if self._dir is None:
@@ -103,17 +136,38 @@ class _Output:
         for stream in ("stdout", "stderr"):
             self._files[(rank, stream)] = open(os.path.join(d, stream), "wb")
 
-    def line(self, rank: int, stream: str, data: bytes) -> None:
+    def stop_pumps(self) -> None:
+        """Makes every `pump` return as soon as its pipe has nothing to read (within 0.2 s);
+        only then may the pipes be closed (a pump reading a closed descriptor could read
+        from whatever file reuses its number)."""
+        self._stop_pumps.set()
+
+    def pump(self, rank: int, stream: str, pipe: IO[bytes]) -> None:
+        """Copies one worker pipe until EOF (or `stop_pumps`), a piece at a time (see
+        `_pieces`)."""
+        after_cr = False
+        try:
+            for piece in _pieces(pipe.fileno(), self._stop_pumps):
+                # "\r\n" split between two reads: the "\n" ends the line already shown.
+                self.line(rank, stream, piece, prefix=not (after_cr and piece == b"\n"))
+                after_cr = piece.endswith(b"\r")
+        except (OSError, ValueError):
+            pass  # pipe closed under us during shutdown
+
+    def line(self, rank: int, stream: str, data: bytes, prefix: bool = True) -> None:
         f = self._files.get((rank, stream))
         if f is not None:
             f.write(data)  # byte for byte: a final line without a newline stays without one
             f.flush()
-        if not data.endswith(b"\n"):
+        if not data.endswith((b"\n", b"\r")):
             data += b"\n"  # the console gets whole prefixed lines
-        prefix = f"[{rank}]<{stream}>:"
-        if self._prefix_timestamp:
-            prefix = time.strftime("%a %b %d %H:%M:%S %Y") + prefix
-        self._write(stream, prefix + data.decode("utf-8", errors="replace"))
+        text = data.decode("utf-8", errors="replace")
+        if prefix:
+            head = f"[{rank}]<{stream}>:"
+            if self._prefix_timestamp:
+                head = time.strftime("%a %b %d %H:%M:%S %Y") + head
+            text = head + text
+        self._write(stream, text)
 
     def message(self, text: str) -> None:
         self._write("stderr", text if text.endswith("\n") else text + "\n")
@@ -134,6 +188,20 @@ class _Output:
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+
+
+def join_all(threads: Sequence[threading.Thread], timeout: float,
+             stop_pumps: Callable[[], None]) -> None:
+    """Joins `threads` within `timeout` seconds; if some are still running then, calls
+    `stop_pumps()` and gives them 1 s more (a pump stops within 0.2 s)."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        stop_pumps()
+        deadline = time.monotonic() + 1.0
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class _Worker:
@@ -290,11 +358,7 @@ class JobRunner:
             w.threads.append(t)
 
     def _pump(self, rank: int, stream: str, pipe: IO[bytes]) -> None:
-        try:
-            for line in iter(pipe.readline, b""):
-                self._out.line(rank, stream, line)
-        except (OSError, ValueError):
-            pass  # pipe closed under us during shutdown
+        self._out.pump(rank, stream, pipe)
 
     def _wait(self, rank: int, pid: int) -> None:
         self._events.put(("exit", rank, wait_no_reap(pid)))
@@ -342,10 +406,11 @@ class JobRunner:
                 w.proc.wait()
 
     def _join_threads(self) -> None:
-        deadline = time.monotonic() + 2.0
+        # Every worker has exited: its pipes reach EOF unless something it left behind in a
+        # session of its own still holds them. Such output is copied for 2 s more, then the
+        # pumps stop (closing a pipe under a blocked reader used to wait for that process).
+        join_all([t for w in self._workers for t in w.threads], 2.0, self._out.stop_pumps)
         for w in self._workers:
-            for t in w.threads:
-                t.join(max(0.0, deadline - time.monotonic()))
             for pipe in (w.proc.stdout, w.proc.stderr) if w.proc is not None else ():
                 if pipe is not None:
                     try:

@@ -70,9 +70,13 @@ def launch_elastic(settings: LaunchSettings, elastic: ElasticSettings) -> int:
     from .discovery import DiscoveryError  # noqa: PLC0415
     from .launch import run_elastic  # noqa: PLC0415
 
+    from ..cli import interrupted_exit  # noqa: PLC0415
+
     try:
         result = run_elastic(settings, elastic)
     except (DiscoveryError, ValueError, OSError) as exc:
         sys.stderr.write(f"hvdrun: error: {exc}\n")
         return 1
+    except KeyboardInterrupt as exc:  # during the first host discovery
+        return interrupted_exit(exc)
     return result.exit_code

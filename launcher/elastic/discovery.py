@@ -195,6 +195,10 @@ class HostManager:
     def is_blacklisted(self, host: str) -> bool:
         return self._until.get(host, 0.0) > self._clock()
 
+    def blacklisted_for_good(self, host: str) -> bool:
+        """Blacklisted without a cooldown: the host never comes back."""
+        return self._until.get(host, 0.0) == float("inf")
+
     def blacklisted(self) -> list[str]:
         return [h for h in self._order if self.is_blacklisted(h)]
 

@@ -424,12 +424,27 @@ class ElasticDriver:
             self._stop(f"worker {finished[0].id} finished while the others asked to reset; "
                        "the job has ended")
             return
+        if self._stop_if_survivors_blacklisted([w for w in self._workers.values() if w.live]):
+            return
         if self.reset_limit is not None and self.resets >= self.reset_limit:
             self._stop(RESET_LIMIT_MESSAGE.format(self.reset_limit))
             return
         self.resets += 1
         self._forming_since = time.monotonic()
         self._last_wait_msg = 0.0
+
+    def _stop_if_survivors_blacklisted(self, live: list[_Worker]) -> bool:
+        """Stops the job when every live worker's host is blacklisted for good: none of them
+        can keep a place, whatever hosts come (Horovod: every recorded host is blacklisted),
+        so there is nothing to wait --elastic-timeout for."""
+        if not live or not all(self.hosts.blacklisted_for_good(w.host) for w in live):
+            return False
+        hosts = sorted({w.host for w in live})
+        many = len(hosts) > 1
+        self._stop("No hosts from previous set remaining, unable to broadcast state: the "
+                   f"surviving workers' host{'s' if many else ''} {', '.join(hosts)} "
+                   f"{'are' if many else 'is'} blacklisted")
+        return True
 
     def _try_assign(self) -> None:
         assert self._forming_since is not None
@@ -438,6 +453,8 @@ class ElasticDriver:
             self._forming_since = None
             return
         if not all(w.waiting for w in live):
+            return
+        if self._stop_if_survivors_blacklisted(live):
             return
         have = self.hosts.total_slots()
         need = self.min_np

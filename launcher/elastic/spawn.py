@@ -25,7 +25,7 @@ from typing import IO, Callable, Protocol, Sequence
 
 from .. import network, ssh
 from .._proc import killpg_quiet, pdeathsig_preexec, wait_no_reap
-from ..process import _Output
+from ..process import _Output, join_all
 from ..remote_exec import payload
 
 __all__ = ["WorkerSpawner", "ProcessSpawner", "OnExit"]
@@ -134,8 +134,7 @@ class ProcessSpawner:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        for t in threads:
-            t.join(2.0)
+        join_all(threads, 2.0, self._out.stop_pumps)
         for proc in procs:
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 if pipe is not None:
@@ -147,11 +146,7 @@ class ProcessSpawner:
 
     # -- threads ------------------------------------------------------------------------------
     def _pump(self, worker_id: int, stream: str, pipe: IO[bytes]) -> None:
-        try:
-            for line in iter(pipe.readline, b""):
-                self._out.line(worker_id, stream, line)
-        except (OSError, ValueError):
-            pass
+        self._out.pump(worker_id, stream, pipe)
 
     @staticmethod
     def _wait(worker_id: int, pid: int, on_exit: OnExit) -> None:

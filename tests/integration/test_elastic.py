@@ -201,6 +201,52 @@ def _hvdrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_during_the_first_discovery(tmp_path: Path, sig: int) -> None:
+    """Ctrl-C or SIGTERM while the first run of a slow discovery script is under way: one
+    line, exit 128 + signal, and the script's children are gone. Ctrl-C printed a traceback;
+    SIGTERM killed hvdrun at once and the script ran on, owned by init."""
+    pidfile = tmp_path / "sleep.pid"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\nsleep 30 &\necho $! > {pidfile}\nwait\necho localhost:2\n")
+    script.chmod(0o755)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "-np", "2",
+                             "--host-discovery-script", str(script), "true"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    sleeper = None
+    try:
+        deadline = time.monotonic() + 20
+        while not (pidfile.exists() and pidfile.read_text().strip()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sleeper = int(pidfile.read_text())
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 128 + sig, (out, err)
+        assert f"hvdrun: received {signal.Signals(sig).name} before the job started; " \
+               "stopped." in err, err
+        assert "Traceback" not in err, err
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{sleeper}").exists() and time.monotonic() < deadline:
+            if Path(f"/proc/{sleeper}/stat").read_text().split()[2] == "Z":
+                break
+            time.sleep(0.05)
+        else:
+            assert not Path(f"/proc/{sleeper}").exists(), "the script's child outlived hvdrun"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if sleeper is not None:
+            try:
+                os.kill(sleeper, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_elastic_timeout_from_environment() -> None:
     """Without --elastic-timeout, HOROVOD_ELASTIC_TIMEOUT is the driver's timeout and the
     workers' value; the flag wins over it."""

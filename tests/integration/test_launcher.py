@@ -5,6 +5,7 @@ fails. Workers are a small script written to a temp dir (no ringvod runtime need
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -421,6 +422,73 @@ def test_output_filename_keeps_raw_bytes(tmp_path):
         assert f"[{rank}]<stderr>:e\n" in r.stderr, explain(r)
 
 
+_PROGRESS_BAR = r"""
+import os, sys, time
+sys.stderr.write("\r 10%|#"); sys.stderr.flush()
+sys.stderr.write("\r 20%|#"); sys.stderr.flush()  # tqdm starts each redraw with "\r"
+sys.stdout.write("a\r\nb\n"); sys.stdout.flush()
+deadline = time.monotonic() + 30
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.stderr.write("\r100%|##\n")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_progress_bar_redraws_reach_the_console_at_once(tmp_path):
+    """A piece of output that ends in "\r" (tqdm's bar, once its next redraw begins) is shown,
+    prefixed, at once, as horovodrun shows it; it waited for the bar's final newline, so a
+    training loop's progress stayed invisible for the whole epoch. "\r\n" ends one line."""
+    script, done = tmp_path / "bar.py", tmp_path / "done"
+    script.write_text(_PROGRESS_BAR)
+    proc = subprocess.Popen(hvdrun_argv("-q", "-np", "1", "--tcp", sys.executable, str(script),
+                                        str(done)), cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen, wanted = b"", b"[0]<stderr>:\r[0]<stderr>: 10%|#\r"
+        os.set_blocking(proc.stderr.fileno(), False)
+        deadline = time.monotonic() + 10
+        while wanted not in seen and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stderr.read() or b""
+            time.sleep(0.05)
+        assert wanted in seen, seen  # while the worker still waits for `done`
+        done.touch()
+        os.set_blocking(proc.stderr.fileno(), True)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        done.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, seen + err
+    assert out == b"[0]<stdout>:a\r\n[0]<stdout>:b\n", out
+    assert (seen + err).endswith(b"[0]<stderr>: 20%|#\r[0]<stderr>:100%|##\n"), seen + err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
+def test_a_daemon_holding_the_output_does_not_keep_hvdrun(tmp_path, elastic):
+    """A worker leaves a process behind in a session of its own (not stopped with the
+    worker's group) that holds its stdout/stderr: hvdrun still ends, a few seconds after the
+    last worker. It waited for that process to exit (closing a pipe under a blocked reader)."""
+    pidfile = tmp_path / "daemon.pid"
+    code = ("import subprocess, sys; p = subprocess.Popen(['setsid', 'sleep', '60']); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); print('started', flush=True)")
+    where = (["--host-discovery-script", "echo localhost:1"] if elastic else ["--tcp"])
+    try:
+        start = time.monotonic()
+        r = run_hvdrun("-np", "1", *where, sys.executable, "-c", code, timeout=25)
+        elapsed = time.monotonic() - start
+    finally:
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    assert r.returncode == 0 and "[0]<stdout>:started" in r.stdout, explain(r)
+    assert elapsed < 15, elapsed
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.mpi
 def test_output_filename_mpi(worker, tmp_path):
@@ -447,9 +515,9 @@ def test_verbose_plan_never_shows_the_secret(worker):
     assert secret not in "".join(l for l in r.stdout.splitlines(True) if "ENV {" not in l)
 
 
-@pytest.mark.timeout(60)
-def test_start_timeout_on_silent_ssh_host(worker):
-    """A host that accepts TCP but never speaks ssh: hvdrun gives up after --start-timeout."""
+@contextlib.contextmanager
+def _silent_ssh_host():
+    """A port on 127.0.0.3 that accepts TCP but never speaks ssh; yields the port."""
     srv = socket.socket()
     srv.bind(("127.0.0.3", 0))
     srv.listen(8)
@@ -467,22 +535,78 @@ def test_start_timeout_on_silent_ssh_host(worker):
     t = threading.Thread(target=accept, name="silent-sshd", daemon=True)
     t.start()
     try:
-        start = time.monotonic()
-        r = run_hvdrun("-np", "2", "-H", "localhost:1,127.0.0.3:1", "--tcp", "-p",
-                       str(srv.getsockname()[1]), "--start-timeout", "2", sys.executable,
-                       str(worker), "env", timeout=30)
-        elapsed = time.monotonic() - start
+        yield srv.getsockname()[1]
     finally:
         stop.set()
         t.join()
         for c in conns:
             c.close()
         srv.close()
+
+
+def _ssh_probes(port: int) -> list[int]:
+    """The live `ssh ... -p <port> ...` processes."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            args = (d / "cmdline").read_bytes().split(b"\0") if d.name.isdigit() else []
+        except OSError:
+            continue
+        if args and os.path.basename(args[0]) == b"ssh" and str(port).encode() in args \
+                and alive(int(d.name)):
+            out.append(int(d.name))
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_start_timeout_on_silent_ssh_host(mode, worker):
+    """A host that accepts TCP but never speaks ssh: hvdrun gives up after --start-timeout,
+    naming the host. In MPI mode too (horovodrun checks ssh before either launch): mpirun,
+    left to find out itself, waited silently for minutes."""
+    _need(mode)
+    with _silent_ssh_host() as port:
+        start = time.monotonic()
+        r = run_hvdrun("-np", "2", "-H", "localhost:1,127.0.0.3:1", f"--{mode}", "-p",
+                       str(port), "--start-timeout", "2", sys.executable,
+                       str(worker), "env", timeout=30)
+        elapsed = time.monotonic() - start
     assert r.returncode != 0, explain(r)
     assert "Timed out waiting for ssh connection to 127.0.0.3. Please check connectivity " \
            "between servers. You may need to increase the --start-timeout parameter" in r.stderr
     assert elapsed < 10, elapsed
     assert "ENV {" not in r.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_sigterm_during_the_ssh_check(mode, worker):
+    """SIGTERM (a scheduler cancelling the job) while hvdrun waits for a silent host: it
+    stops the ssh probe and exits 143 with one line. It died at once by the default action,
+    leaving the probe running, owned by init, until --start-timeout."""
+    _need(mode)
+    with _silent_ssh_host() as port:
+        proc = subprocess.Popen(
+            hvdrun_argv("-np", "2", "-H", "localhost:1,127.0.0.3:1", f"--{mode}", "-p",
+                        str(port), "--start-timeout", "40", sys.executable, str(worker), "env"),
+            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 20
+            while not _ssh_probes(port) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            probes = _ssh_probes(port)
+            assert probes, "no ssh probe started"
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        left = wait_gone(probes, timeout=5)
+    assert proc.returncode == 143, (out, err)
+    assert "hvdrun: received SIGTERM before the job started; stopped." in err, err
+    assert "Traceback" not in err, err
+    assert not left, f"ssh probes {left} outlived hvdrun"
 
 
 @pytest.mark.timeout(60)

@@ -124,7 +124,6 @@ IGNORED = [
     (["--binding-args", "-bind-to none"], "tcp", False, "--binding-args", "MPI mode"),
     (["--mpi-threads-disable"], "tcp", True, "--mpi-threads-disable", "MPI mode"),
     (["--gloo-timeout-seconds", "5"], "mpi", False, "--gloo-timeout-seconds", "tcp mode"),
-    (["--start-timeout", "9"], "mpi", False, "--start-timeout", "tcp mode"),
 ]
 
 
@@ -151,6 +150,7 @@ def test_flags_with_their_companion_do_not_warn():
             (["--mpi", "--mpi-args", "-x FOO", "--binding-args", "-bind-to none",
               "--mpi-threads-disable"], "mpi", False),
             (["--gloo-timeout-seconds", "5", "--start-timeout", "9"], "tcp", False),
+            (["--mpi", "--start-timeout", "9"], "mpi", False),  # bounds the ssh check too
             ([], "tcp", False), ([], "mpi", False)):
         assert cli.ignored_flags(parse(*argv), mode, elastic) == [], argv
 

@@ -159,6 +159,33 @@ def test_a_failure_the_survivors_re_formed_after_is_forgiven() -> None:
     assert res.exit_code == 0 and res.final_size == 1 and res.error is None, res.summary
     assert "failed: worker 1 (rank 1 on host b): exit code 1" in res.summary
 
+@pytest.mark.parametrize("cooldown", [None, (5.0, 10.0)], ids=["for-good", "cooldown"])
+@pytest.mark.timeout(30)
+def test_survivors_on_blacklisted_hosts_only(cooldown) -> None:
+    """One host; a worker fails and the host is blacklisted. For good: no survivor can ever
+    keep a place, so the job stops at once (Horovod: every recorded host is blacklisted); it
+    waited --elastic-timeout (600 s) for slots. With a cooldown the host comes back: wait."""
+    spawner, store = _FakeSpawner(), _FakeStore()
+    d = ElasticDriver(lambda: {"a": 2}, spawner, lambda slot: {}, store, num_proc=2,
+                      min_np=1, max_np=None, cooldown_range=cooldown)
+    d.hosts.update({"a": 2})
+    d._start()
+    d._on_exit(1, 3, None)
+    d._step()
+    d.ready(0, 1)  # the survivor's collective failed: it asks for a new round
+    d._step()
+    d._step()
+    if cooldown is None:
+        assert store.data["assign.0.1"] == {"stop": d._stop_reason}, store.data
+        assert d._stop_reason == (
+            "No hosts from previous set remaining, unable to broadcast state: the surviving "
+            "workers' host a is blacklisted"), d._stop_reason
+        assert d.resets == 0
+    else:
+        assert d._stop_reason is None and "assign.0.1" not in store.data, store.data
+        assert d._forming_since is not None  # waiting for the host's cooldown to end
+
+
 def test_host_manager_order_and_cooldown() -> None:
     now = [100.0]
     hm = HostManager((2, 10), clock=lambda: now[0])

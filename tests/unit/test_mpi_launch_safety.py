@@ -165,3 +165,76 @@ def test_hvdrun_cleans_up_after_its_killed_mpirun(tmp_path) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+# A stand-in for an mpirun that cannot finish its launch (an unreachable host): it starts a
+# child in a process group of its own, as Open MPI starts its ssh clients, and then either
+# ignores SIGTERM ("stuck") or exits 1 at once, leaving the child behind ("exits").
+_STUCK_MPIRUN = r"""
+import os, signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         preexec_fn=os.setpgrp)
+print("CHILD", child.pid, flush=True)
+if sys.argv[1] == "exits":
+    sys.exit(1)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(60)
+"""
+
+_RUN_JOB = r"""
+import sys
+from launcher.hosts import HostInfo
+from launcher.mpi_job import run_mpi_job
+from launcher.settings import LaunchSettings
+settings = LaunchSettings(num_proc=1, hosts=(HostInfo("localhost", 1),), mode="mpi",
+                          command=("x",))
+sys.exit(run_mpi_job(settings, [sys.executable, sys.argv[1], sys.argv[2]], None,
+                     grace_period=0.5))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["stuck", "exits"])
+def test_nothing_mpirun_started_outlives_the_job(tmp_path, how) -> None:
+    """What mpirun started in a process group of its own (Open MPI's ssh clients) goes with
+    it: when hvdrun SIGKILLs an mpirun that ignored SIGTERM (a killpg of mpirun's group left
+    the ssh to an unreachable host running for minutes, owned by init), and when mpirun ends
+    and leaves it behind."""
+    import signal
+
+    from tests._spmd import REPO
+    fake = tmp_path / "mpirun.py"
+    fake.write_text(_STUCK_MPIRUN)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", _RUN_JOB, str(fake), how], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    child = None
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("CHILD "), line + proc.stdout.read()
+        child = int(line.split()[1])
+        if how == "stuck":
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+        assert proc.returncode == (143 if how == "stuck" else 1), out
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), f"mpirun's child {child} outlived the job\n{out}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
