@@ -284,6 +284,10 @@ for i in range(2):  # init -> work -> shutdown -> init under the flood
         with open(os.environ["PORT_FILE"] + ".tmp", "w") as f:
             f.write(str(port))
         os.replace(os.environ["PORT_FILE"] + ".tmp", os.environ["PORT_FILE"])
+        deadline = time.monotonic() + 20  # the steps must run while the flood goes on
+        while i == 0 and not os.path.exists(os.environ["FLOOD_FILE"]):
+            assert time.monotonic() < deadline, "the flood did not start"
+            time.sleep(0.01)
     t0 = time.monotonic()
     for step in range(400):  # while the flood goes on
         out = hvd.allreduce(np.full(1000, r + 1.0, np.float32), op=hvd.Sum, name=f"s{step % 3}")
@@ -298,13 +302,14 @@ print("FLOODED JOB OK", flush=True)
 @pytest.mark.timeout(120)
 def test_job_keeps_running_and_reinits_under_a_connection_flood(tmp_path) -> None:
     port = _free_port()
-    port_file = tmp_path / "port"
+    port_file, flood_file = tmp_path / "port", tmp_path / "flooding"
     secret = os.urandom(32).hex()
 
     def env_of(r: int) -> dict[str, str]:
         return dict(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port - 1), HOROVOD_GLOO_TIMEOUT_SECONDS="30",
-                    HOROVOD_SECRET_KEY=secret, PORT_FILE=str(port_file))
+                    HOROVOD_SECRET_KEY=secret, PORT_FILE=str(port_file),
+                    FLOOD_FILE=str(flood_file))
 
     floods = [_Flood(port, 0)]  # the store (MASTER_PORT + 1), while it exists
     stop = threading.Event()
@@ -313,7 +318,12 @@ def test_job_keeps_running_and_reinits_under_a_connection_flood(tmp_path) -> Non
         while not stop.is_set() and not port_file.exists():
             time.sleep(0.05)
         if not stop.is_set():
-            floods.append(_Flood(int(port_file.read_text()), 100))
+            flood = _Flood(int(port_file.read_text()), 100)
+            floods.append(flood)
+            deadline = time.monotonic() + 10
+            while flood.opened <= 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            flood_file.write_text("on")  # rank 0 starts its steps only now
 
     t = threading.Thread(target=listener_flood, daemon=True)
     t.start()
