@@ -92,19 +92,7 @@ def kill_session(sid: int) -> None:
     The caller must not have reaped `sid`'s leader yet, or its id may name another session.
     Found processes are stopped first, so none can fork past the search, then killed.
     """
-    killpg_quiet(sid, signal.SIGSTOP)
-    found: set[int] = set()
-    me = os.getpid()
-    for _ in range(20):
-        new = _in_session(sid) - found - {me}
-        if not new:
-            break
-        for pid in new:
-            _kill_quiet(pid, signal.SIGSTOP)
-        found |= new
-    killpg_quiet(sid, signal.SIGKILL)
-    for pid in found:
-        _kill_quiet(pid, signal.SIGKILL)
+    _stop_and_kill(sid, lambda: _in_session(sid))
 
 
 def _in_session(sid: int) -> set[int]:
@@ -139,17 +127,24 @@ def kill_process_tree(root: int, marker: str | None = None) -> None:
     before the next search, so that none can start another behind it, then all are killed.
     """
     needle = marker.encode() if marker else None
-    me = os.getpid()
-    killpg_quiet(root, signal.SIGSTOP)
+    _stop_and_kill(root, lambda: _descendants(root) | _carrying(needle))
+
+
+def _stop_and_kill(group: int, search: Callable[[], set[int]]) -> None:
+    """SIGSTOPs process group `group` and every process `search()` finds, searching again
+    until a pass finds nothing new (each pass stops what it finds, so forks cannot outrun it
+    for long), then SIGKILLs the group and all found."""
+    killpg_quiet(group, signal.SIGSTOP)
     found: set[int] = set()
-    for _ in range(20):  # each pass stops what it finds: forks cannot outrun it for long
-        new = (_descendants(root) | _carrying(needle)) - found - {me}
+    me = os.getpid()
+    for _ in range(20):
+        new = search() - found - {me}
         if not new:
             break
         for pid in new:
             _kill_quiet(pid, signal.SIGSTOP)
         found |= new
-    killpg_quiet(root, signal.SIGKILL)
+    killpg_quiet(group, signal.SIGKILL)
     for pid in found:
         _kill_quiet(pid, signal.SIGKILL)
 
