@@ -1,9 +1,11 @@
 """A lone synchronous allreduce in a loop, in a process that runs nothing else: ringvod
-(`hvd.allreduce_`) or torch.distributed (`dist.all_reduce`), each followed by a host wait for
-the device. Prints the median per-op time and the mean over blocks of 1000 ops. Also the
-target of a sampling profiler (py-spy) for the per-op host time.
+(`hvd.allreduce_`), torch.distributed (`dist.all_reduce`) or CuPy's bare NCCL call on the
+current stream (`--impl cupy`, CUDA only, needs mpi4py), each followed by a host wait for the
+device. Prints the median per-op time, the median time until the call returned (its host
+cost) and the mean over blocks of 1000 ops. Also the target of a sampling profiler (py-spy)
+for the per-op host time.
 
-    mpirun -np 2 python tools/lone_loop.py --device cuda [--impl torch]
+    mpirun -np 2 python tools/lone_loop.py --device cuda [--impl torch|cupy]
     mpirun -np 2 py-spy record -f raw -o prof.txt -- python tools/lone_loop.py
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--impl", choices=["ringvod", "torch"], default="ringvod")
+    p.add_argument("--impl", choices=["ringvod", "torch", "cupy"], default="ringvod")
     p.add_argument("--bytes", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20000)
     p.add_argument("--port", type=int, default=29541)
@@ -44,6 +46,16 @@ def main() -> int:
     if a.impl == "ringvod":
         def op():
             hvd.allreduce_(x, op=hvd.Sum, name="lone")
+    elif a.impl == "cupy":
+        from cupy.cuda import nccl
+        from mpi4py import MPI
+        uid = MPI.COMM_WORLD.bcast(nccl.get_unique_id() if rank == 0 else None, root=0)
+        comm = nccl.NcclCommunicator(size, uid, rank)
+        ptr, count = x.data_ptr(), x.numel()
+        stream = torch.cuda.current_stream().cuda_stream
+
+        def op():
+            comm.allReduce(ptr, ptr, count, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream)
     else:
         dist.init_process_group("nccl" if cuda else "gloo",
                                 init_method=f"tcp://127.0.0.1:{a.port}", rank=rank,
@@ -55,24 +67,27 @@ def main() -> int:
     for _ in range(200):
         op()
     sync()
-    per_op, blocks = [], []
+    per_op, returned, blocks = [], [], []
     now = time.perf_counter
     for _ in range(max(a.iters // 1000, 1)):
         t0 = now()
         for _ in range(1000):
             t = now()
             op()
+            t1 = now()
             sync()
             per_op.append(now() - t)
+            returned.append(t1 - t)
         blocks.append((now() - t0) / 1000)
     if rank == 0:
         impl = a.impl + ("/" + a.tag if a.tag else "")
         print(f"lone_loop impl={impl} size={size} device={a.device} bytes={a.bytes}: median "
-              f"{statistics.median(per_op) * 1e6:.1f} us per op, mean of 1000-op blocks "
+              f"{statistics.median(per_op) * 1e6:.1f} us per op (call returned after "
+              f"{statistics.median(returned) * 1e6:.1f}), mean of 1000-op blocks "
               f"{statistics.median(blocks) * 1e6:.1f} us", flush=True)
     if a.impl == "ringvod":
         hvd.shutdown()
-    else:
+    elif a.impl == "torch":
         dist.destroy_process_group()
     return 0
 
