@@ -12,8 +12,10 @@
    32-byte secret) here in the driver, on this node's Ray address;
 5. sets each worker's environment: its rank variables, the tcp controller, the store's address
    and the secret (which travels as a method argument inside the Ray cluster, never on a
-   command line), and with `use_gpu` the GPUs of its node in local-rank order, so that
-   `torch.cuda.set_device(hvd.local_rank())` picks the GPU Ray gave it and NCCL sees its peers.
+   command line), and with `use_gpu` the GPUs of its node in local-rank order, each once
+   (`plan.visible_gpus`): with one GPU per worker, `torch.cuda.set_device(hvd.local_rank())`
+   picks the GPU Ray gave it and NCCL sees its peers; workers of a fractional
+   `gpus_per_worker` share GPUs, so their node lists fewer GPUs than it has workers.
 
 User functions then call `hvd.init()` and form a tcp-mode job, as under `hvdrun --gloo`.
 
@@ -42,7 +44,7 @@ from collective.errors import HorovodInternalError
 from collective.rendezvous import KVServer
 
 from .. import network
-from .plan import group_by_node, rank_env, slots_for_nodes
+from .plan import group_by_node, rank_env, slots_for_nodes, visible_gpus
 from .worker import BaseHorovodWorker
 
 __all__ = ["RayExecutor", "MiniSettings", "WorkerLostError", "FAILURE_GRACE_S"]
@@ -152,7 +154,9 @@ class RayExecutor:
         num_workers_per_host: workers per node with `num_hosts`.
         cpus_per_worker: CPUs each worker reserves.
         use_gpu: give each worker `gpus_per_worker` GPUs (default 1); GPU tensors use NCCL.
-        gpus_per_worker: GPUs per worker (needs `use_gpu`).
+        gpus_per_worker: GPUs per worker (needs `use_gpu`); below 1, workers share GPUs, so
+            pick the device with `hvd.local_rank() % torch.cuda.device_count()` and keep the
+            collectives on CPU tensors (NCCL needs one GPU per rank).
         use_current_placement_group: inside a placement group (e.g. a Ray Tune trial), place
             the workers in it instead of reserving a new one.
         min_workers, max_workers: an elastic job (instead of `num_workers`): it starts once
@@ -403,16 +407,14 @@ class RayExecutor:
         self._server = KVServer(host, 0, s.key)
         rendezvous = self._server.start()
 
-        gpu_ids_of_node: dict[str, list[str]] = {}
-        for p in placements:
-            gpu_ids_of_node.setdefault(p[0], []).extend(str(g) for g in p[4])
+        visible = visible_gpus([p[0] for p in placements], [p[4] for p in placements])
         envs = []
         for slot in slots:
             env = rank_env(slot, rendezvous, s.key.hex(), extra_env_vars)
             if iface is not None:
                 env["HOROVOD_GLOO_IFACE"] = iface
             if self.use_gpu:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids_of_node[slot.hostname])
+                env["CUDA_VISIBLE_DEVICES"] = visible[slot.rank]
             envs.append(env)
         ray.get([w.update_env_vars.remote(e) for w, e in zip(self.workers, envs)],
                 timeout=s.timeout_s)

@@ -8,12 +8,12 @@ follow from `launcher.hosts.get_host_assignments`, the same code `hvdrun` uses.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..env import worker_env
 from ..hosts import SlotInfo
 
-__all__ = ["group_by_node", "slots_for_nodes", "rank_env"]
+__all__ = ["group_by_node", "slots_for_nodes", "rank_env", "visible_gpus"]
 
 
 def group_by_node(node_ids: Sequence[str]) -> list[int]:
@@ -74,3 +74,39 @@ def rank_env(slot: SlotInfo, rendezvous: tuple[str, int] | None, secret_hex: str
     return worker_env({}, slot, remote=True, overrides={k: str(v) for k, v in
                                                         (extra or {}).items()},
                       rendezvous=rendezvous, secret_hex=secret_hex, oversubscribed=False)
+
+
+def _gpu_order(gpu_id: str) -> tuple[int, int, str]:
+    """Sort key of a Ray GPU id: numbers numerically ("2" before "10"), then other ids (GPU
+    UUIDs) as text."""
+    return (0, int(gpu_id), "") if gpu_id.isdigit() else (1, 0, gpu_id)
+
+
+def visible_gpus(node_ids: Sequence[str], gpu_ids: Sequence[Sequence[Any]]) -> list[str]:
+    """`CUDA_VISIBLE_DEVICES` of every rank: the GPUs Ray gave the ranks of its node, each
+    listed once.
+
+    A node's list follows its ranks in order (local-rank order), each rank's ids numerically;
+    an id that a lower rank of the node already brought is not repeated. With one GPU per
+    worker, GPU `hvd.local_rank()` of the list is therefore the one Ray gave the worker. Workers
+    that share a GPU (fractional GPUs: Ray gives both the same id) leave the node fewer GPUs
+    than workers.
+
+    Args:
+        node_ids: the Ray node id of rank 0, 1, ...
+        gpu_ids: the GPU ids Ray gave rank 0, 1, ... (`ray.get_gpu_ids()`: ints or strings).
+
+    Example:
+        >>> visible_gpus(["a", "a", "b"], [[1], [0], [0]])
+        ['1,0', '1,0', '0']
+        >>> visible_gpus(["a", "a", "a"], [[0], [0], [1]])  # 0.5 GPU each
+        ['0,1', '0,1', '0,1']
+    """
+    if len(node_ids) != len(gpu_ids):
+        raise ValueError(f"{len(node_ids)} node ids but {len(gpu_ids)} GPU id lists")
+    of_node: dict[str, dict[str, None]] = {}
+    for node, ids in zip(node_ids, gpu_ids):
+        seen = of_node.setdefault(node, {})
+        for g in sorted({str(g) for g in ids}, key=_gpu_order):
+            seen.setdefault(g, None)
+    return [",".join(of_node[node]) for node in node_ids]

@@ -346,6 +346,64 @@ def test_plan_matches_hvdrun_slot_assignment():
     assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1" and env["X"] == "1"
 
 
+def test_visible_gpus_lists_each_gpu_of_a_node_once():
+    if not HAVE_RAY:
+        skip_or_fail('Ray is not installed (pip install ".[ray]")', "ray")
+    from launcher.ray.plan import visible_gpus
+    # One GPU per worker: local-rank order, so GPU `local_rank` of the list is the worker's own.
+    assert visible_gpus(["a", "a", "b", "b"], [[1], [0], [0], [1]]) == ["1,0", "1,0", "0,1", "0,1"]
+    # Half a GPU each: workers that share a GPU got the same id, listed once ("0,0,1" before).
+    assert visible_gpus(["a", "a", "a"], [[0], [0], [1]]) == ["0,1"] * 3
+    assert visible_gpus(["a", "b", "a"], [["0"], [0], [0]]) == ["0", "0", "0"]  # str or int
+    # Several GPUs per worker: each worker's ids in numeric order, not text order.
+    assert visible_gpus(["a", "a"], [[10, 2], ["3", 2]]) == ["2,10,3"] * 2
+    assert visible_gpus(["a"], [["GPU-b", "GPU-a"]]) == ["GPU-a,GPU-b"]  # UUIDs as text
+    assert visible_gpus(["a"], [[]]) == [""]
+    with pytest.raises(ValueError):
+        visible_gpus(["a", "b"], [[0]])
+
+
+@needs_ray
+@pytest.mark.timeout(120)
+def test_use_gpu_with_fractional_gpus_lists_each_gpu_once():
+    # Ray hands out GPU ids without GPUs: a local instance with two fake ones. Three workers of
+    # half a GPU on two GPUs: two of them share one, whose id the executor listed twice ("0,0,1").
+    code = ("import json, os, ray\n"
+            "from horovod.ray import RayExecutor\n"
+            "ray.init(address='local', num_cpus=2, num_gpus=2, include_dashboard=False, "
+            "log_to_driver=False)\n"
+            "out = {}\n"
+            "for n, g in ((3, 0.5), (2, 1)):\n"
+            "    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=n,\n"
+            "                     cpus_per_worker=0.5, use_gpu=True, gpus_per_worker=g)\n"
+            "    ex.start()\n"
+            "    try:\n"
+            "        out[str(g)] = ex.run(lambda: [int(os.environ['HOROVOD_LOCAL_RANK']),\n"
+            "                                      os.environ['CUDA_VISIBLE_DEVICES'],\n"
+            "                                      [str(i) for i in ray.get_gpu_ids()]])\n"
+            "    finally:\n"
+            "        ex.shutdown()\n"
+            "print(json.dumps(out))\n"
+            "ray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env.setdefault("RAY_worker_niceness", "0")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    half = out["0.5"]
+    given = [ids[0] for _, _, ids in half]  # the GPU Ray gave each worker
+    assert all(len(ids) == 1 for _, _, ids in half) and len(set(given)) < 3, half
+    visible = {v for _, v, _ in half}
+    assert len(visible) == 1, half  # the same list on every worker of the node
+    listed = visible.pop().split(",")
+    assert len(listed) == len(set(listed)) and set(listed) == set(given), half
+    assert listed == sorted(set(given), key=given.index), half  # local-rank order
+    for local_rank, v, ids in out["1"]:  # one GPU each: GPU `local_rank` is the worker's own
+        assert v.split(",")[local_rank] == ids[0], out["1"]
+
+
 def _train_loop(config):
     import tempfile as tf
 
