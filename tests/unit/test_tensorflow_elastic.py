@@ -187,3 +187,33 @@ def test_run_turns_graph_errors_back_into_internal_errors(hvd) -> None:
 
     with pytest.raises(tf.errors.InvalidArgumentError):
         other(state)
+
+
+def test_reset_callback_sets_lr_through_keras2_alias(hvd) -> None:
+    """Horovod's Keras elastic example rescales the learning rate in its reset callback with
+    `tf.keras.backend.set_value(state.model.optimizer.lr, lr * hvd.size())`. Keras 3 dropped
+    the `lr` alias (AttributeError, met only once a worker has died); the DistributedOptimizer
+    keeps it, and the value set is the one the compiled step uses."""
+    import tensorflow as tf
+    model = _model(hvd, momentum=0.0)
+    state = hvd.elastic.KerasState(model, epoch=0)
+
+    def on_state_reset():
+        tf.keras.backend.set_value(state.model.optimizer.lr, 0.05 * hvd.size())
+    state.register_reset_callbacks([on_state_reset])
+    state.on_reset()
+    opt = model.optimizer
+    assert float(tf.keras.backend.get_value(opt.lr)) == pytest.approx(0.05)
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.05)
+
+    x = np.ones((2, 4), np.float32)
+    y = np.zeros((2, 2), np.float32)
+    before = _values(model.trainable_variables)
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    # Outputs 4 (ones kernel, ones input), so d(mse)/d(output) = 2 * 4 / 4 = 2 per entry and
+    # every kernel and bias gradient is 2 rows * 2 = 4: one SGD step moves them by lr * 4.
+    for b, a in zip(before, _values(model.trainable_variables)):
+        np.testing.assert_allclose(b - a, 0.05 * 4.0, rtol=1e-5)
+
+    opt.lr = 0.2  # the attribute form sets it too
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.2)

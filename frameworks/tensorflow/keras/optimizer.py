@@ -96,6 +96,20 @@ class _DistributedOptimizerMixin:
     _hvd_sum_steps: int = 1
     _hvd_user_accumulation: Any = None
 
+    # Keras 2's `lr` alias of `learning_rate`, which Keras 3 dropped: Horovod's examples read
+    # and set it (`tf.keras.backend.set_value(state.model.optimizer.lr, lr * hvd.size())` in
+    # an elastic reset callback, which otherwise fails only once a worker has died). A
+    # variable learning rate comes back as the `tf.Variable` Keras keeps it in, which
+    # `tf.keras.backend.get_value`/`set_value` accept (they reject a Keras 3 variable).
+    @property
+    def lr(self) -> Any:
+        lr = self.learning_rate
+        return lr.value if isinstance(lr, keras.Variable) else lr
+
+    @lr.setter
+    def lr(self, value: Any) -> None:
+        self.learning_rate = value
+
     def register_local_source(self, var: Any) -> None:
         """Keeps `var`'s gradient local (not reduced; scaled by 1/size when
         `scale_local_gradients`)."""
