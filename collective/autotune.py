@@ -356,9 +356,18 @@ class Autotuner:
         if self._log is None:
             return
         h, g, t = (int(x) for x in self._flags)
-        self._log.write(f"{h},{g},{t},{int(p.cache_enabled)},{p.cycle_time_ms:g},"
-                        f"{p.fusion_threshold / _MB:g},{score:.6g},{p.bucket_cap_mb:g}\n")
-        self._log.flush()
+        try:
+            self._log.write(f"{h},{g},{t},{int(p.cache_enabled)},{p.cycle_time_ms:g},"
+                            f"{p.fusion_threshold / _MB:g},{score:.6g},{p.bucket_cap_mb:g}\n")
+            self._log.flush()
+        except OSError as exc:  # a full disk must not end the job (this runs on the coordinator)
+            _log.get_logger().error("autotune: cannot write the log (%s); the rest of it is lost",
+                                    exc)
+            log, self._log = self._log, None
+            try:
+                log.close()
+            except OSError:
+                pass
 
 
 class Driver:
@@ -505,13 +514,26 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+def _open_log(path: str) -> TextIO | None:
+    """Rank 0's CSV log, or None when it cannot be created: an error line names the variable
+    and tuning runs on without a log (as the timeline does at init, and as Horovod, whose
+    ofstream fails silently). Raising here failed init() on rank 0 alone, after the world had
+    formed: the other ranks waited in the coordinator's first round for ever (MPI mode)."""
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        _log.get_logger().error("HOROVOD_AUTOTUNE_LOG=%s: cannot create the autotune log (%s); "
+                                "autotune runs without it", path, exc)
+        return None
+
+
 def from_config(config: Config, buckets_ready: Callable[[], bool] = lambda: False) -> Driver:
     """Rank 0's tuner for a Config. A knob whose value differs from its default was set by the
     user and is held fixed. `buckets_ready`: see `Autotuner`."""
     defaults = options_by_field()
     fixed = {f for f in ("fusion_threshold", "cycle_time_ms", "bucket_cap_mb", "cache_capacity")
              if getattr(config, f) != defaults[f].default}
-    log = open(config.autotune_log, "w", encoding="utf-8") if config.autotune_log else None
+    log = _open_log(config.autotune_log) if config.autotune_log else None
     tuner = Autotuner(config.fusion_threshold, config.cycle_time_ms,
                       warmup_samples=config.autotune_warmup_samples,
                       max_samples=config.autotune_bayes_opt_max_samples,

@@ -8,6 +8,7 @@ Precedence: keyword override > environment > default.
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, fields
@@ -250,9 +251,14 @@ def options_by_field() -> Mapping[str, Option]:
 
 
 def out_of_range(option: Option, value: Any) -> str | None:
-    """Why `value` is not allowed for `option` (None: it is). Numbers that hvdrun takes as flags
-    must be >= 0, from a flag or from the environment alike; the Gaussian process noise lies in
-    [0, 1]."""
+    """Why `value` is not allowed for `option` (None: it is). A float option must be finite
+    (`float()` also reads 'nan' and 'inf': NaN fails every comparison, so it slipped past the
+    range checks and, e.g., switched the stall inspector off unnoticed; infinite times and sizes
+    crashed the coordinator, the tcp plane or DistributedOptimizer with an OverflowError). Numbers
+    that hvdrun takes as flags must be >= 0, from a flag or from the environment alike; the
+    Gaussian process noise lies in [0, 1]."""
+    if option.type is float and not math.isfinite(value):
+        return "must be a finite number"
     if not option.cli or option.type not in (int, float):
         return None
     if option.field == "autotune_gaussian_process_noise" and not 0 <= value <= 1:

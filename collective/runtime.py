@@ -140,8 +140,11 @@ class Runtime:
         if control is None:
             return
         engine = create_engine(self.host_engine_name, control, self.config)
+        # Global rank 0 draws the ops of every set it belongs to, as Horovod's controllers share
+        # its one timeline (a set added after init() finds the timeline already there).
+        engine.timeline = self.coordinator.timeline
         state = ProcessSetState(ps_id, ranks, control, engine, self.config,
-                                is_global_root=self.rank == 0 and ps_id == 0)
+                                is_global_root=self.rank == 0)
         self._sets[ps_id] = state
         self._members = [self._sets[k] for k in sorted(self._sets)]
 

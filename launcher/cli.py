@@ -312,7 +312,8 @@ def env_from_args(args: argparse.Namespace) -> dict[str, str]:
     (`main` warns about the flags dropped so: `ignored_flags`).
 
     Raises:
-        ValueError: `<arg>=<v> must be >= 0`, or the Gaussian process noise is outside [0, 1].
+        ValueError: `<arg>=<v> must be >= 0`, a float flag is not finite (nan, inf), or the
+            Gaussian process noise is outside [0, 1].
     """
     env: dict[str, str] = {}
     autotune = bool(getattr(args, "autotune", None))

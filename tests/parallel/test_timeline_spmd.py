@@ -147,6 +147,38 @@ def test_rank_dynamic_timeline():
 
 @pytest.mark.spmd
 @pytest.mark.timeout(60)
+def test_rank_timeline_process_sets():
+    """Rank 0 draws the ops of every process set it belongs to (Horovod's controllers share
+    its one timeline), not only those of the global set; a set without rank 0 is not drawn."""
+    import collective as hvd
+    path = os.path.join(os.environ[ENV_DIR], "sets.json")
+    ps0, ps1, both = hvd.ProcessSet([0]), hvd.ProcessSet([1]), hvd.ProcessSet([0, 1])
+    hvd.init(process_sets=[ps0, ps1, both])
+    rank = hvd.rank()
+    x = np.full(4, rank + 1.0, np.float32)
+    mine = ps0 if rank == 0 else ps1
+    assert hvd.allreduce(x, name=f"alone_{rank}", process_set=mine).tolist() == [rank + 1.0] * 4
+    assert hvd.allreduce(x, name="pair", process_set=both, op=hvd.Sum).tolist() == [3.0] * 4
+    assert hvd.allgather(x, name="pair_g", process_set=both).shape == (8,)
+    hvd.allreduce(x, name="world", op=hvd.Sum)
+    hvd.shutdown()
+    if rank != 0:
+        return
+    tensors = _by_tensor(_load(path))
+    assert set(tensors) == {"allreduce.alone_0", "allreduce.pair", "allgather.pair_g",
+                            "allreduce.world"}, sorted(tensors)
+    for name, op in (("allreduce.alone_0", "ALLREDUCE"), ("allreduce.pair", "ALLREDUCE"),
+                     ("allgather.pair_g", "ALLGATHER")):
+        evs = tensors[name]
+        assert _span_names(evs)[:2] == [f"NEGOTIATE_{op}", op], (name, _span_names(evs))
+        assert f"MPI_{op}" in _span_names(evs), (name, _span_names(evs))
+        assert sum(1 for e in evs if e["ph"] == "B") == sum(1 for e in evs if e["ph"] == "E")
+    ready = sorted(e["name"] for e in tensors["allreduce.pair"] if e["ph"] == "X")
+    assert ready == ["0", "1"]
+
+
+@pytest.mark.spmd
+@pytest.mark.timeout(60)
 def test_rank_stall_warning():
     import collective as hvd
     with pytest.raises(ValueError, match=r"Horovod has not been initialized; use hvd.init\(\)"):
@@ -241,6 +273,14 @@ def _run(scenario: str, tmp_path, **env) -> str:
 def test_static_timeline(tmp_path):
     _run("test_rank_static_timeline", tmp_path,
          HOROVOD_TIMELINE=str(tmp_path / "static.json"), HOROVOD_TIMELINE_MARK_CYCLES="1")
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_timeline_draws_every_process_set_of_rank_0(tmp_path):
+    _run("test_rank_timeline_process_sets", tmp_path,
+         HOROVOD_TIMELINE=str(tmp_path / "sets.json"))
 
 
 @pytest.mark.spmd_driver

@@ -128,6 +128,54 @@ def test_from_config_holds_user_set_knobs_fixed(tmp_path):
     assert d.tuner._log is None and log.read_text() == CSV_HEADER + "\n"
 
 
+class _Lines:
+    """Stands in for the `horovod` logger (which does not propagate to caplog's root)."""
+
+    def __init__(self):
+        self.lines = []
+
+    def __call__(self):
+        return self
+
+    def error(self, msg, *args):
+        self.lines.append(msg % args)
+
+    debug = info = warning = error
+
+
+def test_a_log_that_cannot_be_created_is_an_error_line_not_an_exception(tmp_path, monkeypatch):
+    # Raising here failed init() on rank 0 alone, after the world had formed: in MPI mode the
+    # other ranks then waited in the coordinator's first round for ever.
+    from collective import _log
+    lines = _Lines()
+    monkeypatch.setattr(_log, "get_logger", lines)
+    path = tmp_path / "no-such-dir" / "at.csv"
+    d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(path)}))
+    assert d.tuner.active and d.tuner._log is None and not path.exists()
+    (line,) = lines.lines
+    assert line.startswith(f"HOROVOD_AUTOTUNE_LOG={path}: cannot create the autotune log")
+
+
+def test_a_log_write_that_fails_drops_the_log_and_tuning_goes_on(monkeypatch):
+    from collective import _log
+    lines = _Lines()
+    monkeypatch.setattr(_log, "get_logger", lines)
+
+    class Full(io.StringIO):
+        def write(self, text):
+            if text != CSV_HEADER + "\n":
+                raise OSError(28, "No space left on device")
+            return super().write(text)
+
+    tuner = Autotuner(128 * MB, 1.0, warmup_samples=0, max_samples=20, log=Full())
+    while tuner.evaluations == 0:  # the first score: its row cannot be written
+        tuner.add_sample(1e6, 0.01)
+    assert tuner.active and tuner._log is None
+    assert any("cannot write the log" in ln for ln in lines.lines)
+    while tuner.active:
+        tuner.add_sample(1e6, 0.01)
+
+
 def test_csv_log_is_closed_at_once_when_there_is_nothing_to_tune(tmp_path):
     log = tmp_path / "at.csv"
     d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(log),

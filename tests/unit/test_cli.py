@@ -208,6 +208,20 @@ def test_negative_values_rejected(flag, dest):
         env_of(flag, "-1")
 
 
+@pytest.mark.parametrize("raw", ["nan", "inf"])
+@pytest.mark.parametrize("flag,dest", [("--cycle-time-ms", "cycle_time_ms"),
+                                       ("--stall-check-warning-time-seconds",
+                                        "stall_check_warning_time_seconds"),
+                                       ("--stall-check-shutdown-time-seconds",
+                                        "stall_check_shutdown_time_seconds"),
+                                       ("--bucket-cap-mb", "bucket_cap_mb"),
+                                       ("--gloo-timeout-seconds", "gloo_timeout_seconds"),
+                                       ("--start-timeout", "start_timeout")])
+def test_non_finite_values_rejected(flag, dest, raw):
+    with pytest.raises(ValueError, match=f"^{dest}={raw} must be a finite number$"):
+        env_of(flag, raw)
+
+
 def test_gaussian_noise_range():
     with pytest.raises(ValueError, match="must be in \\[0, 1\\]"):
         env_of("--autotune", "--autotune-gaussian-process-noise", "1.5")

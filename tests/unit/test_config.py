@@ -106,6 +106,16 @@ def test_negative_values_are_refused_naming_the_variable(env, raw):
         read_env({env: raw})
 
 
+@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "Infinity"])
+@pytest.mark.parametrize("env", [o.env for o in OPTIONS if o.type is float])
+def test_non_finite_floats_are_refused_naming_the_variable(env, raw):
+    # float() reads these; they used to pass: NaN fails every range check (a NaN stall time
+    # switched the inspector off unnoticed), and an infinite cycle time, tcp timeout or bucket
+    # size crashed the coordinator, the tcp plane or DistributedOptimizer with OverflowError.
+    with pytest.raises(ValueError, match=rf"^{env}='{raw}' must be a finite number: "):
+        read_env({env: raw})
+
+
 def test_range_rules_leave_zero_and_launcher_identities_alone():
     c = read_env({"HOROVOD_CYCLE_TIME": "0", "HOROVOD_FUSION_THRESHOLD": "0",
                   "HOROVOD_RANK": "-1", "OMPI_COMM_WORLD_RANK": "-1"})
