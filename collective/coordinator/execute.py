@@ -33,9 +33,9 @@ _R_BROADCAST, _R_ALLTOALL, _R_REDUCESCATTER = (ResponseType.BROADCAST, ResponseT
 def perform(ps: ProcessSetState, resp: Response, tl: Any, device_engine: str,
             config: Any, tuner: Any = None) -> None:
     """Runs `resp` on this rank and completes its handles. `tl`: the timeline (global rank 0,
-    any set it belongs to) or None; `device_engine`: the registered name of the device engine; `tuner`:
-    autotune's `Driver` on global rank 0 while tuning runs, else None (it records the global
-    set's allreduces).
+    any set it belongs to) or None; `device_engine`: the registered name of the device
+    engine; `tuner`: autotune's `Driver` on global rank 0 while tuning runs, else None (it
+    records the global set's allreduces).
 
     Raises:
         whatever the engine raises, after failing the response's handles with it.
