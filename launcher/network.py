@@ -7,12 +7,14 @@ us on. `--network-interface` overrides the choice.
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import socket
 import struct
 from typing import Sequence
 
 __all__ = ["interface_names", "interface_address", "local_addresses", "is_local_host",
-           "route_source_address", "interface_of_address", "choose_server_address"]
+           "is_loopback_address", "resolves_here", "route_source_address",
+           "interface_of_address", "choose_server_address"]
 
 _SIOCGIFADDR = 0x8915  # linux/sockios.h
 
@@ -56,6 +58,32 @@ def is_local_host(hostname: str, local: set[str] | None = None) -> bool:
     return hostname in (local_addresses() if local is None else local)
 
 
+def is_loopback_address(address: str) -> bool:
+    """True for an IPv4 address in 127.0.0.0/8 or ::1; False for anything else, names included."""
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def resolves_here(hostname: str, local: set[str] | None = None) -> bool:
+    """True if `hostname` is this machine even when it is reached over ssh.
+
+    That is: a local name (`is_local_host`), or a name whose every address is a loopback address
+    (such as 127.0.0.2) or one of this machine's addresses. A process there can connect to a
+    server on 127.0.0.1. A name that does not resolve is not here.
+    """
+    local = local_addresses() if local is None else local
+    if hostname in local:
+        return True
+    try:
+        infos = socket.getaddrinfo(hostname, None)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {str(info[4][0]) for info in infos}
+    return bool(addresses) and all(is_loopback_address(a) or a in local for a in addresses)
+
+
 def route_source_address(host: str, port: int = 9) -> str:
     """The local IPv4 address the kernel would use to send to `host` (no packet is sent).
 
@@ -80,12 +108,16 @@ def interface_of_address(address: str) -> str | None:
 def choose_server_address(remote_hosts: Sequence[str], interfaces: Sequence[str]) -> str:
     """Address the rendezvous server binds to and that every worker connects to.
 
-    All-local jobs use 127.0.0.1. With `--network-interface`, the first named interface's
-    address. Otherwise the source address towards the first remote host.
+    With `--network-interface`, the first named interface's address. Otherwise the source
+    address towards the first remote host the kernel does not reach through the loopback
+    interface: a remote host such as 127.0.0.2 is this machine reached over ssh, and the
+    source towards it (127.0.0.1) would shut out the hosts after it. 127.0.0.1 when there is
+    no such host (all-local jobs, and jobs whose remote hosts are all loopback addresses).
 
     Raises:
         ValueError: a named interface does not exist or has no IPv4 address.
-        OSError: a remote host does not resolve.
+        OSError: a remote host it looks at (the first, and each one after a loopback host)
+            does not resolve.
     """
     if interfaces:
         addr = interface_address(interfaces[0])
@@ -94,6 +126,8 @@ def choose_server_address(remote_hosts: Sequence[str], interfaces: Sequence[str]
                 f"network interface {interfaces[0]!r} has no IPv4 address on this host; "
                 f"interfaces here: {', '.join(interface_names())}. Fix --network-interface.")
         return addr
-    if not remote_hosts:
-        return "127.0.0.1"
-    return route_source_address(remote_hosts[0])
+    for host in remote_hosts:
+        source = route_source_address(host)
+        if not is_loopback_address(source):
+            return source
+    return "127.0.0.1"

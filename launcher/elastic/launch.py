@@ -4,7 +4,7 @@ from __future__ import annotations
 import secrets
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 from .. import network
 from ..env import cpu_count, worker_env
@@ -15,7 +15,7 @@ from .discovery import FixedHosts, HostDiscoveryScript
 from .driver import ElasticDriver, ElasticKVServer, ElasticResult
 from .spawn import ProcessSpawner
 
-__all__ = ["ElasticSettings", "run_elastic"]
+__all__ = ["ElasticSettings", "run_elastic", "unreachable_server_warning"]
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,16 @@ def run_elastic(settings: LaunchSettings, elastic: ElasticSettings, *,
                              prefix_timestamp=settings.prefix_timestamp, stdout=stdout,
                              stderr=err, width_hint=elastic.max_np or settings.num_proc)
 
+    warned: set[str] = set()
+
     def env_for(slot: SlotInfo) -> dict[str, str]:
         is_remote = spawner.is_remote(slot.hostname)
-        if is_remote and address.startswith("127."):
-            spawner.message(f"hvdrun: warning: host {slot.hostname} is remote but the "
-                            "rendezvous server listens on 127.0.0.1 (every host was local at "
-                            "start); pass --network-interface to reach remote hosts")
+        if is_remote and slot.hostname not in warned:
+            text = unreachable_server_warning(slot.hostname, address, list(first),
+                                              settings.network_interfaces, local)
+            if text:
+                warned.add(slot.hostname)
+                spawner.message(text)
         return worker_env(parent, slot, remote=is_remote, overrides=overrides,
                           rendezvous=rendezvous, secret_hex=secret.hex(),
                           oversubscribed=not is_remote and slot.local_size > cores)
@@ -122,6 +126,36 @@ def run_elastic(settings: LaunchSettings, elastic: ElasticSettings, *,
     finally:
         server.stop()
 
+
+def unreachable_server_warning(hostname: str, address: str, first_hosts: list[str],
+                               interfaces: Sequence[str], local: set[str]) -> str | None:
+    """The warning for a worker host that cannot reach the rendezvous server, or None.
+
+    The server binds once, at start: to 127.0.0.1 when every host of the first discovery is
+    this machine (see `network.choose_server_address`). A host on another machine that the
+    discovery adds later cannot connect to that address; a remote name that is still this
+    machine (such as 127.0.0.2, reached over ssh) can, and gets no warning.
+
+    Args:
+        hostname: the host a worker is about to start on over ssh.
+        address: the address the server listens on.
+        first_hosts: the hosts of the first discovery.
+        interfaces: `--network-interface` (the first one chose `address` when given).
+        local: this machine's names and addresses (`network.local_addresses`).
+    """
+    if not network.is_loopback_address(address) or network.resolves_here(hostname, local):
+        return None
+    if interfaces:
+        why = f"the address of --network-interface {interfaces[0]}"
+    elif first_hosts:
+        why = (f"chosen at start because every host found then ({', '.join(first_hosts)}) "
+               "was this machine")
+    else:
+        why = "chosen at start, when the discovery had found no host"
+    return (f"hvdrun: warning: host {hostname} is not this machine, but the rendezvous server "
+            f"listens on {address} ({why}); workers on {hostname} cannot connect to it. "
+            "Start hvdrun with --network-interface naming an interface that the other "
+            "machines can reach.")
 
 
 def _gloo_timeout(overrides: dict[str, str]) -> float:

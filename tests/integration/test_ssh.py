@@ -273,3 +273,22 @@ def test_allreduce_over_ssh(sshd):
     for rank in range(3):
         assert re.search(rf"^\[{rank}\]<stdout>:rank {rank}/3 .*mode tcp\): allreduce sum = 3$",
                          r.stdout, re.M), explain(r)
+
+
+@pytest.mark.timeout(120)
+def test_elastic_job_on_a_loopback_host_over_ssh(sshd, tmp_path):
+    """Discovery finds only 127.0.0.2, reached over ssh: the rendezvous server listens on
+    127.0.0.1, which the workers there reach, so the job runs and hvdrun warns of nothing."""
+    from tests._elastic_job import Job  # noqa: PLC0415 - only this test runs an elastic job
+
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho {REMOTE}:2\n")
+    script.chmod(0o755)
+    job = Job(out, ["-np", "2", "--min-np", "2", "--host-discovery-script", str(script),
+                    *sshd.args()], {"ET_STEPS": "6", "ET_SLEEP": "0.01"}, timeout=90)
+    code, text = job.finish()
+    assert code == 0, text
+    assert "warning" not in text, text
+    assert sorted(r["size"] for r in job.results()) == [2, 2], text

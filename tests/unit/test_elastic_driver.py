@@ -1,21 +1,26 @@
 """Pure parts of the elastic driver: slot assignment, host order and blacklist, discovery
-output, and the CLI's validation of the elastic flags; the driver's rounds with fake workers."""
+output, and the CLI's validation of the elastic flags; the driver's rounds with fake workers;
+the launcher's rendezvous address and its warning for hosts that cannot reach it."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
+import socket
 import time
 
 import pytest
 
+from launcher import network
 from launcher.cli import build_parser
 from launcher.elastic.cli import elastic_settings_from_args
 from launcher.elastic.discovery import (DiscoveryError, HostDiscoveryScript, HostManager,
                                         as_discovery, parse_discovery_output)
-from launcher.elastic.driver import (ElasticDriver, HostUpdateResult, assign_slots,
-                                     host_update_flags)
-from launcher.hosts import HostInfo
+from launcher.elastic.driver import (ElasticDriver, ElasticResult, HostUpdateResult,
+                                     assign_slots, host_update_flags)
+from launcher.elastic.launch import run_elastic, unreachable_server_warning
+from launcher.hosts import HostInfo, SlotInfo
 
 
 def test_assign_survivors_first_then_new_hosts() -> None:
@@ -358,3 +363,104 @@ def test_protocol_constants_match_the_worker_side() -> None:
     assert (driver.SCOPE, driver.WORKER_ID_ENV) == (worker.SCOPE, worker.WORKER_ID_ENV)
     for name in ("no_update", "removed", "added", "mixed"):
         assert getattr(driver.HostUpdateResult, name) == getattr(worker.HostUpdateResult, name)
+
+
+# A name for a host on another machine: resolved by the fakes below, never by DNS.
+OTHER = "node2.example"
+OTHER_ADDRESS = "192.0.2.77"
+
+
+@pytest.fixture
+def other_machine(monkeypatch):
+    """OTHER resolves to OTHER_ADDRESS, which the kernel would send to from 192.0.2.2."""
+    real_getaddrinfo, real_route = socket.getaddrinfo, network.route_source_address
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host == OTHER:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (OTHER_ADDRESS, 0))]
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    def route(host, port=9):
+        return "192.0.2.2" if host == OTHER else real_route(host, port)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(network, "route_source_address", route)
+
+
+def test_server_address_skips_remote_hosts_that_are_this_machine(other_machine) -> None:
+    """127.0.0.2 is reached over ssh but through the loopback interface: routing to it gives
+    127.0.0.1, which the machines after it could not reach."""
+    assert network.choose_server_address([], ()) == "127.0.0.1"
+    assert network.choose_server_address(["127.0.0.2"], ()) == "127.0.0.1"
+    assert network.choose_server_address(["127.0.0.2", OTHER], ()) == "192.0.2.2"
+    assert network.choose_server_address([OTHER, "127.0.0.2"], ()) == "192.0.2.2"
+    assert network.choose_server_address(["127.0.0.2", OTHER], ("lo",)) == "127.0.0.1"
+
+
+def test_resolves_here(other_machine) -> None:
+    local = network.local_addresses()
+    for name in ("localhost", "127.0.0.1", "127.0.0.2", "127.1.2.3"):
+        assert network.resolves_here(name, local), name
+    assert not network.resolves_here(OTHER, local)
+    assert not network.resolves_here("no such host", local)
+
+
+class _ScriptedDriver:
+    """Stands in for ElasticDriver in run_elastic: builds the environment of one worker per
+    host of `HOSTS`, in order, as the driver does before it spawns one (spawns nothing)."""
+
+    HOSTS: list[str] = []
+
+    def __init__(self, discovery, spawner, env_for, server, **kwargs) -> None:
+        self.env_for = env_for
+
+    def run(self) -> ElasticResult:
+        for rank, host in enumerate(self.HOSTS):
+            self.env_for(SlotInfo(host, rank, 0, rank, len(self.HOSTS), 1, len(self.HOSTS)))
+        return ElasticResult(0, "hvdrun: elastic job finished.", final_size=len(self.HOSTS))
+
+
+def _elastic_stderr(monkeypatch, first: dict[str, int], later: list[str],
+                    *flags: str) -> str:
+    monkeypatch.setattr(_ScriptedDriver, "HOSTS", later)
+    monkeypatch.setattr("launcher.elastic.launch.ElasticDriver", _ScriptedDriver)
+    settings, elastic = elastic_settings_from_args(_args(
+        "-np", "1", "--min-np", "1", "--host-discovery-script", "d.sh", *flags))
+    err = io.StringIO()
+    result = run_elastic(settings, elastic, discovery=lambda: first, stdout=io.StringIO(),
+                         stderr=err)
+    assert result.exit_code == 0
+    return err.getvalue()
+
+
+@pytest.mark.parametrize("first", [{"127.0.0.2": 2}, {"localhost": 1, "127.0.0.2": 1}])
+def test_no_warning_for_loopback_hosts_over_ssh(monkeypatch, other_machine, first) -> None:
+    """Hosts such as 127.0.0.2 go over ssh, yet they are this machine and reach 127.0.0.1."""
+    err = _elastic_stderr(monkeypatch, first, ["127.0.0.2", "127.0.0.2", "127.0.0.3"])
+    assert "warning" not in err, err
+
+
+@pytest.mark.parametrize("first", [{"localhost": 2}, {"127.0.0.2": 2}])
+def test_warning_once_for_another_machine_after_a_loopback_start(
+        monkeypatch, other_machine, first) -> None:
+    err = _elastic_stderr(monkeypatch, first, ["127.0.0.2", OTHER, OTHER, "127.0.0.3"])
+    lines = [line for line in err.splitlines() if "warning" in line]
+    assert lines == [
+        f"hvdrun: warning: host {OTHER} is not this machine, but the rendezvous server "
+        f"listens on 127.0.0.1 (chosen at start because every host found then "
+        f"({', '.join(first)}) was this machine); workers on {OTHER} cannot connect to it. "
+        "Start hvdrun with --network-interface naming an interface that the other machines "
+        "can reach."], err
+
+
+def test_warning_names_the_loopback_network_interface(monkeypatch, other_machine) -> None:
+    err = _elastic_stderr(monkeypatch, {"localhost": 1}, [OTHER], "--network-interface", "lo")
+    assert "listens on 127.0.0.1 (the address of --network-interface lo)" in err, err
+
+
+def test_unreachable_server_warning_cases(other_machine) -> None:
+    local = network.local_addresses()
+    assert unreachable_server_warning(OTHER, "192.0.2.2", ["127.0.0.2", OTHER], (), local) is None
+    assert unreachable_server_warning("127.0.0.2", "127.0.0.1", ["localhost"], (), local) is None
+    text = unreachable_server_warning(OTHER, "127.0.0.1", [], (), local)
+    assert text is not None and "when the discovery had found no host" in text
