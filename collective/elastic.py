@@ -285,7 +285,12 @@ class ObjectState(State):
     """State of plain attributes: `ObjectState(epoch=0, batch=0)` gives `state.epoch`, ...
 
     `save()` snapshots the attributes (deep copies, so later in-place changes do not leak into
-    the snapshot), `restore()` puts the snapshot back, `sync()` broadcasts rank 0's snapshot.
+    the snapshot), `restore()` puts the snapshot back, `sync()` broadcasts rank 0's snapshot
+    and rank 0's current values. The current values matter after a `HostsUpdatedInterrupt`
+    raised between commits (by `check_host_updates()`): nothing is restored then, and the
+    model and optimizer are synced as they are, so the attributes (`batch`, `epoch`, ...) must
+    keep their uncommitted values too. Horovod broadcasts the snapshot only, which puts the
+    attributes back to the last commit but leaves the model where it was.
     """
 
     def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
@@ -302,8 +307,11 @@ class ObjectState(State):
 
     def sync(self) -> None:
         if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
-            self._set_attrs()
+            current = {k: getattr(self, k) for k in self._saved_state}
+            saved, current = self._bcast_object((self._saved_state, current))
+            self._saved_state = copy.deepcopy(saved)
+            for k, v in current.items():
+                setattr(self, k, copy.deepcopy(v))
 
     def _set_attrs(self) -> None:
         for k, v in self._saved_state.items():

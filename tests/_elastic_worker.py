@@ -18,6 +18,7 @@ ET_TORCH    1: torch instead (TorchState: model, optimizer, ElasticSampler; see 
 ET_DATASET, ET_BATCH  torch: dataset size (60) and batch size per rank (2)
 ET_BPPS     torch: backward_passes_per_step (default 1); the averaged gradient is then
             ET_BPPS * base(step) (passes add up, as in Horovod)
+ET_CHECK    torch: 1 calls `state.check_host_updates()` after every step that does not commit
 ET_CUDA     1: torch on CUDA (NCCL), the worker of host "localhost" on GPU 0, others on GPU 1
 ET_KERAS    1: Keras `fit` instead (KerasState and the elastic callbacks; see main_keras), with
             ET_BATCHES batches per epoch (default 4) and ET_STEPS // ET_BATCHES epochs
@@ -186,6 +187,8 @@ def main_torch() -> None:
             progress(hvd, state.step)
             if state.step % COMMIT == 0:
                 state.commit()
+            elif os.environ.get("ET_CHECK") == "1":
+                state.check_host_updates()
             time.sleep(SLEEP)
         state.commit()
 

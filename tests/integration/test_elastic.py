@@ -290,6 +290,40 @@ def test_elastic_sampler_covers_dataset_once(tmp_path: Path) -> None:
     no_orphans(job)
 
 
+def test_torch_host_added_between_commits_keeps_uncommitted_steps(tmp_path: Path) -> None:
+    """Test 6b (torch): a host appears while the workers are between commits; the interrupt
+    comes from `check_host_updates()`. Nothing is rolled back: the model, the optimizer, the
+    sampler and the plain attributes (step, log, seen) all go on from where they were, so every
+    step is applied once and every sample is seen (the old sync put the plain attributes back
+    to the last commit and left the model and sampler as they were)."""
+    pytest.importorskip("torch")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3",
+                         "--host-discovery-script", f"cat {hosts}"],
+              {"ET_TORCH": "1", "ET_DATASET": "120", "ET_BATCH": "2", "ET_COMMIT": "1000",
+               "ET_CHECK": "1", "ET_SLEEP": "0.3"}, 120)
+    job.wait_progress(2)
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [r["rank"] for r in res] == [0, 1, 2], out
+    w, buf = 0.0, None  # SGD(lr=0.5, momentum=0.5), averaged gradient base(step)
+    for s in range(res[0]["step"]):
+        g = float(s % 7 - 3)
+        buf = g if buf is None else 0.5 * buf + g
+        w -= 0.5 * buf
+    for r in res:
+        assert r["log"] == list(range(r["step"])), r["log"]
+        assert r["sizes"][0] == 2 and r["sizes"][-1] == 3, r["sizes"]
+        assert sorted(set(r["seen"])) == list(range(120)), r["seen"]
+        assert len(r["seen"]) < 120 + 6, r["seen"]  # padding of the last batch only
+        assert r["w"] == pytest.approx([w] * 4, abs=1e-5), (r["w"], w)
+    assert "hosts added" in out and "restoring the last commit" not in out, out
+    no_orphans(job)
+
+
 API_SCRIPT = r"""
 import os, signal, time
 import horovod

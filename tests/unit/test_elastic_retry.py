@@ -74,5 +74,27 @@ def test_interrupt_for_removed_hosts_everywhere_skips_sync() -> None:
 
 
 def test_interrupt_for_added_hosts_syncs() -> None:
+    """The sync after an interrupt keeps the uncommitted step: nothing is rolled back (the
+    model and optimizer are synced as they are, so the attributes must be too)."""
     res = _run([HostsUpdatedInterrupt(False)] * 2)
-    assert [syncs for syncs, _, _ in res] == [2, 2], res
+    assert res == [(2, 1, 2.0)] * 2, res
+
+
+def test_failure_syncs_the_last_commit() -> None:
+    res = _run([HorovodInternalError("peer died")] * 2)
+    assert res == [(2, 0, 2.0)] * 2, res
+
+
+def test_sync_sends_rank_0s_snapshot_and_values() -> None:
+    """After a sync, every rank has rank 0's current attributes and rank 0's snapshot (a later
+    restore goes back to the same commit everywhere)."""
+
+    def body(rank: int) -> tuple[int, int, int]:
+        state = ObjectState(step=rank)  # snapshot: step=rank
+        state.step = 10 + rank          # uncommitted
+        state.sync()
+        synced = state.step
+        state.restore()
+        return synced, state.step, rank
+
+    assert [r[:2] for r in run_loopback(3, body, timeout=20.0)] == [(10, 0)] * 3
