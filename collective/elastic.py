@@ -406,8 +406,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
         @hvd.elastic.run
         def train(state):
-            for state.epoch in range(state.epoch, epochs):
-                ...
+            while state.epoch < epochs:
+                ...                  # one epoch, committing every few batches
+                state.epoch += 1
                 state.commit()
 
         train(hvd.elastic.ObjectState(epoch=0))
