@@ -16,6 +16,9 @@ Horovod's model, kept as is but for the sync agreement (last point):
   worker always needs it, and so does a rank whose collective failed (a peer that dies during
   `check_host_updates()`' broadcast can leave some ranks with the interrupt and others with
   the failure).
+* After a sync every rank saves (the synced state becomes the rollback point everywhere), so
+  that a worker that joined has the job's state to roll back to, not its own initial values
+  (Horovod's new worker keeps those until the next commit).
 
 Driver protocol (over the job's authenticated key-value store, scope `elastic`):
 
@@ -356,6 +359,11 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 # All ranks sync or none: a rank's own reason may not be the others'.
                 if _sync_needed(not skip_sync or _round_has_new_worker):
                     state.sync()
+                    # The synced state is every rank's rollback point. A new worker's own
+                    # snapshot is its initial values, not the job's: if the ranks of the old
+                    # world died before the next commit, it would be the new rank 0 and restore
+                    # and broadcast its initial model next to the job's committed attributes.
+                    state.save()
                 if synced_once:
                     last_reset_timings["synced"] = time.time()
                 synced_once = True

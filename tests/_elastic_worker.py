@@ -11,6 +11,8 @@ ET_STEPS    number of steps (default 30)
 ET_COMMIT   commit every this many steps (default 3)
 ET_SLEEP    seconds per step (default 0.05)
 ET_KILL     "host:step[,host:step]": the worker on that host SIGKILLs itself once at that step
+ET_KILL_AT_SIZE  "size:host,host": the workers on those hosts SIGKILL themselves at their first
+            step at that world size (torch)
 ET_FAIL     "host:step": the worker on that host exits 3 at that step (every time)
 ET_UPDATE_FAILS  a rank: the first HostsUpdatedInterrupt of `check_host_updates()` becomes a
             HorovodInternalError on that rank only, as when a peer dies during its broadcast
@@ -59,6 +61,8 @@ def _triggers(var: str) -> dict[str, list[int]]:
 
 
 KILL, FAIL = _triggers("ET_KILL"), _triggers("ET_FAIL")
+KILL_AT_SIZE = (lambda v: (v[0], v[1].split(",")) if len(v) == 2 else None)(
+    os.environ.get("ET_KILL_AT_SIZE", "").split(":", 1))
 
 
 def maybe_die(step: int) -> None:
@@ -173,6 +177,8 @@ def main_torch() -> None:
         for idx in loader:
             s = state.step
             maybe_die(s)
+            if KILL_AT_SIZE and hvd.size() == int(KILL_AT_SIZE[0]) and HOST in KILL_AT_SIZE[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
             opt.zero_grad()
             scale = base(s) + hvd.rank() - (hvd.size() - 1) / 2
             for _ in range(passes):  # accumulated locally, one allreduce per step

@@ -324,6 +324,38 @@ def test_torch_host_added_between_commits_keeps_uncommitted_steps(tmp_path: Path
     no_orphans(job)
 
 
+def test_torch_new_worker_outlives_the_old_world(tmp_path: Path) -> None:
+    """Test 6c (torch): a worker joins, then every worker of the old world dies before the next
+    commit. The new worker is the new rank 0 and restores its own snapshot: that must be the
+    state it received (the old code kept its initial model there, next to the job's committed
+    step, log and sampler: the final weights did not match the steps logged)."""
+    pytest.importorskip("torch")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "--max-np", "3",
+                         "--host-discovery-script", f"cat {hosts}"],
+              {"ET_TORCH": "1", "ET_DATASET": "120", "ET_BATCH": "2", "ET_COMMIT": "3",
+               "ET_SLEEP": "0.3", "ET_KILL_AT_SIZE": "3:localhost,127.0.0.1"}, 120)
+    job.wait_progress(4)  # a commit (step 3) before the new worker comes
+    hosts.write_text(f"localhost:1\n127.0.0.1:1\n{HOSTNAME}:1\n")
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [(r["rank"], r["host"]) for r in res] == [(0, HOSTNAME)], out
+    r = res[0]
+    w, buf = 0.0, None  # SGD(lr=0.5, momentum=0.5), averaged gradient base(step)
+    for s in range(r["step"]):
+        g = float(s % 7 - 3)
+        buf = g if buf is None else 0.5 * buf + g
+        w -= 0.5 * buf
+    assert r["log"] == list(range(r["step"])), r["log"]
+    assert r["sizes"][0] == 2 and r["sizes"][-1] == 1, r["sizes"]
+    assert sorted(set(r["seen"])) == list(range(120)), r["seen"]
+    assert r["w"] == pytest.approx([w] * 4, abs=1e-5), (r["w"], w, r["log"])
+    assert "restoring the last commit" in out and "2 reset(s)" in out, out
+    no_orphans(job)
+
+
 API_SCRIPT = r"""
 import os, signal, time
 import horovod
