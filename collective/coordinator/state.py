@@ -3,6 +3,7 @@ cache, message table and stall inspector), and `shutdown_error`, what its handle
 the job ends."""
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -52,6 +53,8 @@ class ProcessSetState:
                                     not config.stall_check_disable,
                                     warn=_log_.warning) if self.is_root else None
         self.is_global_root = is_global_root
+        # Numbers of this set's unnamed ops (`noname.<n>`); every member counts alike.
+        self.next_noname = itertools.count(1).__next__
 
     def pending(self) -> bool:
         return bool(self.table) or any(s.busy() for s in self.sets)

@@ -116,6 +116,21 @@ def test_same_name_in_different_sets_global_side():
         hvd.allreduce(np.ones(2), op=hvd.Sum, name="shared"), np.full(2, N))
 
 
+def test_unnamed_ops_on_a_subset_leave_global_unnamed_ops_matched():
+    # Horovod's own example: only the members run an unnamed op on their set, then everyone
+    # runs unnamed global ops. Unnamed ops are numbered per set, so the members' global ops
+    # keep the numbers of the other ranks' (one process-wide count hung here, or reduced two
+    # different ops together where shapes matched).
+    me = hvd.rank()
+    if EVENS.included():
+        got = hvd.allreduce_async(np.ones(2), op=hvd.Sum, process_set=EVENS).wait(30)
+        np.testing.assert_allclose(got, np.full(2, len(EVENS.ranks)))
+    a = hvd.allreduce_async(np.full(2, float(me)), op=hvd.Sum)
+    b = hvd.allreduce_async(np.full(2, 10.0 * me), op=hvd.Sum)
+    np.testing.assert_allclose(a.wait(30), np.full(2, float(sum(range(N)))))
+    np.testing.assert_allclose(b.wait(30), np.full(2, 10.0 * sum(range(N))))
+
+
 def test_adding_without_dynamic_mode_is_refused():
     with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding "
                                          r"process sets after Horovod initialization\."):
