@@ -275,9 +275,16 @@ class Runtime:
         added = (_common_sets([[v[1]] for v in views])
                  if all(v[0] == "add" for v in views) else None)
         if added is None and any(v != views[0] for v in views):
+            by: dict[str, list[int]] = {}
+            for r, v in enumerate(views):
+                what = (f"add_process_set({v[1]})" if v[0] == "add"
+                        else f"remove_process_set(<process set {v[1]}>)")
+                by.setdefault(what, []).append(r)
             handle._set_exception(ValueError(
-                f"process set changes differ across ranks: {views}; every rank must make the "
-                "same add_process_set/remove_process_set calls in the same order"))
+                "process set changes differ across ranks: " + "; ".join(
+                    f"rank(s) {', '.join(map(str, rs))} called {w}" for w, rs in by.items())
+                + ". Every rank must make the same add_process_set/remove_process_set calls "
+                "in the same order"))
             return
         try:
             if kind == "add":

@@ -170,6 +170,12 @@ def test_dynamic_sets_add_use_remove():
             assert b.process_set_id != a.process_set_id
         with pytest.raises(ValueError, match=r"^Attempted to add a duplicate process set"):
             hvd.add_process_set(a)
+        if N > 1:  # ranks asking for different sets: every rank learns who asked for what
+            others = ", ".join(map(str, range(1, N)))
+            want = (rf"rank\(s\) 0 called add_process_set\(\[0\]\); rank\(s\) {others} "
+                    rf"called add_process_set\(\[{N - 1}\]\)\. Every rank must")
+            with pytest.raises(ValueError, match=want):
+                hvd.add_process_set([0] if me == 0 else [N - 1])
         if a.included():
             got = hvd.allreduce(np.full(2, me + 1.0), op=hvd.Sum, process_set=a, name="dyn")
             np.testing.assert_allclose(got, np.full(2, sum(r + 1 for r in a.ranks)))
