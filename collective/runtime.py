@@ -302,7 +302,12 @@ class Runtime:
         state = self._sets.pop(ps_id, None)
         self._members = [self._sets[k] for k in sorted(self._sets)]
         if state is not None:
-            state.fail_all(ValueError(f"process set {ps_id} was removed"))
+            with state.lock:
+                names = sorted(state.table)
+            state.fail_all(ValueError(
+                f"process set {ps_id} (ranks {state.ranks}) was removed by remove_process_set() "
+                f"while {', '.join(repr(n) for n in names)} waited on rank {self.rank}; wait "
+                "for a set's ops (synchronize) before removing it"))
             state.host_engine.close()
             state.control.close()
         ps._invalidate()

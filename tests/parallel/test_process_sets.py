@@ -3,6 +3,7 @@ global broadcast roots, membership errors, and sets working concurrently."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -183,7 +184,16 @@ def test_dynamic_sets_add_use_remove():
             got = hvd.allreduce(np.ones(2), op=hvd.Sum, process_set=b, name="dyn.b")
             np.testing.assert_allclose(got, np.full(2, len(b.ranks)))
         old_id = a.process_set_id
+        lone = None  # an op only one member submits: the removal fails it, naming it
+        if len(a.ranks) > 1 and me == a.ranks[0]:
+            lone = hvd.allreduce_async(np.ones(1), process_set=a, name="lone")
         assert hvd.remove_process_set(a) is True
+        if lone is not None:
+            want = re.escape(f"process set {old_id} (ranks {a.ranks}) was removed by "
+                             "remove_process_set() while 'allreduce.lone' waited on rank "
+                             f"{me}; wait for a set's ops")
+            with pytest.raises(ValueError, match="^" + want):
+                lone.wait(30)
         assert a.process_set_id is None
         assert hvd.remove_process_set(a) is False
         with pytest.raises(ValueError, match="does not exist, or has not been registered"):
