@@ -302,8 +302,9 @@ class Runtime:
         state = self._sets.pop(ps_id, None)
         self._members = [self._sets[k] for k in sorted(self._sets)]
         if state is not None:
-            with state.lock:
+            with state.lock:  # a submit that resolved the set before this now refuses it
                 names = sorted(state.table)
+                state.removed = True
             state.fail_all(ValueError(
                 f"process set {ps_id} (ranks {state.ranks}) was removed by remove_process_set() "
                 f"while {', '.join(repr(n) for n in names)} waited on rank {self.rank}; wait "
@@ -331,6 +332,11 @@ class Runtime:
         """
         self._check_running()
         with state.lock:
+            if state.removed:  # removed on the coordinator thread since the caller looked
+                raise ValueError(
+                    f"Process set provided does not exist, or has not been registered: process "
+                    f"set {state.id} (ranks {state.ranks}) was removed by remove_process_set() "
+                    f"while {entries[0].name!r} was being submitted on rank {self.rank}")
             for i, e in enumerate(entries):
                 if e.name in state.table or any(e.name == o.name for o in entries[:i]):
                     raise DuplicateNameError(

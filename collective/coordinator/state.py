@@ -44,6 +44,7 @@ class ProcessSetState:
         self.hits = PendingHits()  # cached requests waiting for the other ranks
         self.carry: list[Request] = []  # requests that lost their cache entry; sent next cycle
         self.join_active = False  # some rank of the set has joined (cache suspended)
+        self.removed = False  # (lock) remove_process_set() dropped the set: submits refused
         # Registered gradient sets (collective/gradset.py), in registration order; changed
         # only inside a round, at the same point on every rank.
         self.sets: list[Any] = []

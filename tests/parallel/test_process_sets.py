@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import collective as hvd
+from collective import _current
 from tests._spmd import spmd_driver
 from tests.parallel._util import env_size
 
@@ -203,7 +204,20 @@ def test_dynamic_sets_add_use_remove():
         if c.included():
             np.testing.assert_allclose(
                 hvd.allreduce(np.ones(1), op=hvd.Sum, process_set=c, name="c"), np.ones(1))
+        # A thread that resolved the set just before another removed it must not queue its
+        # op into the dropped set (it waited forever): the late submit is refused.
+        rt = _current.current()
+        stale = rt.process_set_state(c, "Allreduce") if c.included() else None
         assert hvd.remove_process_set(c)
+        if stale is not None:
+            rt.process_set_state = lambda ps, label: stale
+            try:
+                with pytest.raises(ValueError, match=r"^Process set provided does not exist.*"
+                                                     r"was removed by remove_process_set\(\) "
+                                                     r"while 'allreduce.late' was being submitted"):
+                    hvd.allreduce_async(np.ones(1), process_set=c, name="late").wait(10)
+            finally:
+                del rt.process_set_state  # the method again
         if b is not a:
             assert hvd.remove_process_set(b)
         np.testing.assert_allclose(hvd.allreduce(np.ones(1), op=hvd.Sum, name="after.dyn"),
