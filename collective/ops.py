@@ -1,8 +1,8 @@
 """Collectives on numpy arrays, and `enqueue`, the entry point framework adapters build on.
 
 Every op has an `_async` form returning a `Handle`; the plain form waits. Names follow Horovod:
-`<prefix>.<name>`, or `<prefix>.noname.<n>` without a name (then ranks must issue unnamed ops in
-the same order). Two-rank example::
+`<prefix>.<name>`, or `<prefix>.noname.<n>` without a name, `n` counted per process set (then the
+members of a set must issue its unnamed ops in the same order). Two-rank example::
 
     # rank 0: x = np.array([1., 2.])      rank 1: x = np.array([3., 4.])
     hvd.allreduce(x, op=hvd.Sum)          # both ranks: array([4., 6.])
@@ -103,7 +103,7 @@ def enqueue(kind: RequestType, tensors: Sequence[Any], *, name: str | None = Non
     """
     rt = _rt.current()
     state = rt.process_set_state(process_set, _LABEL[kind])
-    hid, base, prefix = _names(rt, kind, name, process_set, root)
+    hid, base, prefix = _names(rt, state, kind, name, process_set, root)
     prescale, postscale = float(prescale), float(postscale)
     if grouped:
         prefix = "grouped_" + prefix
@@ -163,7 +163,7 @@ def run_one(kind: RequestType, tensor: Any, output: Any, name: str | None,
     """
     rt = _rt.current()
     state = rt.process_set_state(process_set, _LABEL[kind])
-    _hid, base, prefix = _names(rt, kind, name, process_set, root)
+    _hid, base, prefix = _names(rt, state, kind, name, process_set, root)
     e = _entry(state, kind, f"{prefix}.{base}", tensor, dtype, shape, device, root, op,
                float(prescale), float(postscale), -1, output, allocate, ready_event, None, None)
     coord = rt.coordinator
@@ -201,9 +201,15 @@ def _start_now(rt: Any, state: Any, e: Entry) -> None:
         coord.drive()
 
 
-def _names(rt: Any, kind: RequestType, name: str | None, process_set: ProcessSet,
+def _names(rt: Any, state: Any, kind: RequestType, name: str | None, process_set: ProcessSet,
            root: int) -> tuple[int, str, str]:
     """(handle id, name without prefix, prefix) of a new op; checks a broadcast's root.
+
+    An unnamed op is `noname.<n>` with `n` counted per process set (`state.next_noname`),
+    not Horovod's process-wide handle number: only a set's members issue its ops, so with one
+    process-wide counter an unnamed op on a subset shifts the numbers of the members' later
+    unnamed ops against the other ranks' (a hang, or two different ops reduced together).
+    Where every rank issues the same ops in the same order the names still match.
 
     Raises:
         ValueError: the root is not a member of the process set.
@@ -214,7 +220,7 @@ def _names(rt: Any, kind: RequestType, name: str | None, process_set: ProcessSet
         if root not in members:
             raise ValueError(f"broadcast received invalid root rank {root} for provided process "
                              f"set (members: {members})")
-    return (hid, name if name is not None else f"noname.{hid}",
+    return (hid, name if name is not None else f"noname.{state.next_noname()}",
             _PREFIX.get(kind) or kind.name.lower())
 
 
@@ -542,6 +548,12 @@ def join(device: int = -1) -> int:
     """Signals that this rank has no more data; joined ranks contribute zeros to allreduces.
 
     Blocks until every rank has joined and returns the last rank to join (same on all ranks).
+
+    Join covers the global process set only (Horovod's join takes no process set): a joined
+    rank contributes zeros to global allreduces, but an op on another process set that
+    includes it waits for it (the stall inspector names the op and the rank; with
+    HOROVOD_STALL_SHUTDOWN_TIME_SECONDS the job then ends). Finish the ops of other process
+    sets before calling `join`.
     """
     return synchronize(_control_op(RequestType.JOIN, "join.noname", global_process_set))
 

@@ -275,9 +275,16 @@ class Runtime:
         added = (_common_sets([[v[1]] for v in views])
                  if all(v[0] == "add" for v in views) else None)
         if added is None and any(v != views[0] for v in views):
+            by: dict[str, list[int]] = {}
+            for r, v in enumerate(views):
+                what = (f"add_process_set({v[1]})" if v[0] == "add"
+                        else f"remove_process_set(<process set {v[1]}>)")
+                by.setdefault(what, []).append(r)
             handle._set_exception(ValueError(
-                f"process set changes differ across ranks: {views}; every rank must make the "
-                "same add_process_set/remove_process_set calls in the same order"))
+                "process set changes differ across ranks: " + "; ".join(
+                    f"rank(s) {', '.join(map(str, rs))} called {w}" for w, rs in by.items())
+                + ". Every rank must make the same add_process_set/remove_process_set calls "
+                "in the same order"))
             return
         try:
             if kind == "add":
@@ -295,7 +302,13 @@ class Runtime:
         state = self._sets.pop(ps_id, None)
         self._members = [self._sets[k] for k in sorted(self._sets)]
         if state is not None:
-            state.fail_all(ValueError(f"process set {ps_id} was removed"))
+            with state.lock:  # a submit that resolved the set before this now refuses it
+                names = sorted(state.table)
+                state.removed = True
+            state.fail_all(ValueError(
+                f"process set {ps_id} (ranks {state.ranks}) was removed by remove_process_set() "
+                f"while {', '.join(repr(n) for n in names)} waited on rank {self.rank}; wait "
+                "for a set's ops (synchronize) before removing it"))
             state.host_engine.close()
             state.control.close()
         ps._invalidate()
@@ -319,6 +332,11 @@ class Runtime:
         """
         self._check_running()
         with state.lock:
+            if state.removed:  # removed on the coordinator thread since the caller looked
+                raise ValueError(
+                    f"Process set provided does not exist, or has not been registered: process "
+                    f"set {state.id} (ranks {state.ranks}) was removed by remove_process_set() "
+                    f"while {entries[0].name!r} was being submitted on rank {self.rank}")
             for i, e in enumerate(entries):
                 if e.name in state.table or any(e.name == o.name for o in entries[:i]):
                     raise DuplicateNameError(

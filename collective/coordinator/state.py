@@ -3,6 +3,7 @@ cache, message table and stall inspector), and `shutdown_error`, what its handle
 the job ends."""
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -43,6 +44,7 @@ class ProcessSetState:
         self.hits = PendingHits()  # cached requests waiting for the other ranks
         self.carry: list[Request] = []  # requests that lost their cache entry; sent next cycle
         self.join_active = False  # some rank of the set has joined (cache suspended)
+        self.removed = False  # (lock) remove_process_set() dropped the set: submits refused
         # Registered gradient sets (collective/gradset.py), in registration order; changed
         # only inside a round, at the same point on every rank.
         self.sets: list[Any] = []
@@ -52,6 +54,8 @@ class ProcessSetState:
                                     not config.stall_check_disable,
                                     warn=_log_.warning) if self.is_root else None
         self.is_global_root = is_global_root
+        # Numbers of this set's unnamed ops (`noname.<n>`); every member counts alike.
+        self.next_noname = itertools.count(1).__next__
 
     def pending(self) -> bool:
         return bool(self.table) or any(s.busy() for s in self.sets)

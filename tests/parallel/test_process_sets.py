@@ -3,11 +3,13 @@ global broadcast roots, membership errors, and sets working concurrently."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
 
 import collective as hvd
+from collective import _current
 from tests._spmd import spmd_driver
 from tests.parallel._util import env_size
 
@@ -116,6 +118,21 @@ def test_same_name_in_different_sets_global_side():
         hvd.allreduce(np.ones(2), op=hvd.Sum, name="shared"), np.full(2, N))
 
 
+def test_unnamed_ops_on_a_subset_leave_global_unnamed_ops_matched():
+    # Horovod's own example: only the members run an unnamed op on their set, then everyone
+    # runs unnamed global ops. Unnamed ops are numbered per set, so the members' global ops
+    # keep the numbers of the other ranks' (one process-wide count hung here, or reduced two
+    # different ops together where shapes matched).
+    me = hvd.rank()
+    if EVENS.included():
+        got = hvd.allreduce_async(np.ones(2), op=hvd.Sum, process_set=EVENS).wait(30)
+        np.testing.assert_allclose(got, np.full(2, len(EVENS.ranks)))
+    a = hvd.allreduce_async(np.full(2, float(me)), op=hvd.Sum)
+    b = hvd.allreduce_async(np.full(2, 10.0 * me), op=hvd.Sum)
+    np.testing.assert_allclose(a.wait(30), np.full(2, float(sum(range(N)))))
+    np.testing.assert_allclose(b.wait(30), np.full(2, 10.0 * sum(range(N))))
+
+
 def test_adding_without_dynamic_mode_is_refused():
     with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding "
                                          r"process sets after Horovod initialization\."):
@@ -155,6 +172,12 @@ def test_dynamic_sets_add_use_remove():
             assert b.process_set_id != a.process_set_id
         with pytest.raises(ValueError, match=r"^Attempted to add a duplicate process set"):
             hvd.add_process_set(a)
+        if N > 1:  # ranks asking for different sets: every rank learns who asked for what
+            others = ", ".join(map(str, range(1, N)))
+            want = (rf"rank\(s\) 0 called add_process_set\(\[0\]\); rank\(s\) {others} "
+                    rf"called add_process_set\(\[{N - 1}\]\)\. Every rank must")
+            with pytest.raises(ValueError, match=want):
+                hvd.add_process_set([0] if me == 0 else [N - 1])
         if a.included():
             got = hvd.allreduce(np.full(2, me + 1.0), op=hvd.Sum, process_set=a, name="dyn")
             np.testing.assert_allclose(got, np.full(2, sum(r + 1 for r in a.ranks)))
@@ -162,7 +185,16 @@ def test_dynamic_sets_add_use_remove():
             got = hvd.allreduce(np.ones(2), op=hvd.Sum, process_set=b, name="dyn.b")
             np.testing.assert_allclose(got, np.full(2, len(b.ranks)))
         old_id = a.process_set_id
+        lone = None  # an op only one member submits: the removal fails it, naming it
+        if len(a.ranks) > 1 and me == a.ranks[0]:
+            lone = hvd.allreduce_async(np.ones(1), process_set=a, name="lone")
         assert hvd.remove_process_set(a) is True
+        if lone is not None:
+            want = re.escape(f"process set {old_id} (ranks {a.ranks}) was removed by "
+                             "remove_process_set() while 'allreduce.lone' waited on rank "
+                             f"{me}; wait for a set's ops")
+            with pytest.raises(ValueError, match="^" + want):
+                lone.wait(30)
         assert a.process_set_id is None
         assert hvd.remove_process_set(a) is False
         with pytest.raises(ValueError, match="does not exist, or has not been registered"):
@@ -172,7 +204,20 @@ def test_dynamic_sets_add_use_remove():
         if c.included():
             np.testing.assert_allclose(
                 hvd.allreduce(np.ones(1), op=hvd.Sum, process_set=c, name="c"), np.ones(1))
+        # A thread that resolved the set just before another removed it must not queue its
+        # op into the dropped set (it waited forever): the late submit is refused.
+        rt = _current.current()
+        stale = rt.process_set_state(c, "Allreduce") if c.included() else None
         assert hvd.remove_process_set(c)
+        if stale is not None:
+            rt.process_set_state = lambda ps, label: stale
+            try:
+                with pytest.raises(ValueError, match=r"^Process set provided does not exist.*"
+                                                     r"was removed by remove_process_set\(\) "
+                                                     r"while 'allreduce.late' was being submitted"):
+                    hvd.allreduce_async(np.ones(1), process_set=c, name="late").wait(10)
+            finally:
+                del rt.process_set_state  # the method again
         if b is not a:
             assert hvd.remove_process_set(b)
         np.testing.assert_allclose(hvd.allreduce(np.ones(1), op=hvd.Sum, name="after.dyn"),
