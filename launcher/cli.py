@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import typing
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from collective.config import OPTIONS, Option, out_of_range
 
@@ -547,8 +547,26 @@ def interrupted_exit(exc: KeyboardInterrupt) -> int:
     return 128 + signum
 
 
+# Variables hvdrun sets for its workers from the job's mode (launch._TOPOLOGY_VARS drops the
+# launcher's own values, so that a nested launch does not inherit a parent job's).
+_MODE_VARS = ("HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS")
+
+
+def ignored_environment(environ: Mapping[str, str], mode: str) -> list[str]:
+    """One warning line per mode variable (`HOROVOD_CONTROLLER`, `HOROVOD_CPU_OPERATIONS`) set
+    in hvdrun's own environment: hvdrun does not pass them on, it sets the workers' controller
+    from the job's mode. Inside a running job's worker (`HOROVOD_RANK` set) they are the outer
+    job's and dropped without a word."""
+    if "HOROVOD_RANK" in environ:
+        return []
+    where = "tcp mode (--gloo/--tcp)" if mode == MODE_TCP else "MPI mode (--mpi)"
+    return [f"hvdrun: warning: ignoring {var}={environ[var]} from the environment: hvdrun "
+            f"sets its workers' controller and host operations from the job's mode (this job "
+            f"runs in {where})" for var in _MODE_VARS if environ.get(var)]
+
+
 def _warn_ignored(args: argparse.Namespace, mode: str, elastic: bool) -> None:
-    lines = ignored_flags(args, mode, elastic)
+    lines = ignored_flags(args, mode, elastic) + ignored_environment(os.environ, mode)
     if lines:
         sys.stderr.write("".join(line + "\n" for line in lines))
         sys.stderr.flush()

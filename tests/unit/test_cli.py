@@ -173,6 +173,29 @@ def test_ignored_flags_are_warned_not_refused(monkeypatch, capsys):
     assert "HOROVOD_TIMELINE_MARK_CYCLES" not in seen[0].env_overrides
 
 
+def test_mode_variables_in_hvdruns_environment_are_warned(monkeypatch, capsys):
+    """HOROVOD_CONTROLLER / HOROVOD_CPU_OPERATIONS set for hvdrun are not passed on (the mode
+    decides): one warning line each, none inside a running job's worker."""
+    from launcher import launch
+    monkeypatch.setattr(cli, "_launch", lambda settings, quiet=False: 0)
+    monkeypatch.delenv("HOROVOD_RANK", raising=False)
+    monkeypatch.setenv("HOROVOD_CPU_OPERATIONS", "gloo")
+    monkeypatch.setenv("HOROVOD_CONTROLLER", "mpi")
+    assert cli.main(["-np", "1", "--tcp", "-q", "true"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"hvdrun: warning: ignoring {var} from the environment: hvdrun sets its workers' "
+        "controller and host operations from the job's mode (this job runs in tcp mode "
+        "(--gloo/--tcp))" for var in ("HOROVOD_CONTROLLER=mpi", "HOROVOD_CPU_OPERATIONS=gloo")]
+    assert "HOROVOD_CPU_OPERATIONS" not in launch._parent_env()
+    monkeypatch.setenv("HOROVOD_RANK", "0")  # hvdrun started by a worker of an outer job
+    assert cli.main(["-np", "1", "--tcp", "-q", "true"]) == 0
+    assert capsys.readouterr().err == ""
+    assert cli.ignored_environment({"HOROVOD_CPU_OPERATIONS": "mpi"}, "mpi") == [
+        "hvdrun: warning: ignoring HOROVOD_CPU_OPERATIONS=mpi from the environment: hvdrun sets "
+        "its workers' controller and host operations from the job's mode (this job runs in MPI "
+        "mode (--mpi))"]
+
+
 def test_ignored_flags_of_an_elastic_job_are_warned(monkeypatch, capsys):
     import launcher.elastic.cli as elastic_cli
     seen = []
