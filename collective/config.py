@@ -199,7 +199,8 @@ OPTIONS: tuple[Option, ...] = (
            "coordinator thread needs SERIALIZED); mpi_threads_supported() then returns False",
            "--mpi-threads-disable"),
     Option("gloo_timeout", "HOROVOD_GLOO_TIMEOUT_SECONDS", float, 30.0, "s",
-           "tcp mode: connect and operation timeout; a silent peer is declared dead after it",
+           "tcp mode: connect and operation timeout; a silent peer is declared dead after it "
+           "(0 = the default, 30 s)",
            "--gloo-timeout-seconds"),
     Option("gloo_iface", "HOROVOD_GLOO_IFACE", str, "", "", "network interface for tcp mode"),
     Option("rendezvous_addr", "HOROVOD_GLOO_RENDEZVOUS_ADDR", str, "", "",
