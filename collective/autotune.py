@@ -180,8 +180,7 @@ class Autotuner:
         self._queue: list[Key] = []
         self._confirmed: list[Key] = []  # the run-off's sets (the confirm stage)
         if log is not None:
-            log.write(CSV_HEADER + "\n")
-            log.flush()
+            self._append(CSV_HEADER + "\n")
         self.active = tune_threshold or tune_cycle_time or self.tune_bucket or tune_cache
         if self.active:
             self._queue = self._threshold_stage()
@@ -356,11 +355,17 @@ class Autotuner:
         if self._log is None:
             return
         h, g, t = (int(x) for x in self._flags)
+        self._append(f"{h},{g},{t},{int(p.cache_enabled)},{p.cycle_time_ms:g},"
+                     f"{p.fusion_threshold / _MB:g},{score:.6g},{p.bucket_cap_mb:g}\n")
+
+    def _append(self, line: str) -> None:
+        """Writes one line of the log. A write that fails (a full disk) must not end the job:
+        it runs at init on rank 0 alone, and later on the coordinator thread. The log is then
+        closed and the rest of it lost, with an error line."""
         try:
-            self._log.write(f"{h},{g},{t},{int(p.cache_enabled)},{p.cycle_time_ms:g},"
-                            f"{p.fusion_threshold / _MB:g},{score:.6g},{p.bucket_cap_mb:g}\n")
+            self._log.write(line)
             self._log.flush()
-        except OSError as exc:  # a full disk must not end the job (this runs on the coordinator)
+        except OSError as exc:
             _log.get_logger().error("autotune: cannot write the log (%s); the rest of it is lost",
                                     exc)
             log, self._log = self._log, None

@@ -176,6 +176,16 @@ def test_a_log_write_that_fails_drops_the_log_and_tuning_goes_on(monkeypatch):
         tuner.add_sample(1e6, 0.01)
 
 
+def test_a_log_whose_header_cannot_be_written_is_an_error_line(monkeypatch):
+    # A full disk: the file opens, the header's write fails, at init on rank 0 alone.
+    from collective import _log
+    lines = _Lines()
+    monkeypatch.setattr(_log, "get_logger", lines)
+    d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "/dev/full"}))
+    assert d.tuner.active and d.tuner._log is None
+    assert any("cannot write the log" in ln for ln in lines.lines)
+
+
 def test_csv_log_is_closed_at_once_when_there_is_nothing_to_tune(tmp_path):
     log = tmp_path / "at.csv"
     d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(log),
