@@ -154,9 +154,10 @@ class RayExecutor:
         num_workers_per_host: workers per node with `num_hosts`.
         cpus_per_worker: CPUs each worker reserves.
         use_gpu: give each worker `gpus_per_worker` GPUs (default 1); GPU tensors use NCCL.
-        gpus_per_worker: GPUs per worker (needs `use_gpu`); below 1, workers share GPUs, so
-            pick the device with `hvd.local_rank() % torch.cuda.device_count()` and keep the
-            collectives on CPU tensors (NCCL needs one GPU per rank).
+        gpus_per_worker: GPUs per worker (needs `use_gpu`); below 1, workers share GPUs: pick
+            the device by the place of `ray.get_gpu_ids()[0]` in `CUDA_VISIBLE_DEVICES`
+            (docs/ray.md) and keep the collectives on CPU tensors (NCCL needs one GPU per
+            rank).
         use_current_placement_group: inside a placement group (e.g. a Ray Tune trial), place
             the workers in it instead of reserving a new one.
         min_workers, max_workers: an elastic job (instead of `num_workers`): it starts once
