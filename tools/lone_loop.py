@@ -30,6 +30,8 @@ def main() -> int:
     p.add_argument("--tag", default="", help="label for the output line (e.g. an older tree)")
     a = p.parse_args()
     cuda = a.device == "cuda"
+    if a.impl == "cupy" and not cuda:
+        p.error("--impl cupy needs --device cuda (NCCL reduces device memory)")
     if a.impl == "ringvod":
         import frameworks.torch as hvd
         hvd.init()
