@@ -140,11 +140,12 @@ class Runtime:
         if control is None:
             return
         engine = create_engine(self.host_engine_name, control, self.config)
+        state = ProcessSetState(ps_id, ranks, control, engine, self.config)
         # Global rank 0 draws the ops of every set it belongs to, as Horovod's controllers share
         # its one timeline (a set added after init() finds the timeline already there).
-        engine.timeline = self.coordinator.timeline
-        state = ProcessSetState(ps_id, ranks, control, engine, self.config,
-                                is_global_root=self.rank == 0)
+        tl = self.coordinator.timeline
+        if tl is not None:
+            state.timeline = engine.timeline = tl.for_set(ps_id)
         self._sets[ps_id] = state
         self._members = [self._sets[k] for k in sorted(self._sets)]
 
@@ -182,7 +183,7 @@ class Runtime:
         tl = Timeline("" if dynamic else path, self.config.timeline_mark_cycles)
         self.coordinator.timeline = tl
         for ps in self._members:
-            ps.host_engine.timeline = tl
+            ps.timeline = ps.host_engine.timeline = tl.for_set(ps.id)
 
     def start(self) -> "Runtime":
         self.coordinator.start()

@@ -95,7 +95,7 @@ class FastPaths:
         # Checked in order of cost: this runs for every synchronous op, whose whole host path
         # is a few dozen Python calls.
         if (self.shutdown_requested or ps.join_active or not self._express_ok
-                or (self.timeline is not None and ps.is_global_root)
+                or ps.timeline is not None
                 or self._thread_id == threading.get_ident() or self.stopped.is_set()):
             return False
         req = entry.request
@@ -142,8 +142,7 @@ class FastPaths:
         self.express_waits += 1
         # Not agreed in this round: the entry waits as a cache hit, and the round ends as any.
         ps.hits.add(bit, req, time.monotonic())
-        tl = self.timeline if ps.is_global_root else None
-        responses, shutdown = self.negotiator.conclude(ps, res, [], set(), False, tl)
+        responses, shutdown = self.negotiator.conclude(ps, res, [], set(), False, ps.timeline)
         for resp in responses:
             self._perform(ps, resp)
         return not shutdown

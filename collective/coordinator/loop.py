@@ -255,13 +255,11 @@ class Coordinator(FastPaths):
             self.shutdown_requested = True  # travels with the next global negotiation
         if ps.sets and any(s.stalled for s in ps.sets):
             self.shutdown_requested = True  # a gradient set's stall (collective/gradset.py)
-        tl = self.timeline if ps.is_global_root else None
-        return self.negotiator.round(ps, tl, self.shutdown_requested and ps.id == 0)
+        return self.negotiator.round(ps, ps.timeline, self.shutdown_requested and ps.id == 0)
 
     # -- execution ----------------------------------------------------------------------------
     def _perform(self, ps: ProcessSetState, resp: Response) -> None:
-        perform(ps, resp, self.timeline if ps.is_global_root else None,
-                self.rt.device_engine_name, self.config, self.tuning.driver)
+        perform(ps, resp, ps.timeline, self.rt.device_engine_name, self.config, self.tuning.driver)
 
 
 def _set_news(ps: ProcessSetState) -> bool:

@@ -39,7 +39,7 @@ ALL_CLEAR = _NOT_SHUTDOWN | _NOT_UNCACHED | _NOT_INVALID | NOT_RETUNE
 
 class Negotiator:
     """Runs negotiation rounds for the coordinator (whichever thread runs the cycle). `tl` is
-    the timeline on global rank 0 (for every set it belongs to), else None; `tuning` the
+    the set's timeline (`ProcessSetState.timeline`: global rank 0 only), else None; `tuning` the
     fusion threshold in force and autotune's switches."""
 
     def __init__(self, config: Any, tuning: Tuning) -> None:

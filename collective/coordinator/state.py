@@ -26,7 +26,7 @@ class ProcessSetState:
     """One process set as this rank sees it. Fields marked (lock) are shared with user threads."""
 
     def __init__(self, ps_id: int, ranks: list[int], control: Any, host_engine: Any,
-                 config: Any, is_global_root: bool) -> None:
+                 config: Any) -> None:
         self.id = ps_id
         self.ranks = ranks
         self.control = control
@@ -53,7 +53,9 @@ class ProcessSetState:
         self.stall = StallInspector(config.stall_check_time, config.stall_shutdown_time,
                                     not config.stall_check_disable,
                                     warn=_log_.warning) if self.is_root else None
-        self.is_global_root = is_global_root
+        # On global rank 0 with a timeline: its event methods for this set (rows of sets other
+        # than the global one carry the set, `Timeline.for_set`); else None.
+        self.timeline: Any = None
         # Numbers of this set's unnamed ops (`noname.<n>`); every member counts alike.
         self.next_noname = itertools.count(1).__next__
 

@@ -1,10 +1,12 @@
 """Horovod's timeline: a Chrome trace-event JSON file of every tensor's life.
 
 The coordinator thread (rank 0 of the global process set) calls the event methods of
-`Timeline`. Each call costs about a microsecond: it reads a clock and puts a tuple on a
-`queue.SimpleQueue`. A named writer thread (`hvd-timeline-writer`) drains the queue in batches,
-runs the per-tensor state machine, formats the records and writes them with one `os.pwrite` per
-chunk, so no Python-side buffer holds data that a crash could lose.
+`Timeline` for the global set's ops, and of the `SetTimeline` that `Timeline.for_set` gives
+for any other set's (its rows carry the set). Each call costs about a microsecond: it reads
+a clock and puts a tuple on a `queue.SimpleQueue`. A named writer thread
+(`hvd-timeline-writer`) drains the queue in batches, runs the per-tensor state machine, formats
+the records and writes them with one `os.pwrite` per chunk, so no Python-side buffer holds
+data that a crash could lose.
 
 The file it writes, and why a killed job still leaves a readable one, is described in
 `collective.timeline.tracefile`.
@@ -23,7 +25,7 @@ from .tracefile import (_ACT_END, _ACT_START, _C_FLUSH, _C_QUIT, _C_START, _C_ST
                         _END_ERROR, _MARK, _NEG_END, _NEG_START, _RANK_READY, _START,
                         FileWriter)
 
-__all__ = ["Timeline", "ACTIVITIES", "QUEUE_CAPACITY"]
+__all__ = ["Timeline", "SetTimeline", "ACTIVITIES", "QUEUE_CAPACITY"]
 
 # Activity names of Horovod's common.h; engines may add their own (any string works).
 ACTIVITIES = (
@@ -91,6 +93,7 @@ class Timeline:
         self._mark = bool(mark_cycles)
         self._path = ""
         self._dropping = False
+        self._views: dict[int, SetTimeline] = {}
         if path and path != "DYNAMIC":
             try:
                 self.start_file(path, mark_cycles)
@@ -113,6 +116,18 @@ class Timeline:
     @property
     def mark_cycles(self) -> bool:
         return self._mark
+
+    def for_set(self, process_set_id: int) -> "Timeline | SetTimeline":
+        """The event methods for the ops of one process set: this timeline itself for the
+        global set (id 0), whose rows are named as Horovod names them, else a `SetTimeline`
+        whose rows carry the set (`allreduce.x [set 2]`), so that ops of different sets under
+        one name (unnamed ops are numbered per set) never share a row."""
+        if process_set_id == 0:
+            return self
+        view = self._views.get(process_set_id)
+        if view is None:
+            view = self._views[process_set_id] = SetTimeline(self, process_set_id)
+        return view
 
     def negotiate_start(self, name: str, request_type: Any) -> None:
         """`B NEGOTIATE_<TYPE>` on the tensor's first request (`request_type` 'ALLREDUCE')."""
@@ -287,6 +302,80 @@ class Timeline:
                         self._live = True
                 finally:
                     self._lock.release()
+
+
+class SetTimeline:
+    """`Timeline`'s event methods for a process set other than the global one.
+
+    Every name gets the set's suffix (' [set 2]', worked out once per set), so the set's
+    tensors are rows of their own in the shared file. Control (start/stop/flush/close) stays
+    with the `Timeline`; cycle marks are the global set's.
+    """
+
+    __slots__ = ("_tl", "_q", "_sfx", "process_set_id")
+
+    def __init__(self, timeline: Timeline, process_set_id: int) -> None:
+        self._tl = timeline
+        self._q = timeline._q
+        self._sfx = f" [set {int(process_set_id)}]"
+        self.process_set_id = process_set_id
+
+    @property
+    def enabled(self) -> bool:
+        return self._tl._on
+
+    @property
+    def path(self) -> str:
+        return self._tl._path
+
+    @property
+    def mark_cycles(self) -> bool:
+        return self._tl._mark
+
+    def negotiate_start(self, name: str, request_type: Any) -> None:
+        if self._tl._live:
+            self._q.put((_NEG_START, name + self._sfx, _now(), request_type))
+
+    def negotiate_rank_ready(self, name: str, rank: int) -> None:
+        if self._tl._live:
+            self._q.put((_RANK_READY, name + self._sfx, _now(), rank))
+
+    def negotiate_end(self, name: str) -> None:
+        if self._tl._live:
+            self._q.put((_NEG_END, name + self._sfx, _now()))
+
+    def start(self, name: str, response_type: Any) -> None:
+        if self._tl._live:
+            self._q.put((_START, name + self._sfx, _now(), response_type))
+
+    def activity_start_all(self, names: Sequence[str], activity: str) -> None:
+        if self._tl._live:
+            sfx = self._sfx
+            self._q.put((_ACT_START, tuple([n + sfx for n in names]), _now(), activity))
+
+    def activity_end_all(self, names: Sequence[str]) -> None:
+        if self._tl._live:
+            sfx = self._sfx
+            self._q.put((_ACT_END, tuple([n + sfx for n in names]), _now()))
+
+    def activity_start(self, name: str, activity: str) -> None:
+        if self._tl._live:
+            self._q.put((_ACT_START, (name + self._sfx,), _now(), activity))
+
+    def activity_end(self, name: str) -> None:
+        if self._tl._live:
+            self._q.put((_ACT_END, (name + self._sfx,), _now()))
+
+    def end(self, name: str, dtype: Any, shape: Iterable[int]) -> None:
+        if self._tl._live:
+            self._q.put((_END, name + self._sfx, _now(), dtype, shape))
+
+    def end_error(self, name: str) -> None:
+        if self._tl._live:
+            self._q.put((_END_ERROR, name + self._sfx, _now()))
+
+    def mark_cycle(self) -> None:
+        """Cycle marks are global: the coordinator marks them through the `Timeline`."""
 
 
 def _writer_main(owner_ref: "weakref.ref[Timeline]", q: queue.SimpleQueue,

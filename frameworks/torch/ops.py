@@ -317,17 +317,10 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 
 def join(device: int = -1) -> int:
-    """Signals that this rank has no more data; joined ranks contribute zeros to allreduces.
-
-    Blocks until every rank has joined; returns the last rank to join (the same on all ranks).
-
-    Join covers the global process set only (Horovod's join takes no process set): a joined
-    rank contributes zeros to global allreduces, but an op on another process set that
-    includes it waits for it (the stall inspector names the op and the rank; with
-    HOROVOD_STALL_SHUTDOWN_TIME_SECONDS the job then ends). Finish the ops of other process
-    sets before calling `join`.
-    """
     return collective.join(device)
+
+
+join.__doc__ = collective.join.__doc__  # one text, collective/ops.py's
 
 
 def poll(handle: int) -> bool:

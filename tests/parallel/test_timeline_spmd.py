@@ -149,7 +149,9 @@ def test_rank_dynamic_timeline():
 @pytest.mark.timeout(60)
 def test_rank_timeline_process_sets():
     """Rank 0 draws the ops of every process set it belongs to (Horovod's controllers share
-    its one timeline), not only those of the global set; a set without rank 0 is not drawn."""
+    its one timeline), not only those of the global set; a set without rank 0 is not drawn.
+    Rows of sets other than the global one carry the set, so the first unnamed allreduce of
+    the global set and of another set (both `allreduce.noname.1`) get a row each."""
     import collective as hvd
     path = os.path.join(os.environ[ENV_DIR], "sets.json")
     ps0, ps1, both = hvd.ProcessSet([0]), hvd.ProcessSet([1]), hvd.ProcessSet([0, 1])
@@ -161,19 +163,31 @@ def test_rank_timeline_process_sets():
     assert hvd.allreduce(x, name="pair", process_set=both, op=hvd.Sum).tolist() == [3.0] * 4
     assert hvd.allgather(x, name="pair_g", process_set=both).shape == (8,)
     hvd.allreduce(x, name="world", op=hvd.Sum)
+    handles = [hvd.allreduce_async(x, op=hvd.Sum),
+               hvd.allreduce_async(x, op=hvd.Sum, process_set=both)]
+    for h in handles:
+        assert hvd.synchronize(h).tolist() == [3.0] * 4
+    ids = (ps0.process_set_id, both.process_set_id)
     hvd.shutdown()
     if rank != 0:
         return
     tensors = _by_tensor(_load(path))
-    assert set(tensors) == {"allreduce.alone_0", "allreduce.pair", "allgather.pair_g",
-                            "allreduce.world"}, sorted(tensors)
-    for name, op in (("allreduce.alone_0", "ALLREDUCE"), ("allreduce.pair", "ALLREDUCE"),
-                     ("allgather.pair_g", "ALLGATHER")):
+    k0, kb = ids
+    assert set(tensors) == {f"allreduce.alone_0 [set {k0}]", f"allreduce.pair [set {kb}]",
+                            f"allgather.pair_g [set {kb}]", "allreduce.world",
+                            "allreduce.noname.1", f"allreduce.noname.1 [set {kb}]"
+                            }, sorted(tensors)
+    for name, op in ((f"allreduce.alone_0 [set {k0}]", "ALLREDUCE"),
+                     (f"allreduce.pair [set {kb}]", "ALLREDUCE"),
+                     (f"allgather.pair_g [set {kb}]", "ALLGATHER"),
+                     ("allreduce.noname.1", "ALLREDUCE"),
+                     (f"allreduce.noname.1 [set {kb}]", "ALLREDUCE")):
         evs = tensors[name]
         assert _span_names(evs)[:2] == [f"NEGOTIATE_{op}", op], (name, _span_names(evs))
         assert f"MPI_{op}" in _span_names(evs), (name, _span_names(evs))
         assert sum(1 for e in evs if e["ph"] == "B") == sum(1 for e in evs if e["ph"] == "E")
-    ready = sorted(e["name"] for e in tensors["allreduce.pair"] if e["ph"] == "X")
+        assert _span_names(evs).count(op) == 1, (name, _span_names(evs))
+    ready = sorted(e["name"] for e in tensors[f"allreduce.pair [set {kb}]"] if e["ph"] == "X")
     assert ready == ["0", "1"]
 
 

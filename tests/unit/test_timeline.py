@@ -540,3 +540,76 @@ def test_loadable_after_sigkill(tmp_path):
                              capture_output=True, text=True, timeout=60,
                              env={**os.environ, "PYTHONPATH": REPO})
     assert summary.returncode == 0 and "Activities" in summary.stdout, summary.stderr
+
+
+def test_set_views_name_rows_after_the_set(tl, tmp_path):
+    """`for_set(0)` is the timeline itself (Horovod's names); another set's view adds
+    ' [set N]' to every row, shares the file, and leaves cycle marks to the global set."""
+    assert tl.for_set(0) is tl
+    v2 = tl.for_set(2)
+    assert tl.for_set(2) is v2 and v2.enabled and v2.path == tl.path
+    full_op(tl, "allreduce.noname.1")
+    full_op(v2, "allreduce.noname.1")
+    v2.start("allreduce.a", "ALLREDUCE")
+    v2.activity_start("allreduce.a", "QUEUE")
+    v2.activity_end("allreduce.a")
+    v2.end_error("allreduce.a")
+    v2.mark_cycle()
+    tl.flush()
+    assert pid_names(tmp_path / "tl.json") == {1: "allreduce.noname.1",
+                                               2: "allreduce.noname.1 [set 2]",
+                                               3: "allreduce.a [set 2]"}
+    evs = events(tmp_path / "tl.json")
+    for pid in (1, 2):
+        mine = [e for e in evs if e["pid"] == pid]
+        assert [e["name"] for e in mine if e["ph"] == "B"] == [
+            "NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MPI_ALLREDUCE"]
+        assert sum(e["ph"] == "E" for e in mine) == 3
+    assert [e["name"] for e in evs if e["pid"] == 3 and e["ph"] == "B"] == ["ALLREDUCE",
+                                                                             "QUEUE"]
+    assert not any(e["ph"] == "i" for e in evs)
+    tl.stop_file()
+    assert not v2.enabled
+    v2.negotiate_start("allreduce.late", "ALLREDUCE")  # stopped: dropped
+
+
+def _rows(path) -> dict[str, list[dict]]:
+    names = pid_names(path)
+    rows: dict[str, list[dict]] = {n: [] for n in names.values()}
+    for e in events(path):
+        if "pid" in e:
+            rows[names[e["pid"]]].append(e)
+    return rows
+
+
+def test_ops_of_two_sets_under_one_name_get_a_row_each(tmp_path):
+    """Unnamed ops are numbered per set (both sets' first unnamed allreduce is
+    `allreduce.noname.1`) and a user name may be used in two sets at once: with both in
+    flight together, each op still gets a row of its own with one whole op in it. The global
+    set's rows keep Horovod's names; sets added after init() are drawn too."""
+    import collective as hvd
+    from tests._spmd import run_loopback
+    path = tmp_path / "sets.json"
+
+    def body(rank):
+        ps = hvd.add_process_set([0, 1])
+        x = np.ones(3, np.float32)
+        hs = [hvd.allreduce_async(x, op=hvd.Sum),
+              hvd.allreduce_async(x, op=hvd.Sum, process_set=ps),
+              hvd.allreduce_async(x, name="w", op=hvd.Sum),
+              hvd.allreduce_async(x, name="w", op=hvd.Sum, process_set=ps)]
+        for h in hs:
+            assert hvd.synchronize(h).tolist() == [2.0] * 3
+        return ps.process_set_id
+
+    ids = run_loopback(2, body, timeline=str(path), dynamic_process_sets=True)
+    k = ids[0]
+    rows = _rows(path)
+    assert set(rows) == {"allreduce.noname.1", f"allreduce.noname.1 [set {k}]", "allreduce.w",
+                         f"allreduce.w [set {k}]"}, sorted(rows)
+    for name, evs in rows.items():
+        assert [e["name"] for e in evs if e["ph"] == "B"][:2] == [
+            "NEGOTIATE_ALLREDUCE", "ALLREDUCE"], (name, evs)
+        assert sorted(e["name"] for e in evs if e["ph"] == "X") == ["0", "1"], (name, evs)
+        assert sum(e["ph"] == "B" for e in evs) == sum(e["ph"] == "E" for e in evs)
+        assert evs[-1]["args"] == {"dtype": "float32", "shape": "[3]"}, (name, evs)

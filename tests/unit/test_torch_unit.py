@@ -246,3 +246,11 @@ def test_a_failed_synchronize_stops_bucket_tuning_instead_of_counting_a_step():
     with pytest.raises(HorovodInternalError, match="a peer died"):
         bad.synchronize()
     assert sched.closed and sched.steps == 0 and bad.schedule is None
+
+
+def test_join_docstring_is_the_collective_one():
+    """horovod.torch.join documents itself with collective.join's text (one source)."""
+    import collective.ops
+    from frameworks.torch import ops
+    assert ops.join.__doc__ == collective.ops.join.__doc__
+    assert "Join covers the global process set only" in ft.join.__doc__
