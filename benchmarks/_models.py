@@ -141,7 +141,7 @@ def build(name: str, device: Any, batch: int, seq: int = 128, layers: int = 12,
 # -- the run -------------------------------------------------------------------------------------
 def add_args(p: argparse.ArgumentParser) -> None:
     """The options of both scripts: the workload, the timed windows, `--amp`, `--phases`,
-    `--compression` and `--profile`."""
+    `--compression`, `--profile` and `--compile`."""
     p.add_argument("--model", default="resnet50", choices=MODELS)
     p.add_argument("--batch", type=int, default=0,
                    help="per process (default: 64 for resnet50, 32 for transformer)")
@@ -158,6 +158,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="", help="directory for a one-step timeline (rank 0)")
     p.add_argument("--profile-name", default="timeline_step",
                    help="file stem of the timeline: DIR/NAME.json and DIR/NAME.png")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (DDP: the DDP-wrapped model, as PyTorch "
+                   "recommends); the first warm-up step compiles")
+
+
+def maybe_compile(model: nn.Module, compile_: bool) -> nn.Module:
+    """`torch.compile(model)` when `compile_`, else `model`: forward and backward then run as
+    compiled graphs, so kernel launches leave the Python thread. The gradients' hooks (ringvod's
+    optimizer, DDP's reducer) still run per parameter after the compiled backward."""
+    return torch.compile(model) if compile_ else model
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:

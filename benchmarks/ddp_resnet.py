@@ -10,7 +10,8 @@ Launch: `torchrun --standalone --nproc-per-node 2 benchmarks/ddp_resnet.py [--mo
 transformer] [--amp]`. Prints `MODEL ...`, `RESULT impl=DDP world=.. amp=.. compression=..
 img_per_sec_total=.. model=.. unit=..` (the number is in `unit`: img/s or samples/s) and
 `MEMORY impl=DDP ...`. `--profile DIR` records one step with torch.profiler (as
-`gpu_resnet.py`). `--device cpu` runs it on CPU with gloo (a smoke test).
+`gpu_resnet.py`); `--compile` compiles the DDP-wrapped model. `--device cpu` runs it on CPU
+with gloo (a smoke test).
 """
 import argparse
 import os
@@ -61,6 +62,7 @@ def main():
                     else default_hooks.bf16_compress_hook)
             model.register_comm_hook(None, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model = _models.maybe_compile(model, a.compile)
     step, step_parts = _models.make_steps(model, opt, w, device, a.amp, sync)
     windows, used_max = _models.time_windows(step, sync, device, a.batch, a.warmup, a.iters,
                                              a.repeats)

@@ -21,6 +21,7 @@ engine's fusion buffer, the gradient buckets; see `_models.ringvod_memory`).
 `--profile DIR` also records one training step with torch.profiler on rank 0 and writes
 `DIR/timeline_step.json` (Chrome trace: kernels per stream, NCCL on ringvod's own stream) and
 `DIR/timeline_step.png` (compute vs communication kernels on a time axis).
+`--compile` runs the model through `torch.compile`.
 `--device cpu` runs the same on CPU tensors (MPI or tcp engines; a smoke test, not a benchmark).
 """
 from __future__ import annotations
@@ -82,6 +83,7 @@ def main() -> int:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=comp, groups=a.groups or None)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    model = _models.maybe_compile(model, a.compile)
     step, step_parts = _models.make_steps(model, opt, w, device, a.amp, sync)
     windows, used_max = _models.time_windows(step, sync, device, a.batch, a.warmup, a.iters,
                                              a.repeats)

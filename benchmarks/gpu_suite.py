@@ -213,7 +213,8 @@ def train_run(s: Suite, n: int, impl: str, cfg: str, iters: int, model: str = "r
     else:
         cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                script] + flags
-    out = s.run(cmd, MODELS[model][2], env)
+    # A compiled model's first step compiles it (a minute or two for ResNet-50).
+    out = s.run(cmd, MODELS[model][2] + (240 if "--compile" in flags else 0), env)
     rows = parse(out)
     if not rows:
         s.failures += 1
