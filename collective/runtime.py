@@ -306,10 +306,14 @@ class Runtime:
             with state.lock:  # a submit that resolved the set before this now refuses it
                 names = sorted(state.table)
                 state.removed = True
+            shown = ", ".join(repr(n) for n in names[:5]) + (
+                f" and {len(names) - 5} more" if len(names) > 5 else "")
+            if not names:
+                shown = "its gradient sets' ops"
             state.fail_all(ValueError(
                 f"process set {ps_id} (ranks {state.ranks}) was removed by remove_process_set() "
-                f"while {', '.join(repr(n) for n in names)} waited on rank {self.rank}; wait "
-                "for a set's ops (synchronize) before removing it"))
+                f"while {shown} waited on rank {self.rank}; wait for a set's ops (synchronize) "
+                "before removing it"))
             state.host_engine.close()
             state.control.close()
         ps._invalidate()
@@ -337,7 +341,8 @@ class Runtime:
                 raise ValueError(
                     f"Process set provided does not exist, or has not been registered: process "
                     f"set {state.id} (ranks {state.ranks}) was removed by remove_process_set() "
-                    f"while {entries[0].name!r} was being submitted on rank {self.rank}")
+                    f"while {entries[0].name!r} was being submitted on rank {self.rank}; "
+                    "synchronize a set's ops and stop submitting to it before removing it")
             for i, e in enumerate(entries):
                 if e.name in state.table or any(e.name == o.name for o in entries[:i]):
                     raise DuplicateNameError(
