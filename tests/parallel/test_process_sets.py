@@ -41,7 +41,9 @@ def members(ps):
 def test_static_sets_registered():
     ids = [ps.process_set_id for ps in STATIC]
     assert len(set(ids)) == len(ids) and 0 not in ids and None not in ids
-    assert hvd.global_process_set.process_set_id == 0
+    g = hvd.global_process_set
+    assert (g.process_set_id, g.ranks, g.size(), g.rank(), g.included()) == (
+        0, list(range(N)), N, hvd.rank(), True)
     for ps in STATIC:
         assert ps.size() == len(ps.ranks)
         assert ps.included() == (hvd.rank() in ps.ranks)

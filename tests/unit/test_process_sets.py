@@ -115,3 +115,27 @@ def test_a_submit_refused_after_the_removal_says_what_to_do():
                         f"rank {rank}; synchronize a set's ops and stop submitting to it "
                         "before removing it"), text
     assert got[2] is None
+
+
+def test_the_global_set_lists_every_rank_once_initialised():
+    g = hvd.global_process_set
+    assert not hvd.is_initialized()
+    assert (g.process_set_id, g.ranks, g.size(), g.rank(), g.included()) == (0, None, None,
+                                                                              None, None)
+    hvd.init()
+    try:
+        assert (g.ranks, g.size(), g.rank(), g.included()) == ([0], 1, 0, True)
+        assert str(g) == "ProcessSet(process_set_id=0, ranks=[0], mpi_comm=None)"
+    finally:
+        hvd.shutdown()
+    assert (g.ranks, g.size(), g.rank(), g.included()) == (None, None, None, None)
+
+
+@pytest.mark.timeout(60)
+def test_the_global_set_answers_for_each_ranks_runtime():
+    def body(rank):
+        g = hvd.global_process_set
+        return g.ranks, g.size(), g.rank(), g.included(), hash(g)
+
+    got = run_loopback(3, body, timeout=40)
+    assert got == [([0, 1, 2], 3, r, True, hash(hvd.global_process_set)) for r in range(3)]
