@@ -29,6 +29,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             sets HOROVOD_DYNAMIC_PROCESS_SETS=1 in this process, so a later `init()` (after
             `shutdown()`, or an elastic reset) keeps dynamic process sets on.
 
+    An `init()` that raises leaves ringvod uninitialised: what it had set up (connections,
+    threads, process set ids) is released, `is_initialized()` is False, and `init()` may be
+    called again.
+
     Raises:
         ValueError: duplicate or invalid process sets, or process sets that differ across
             ranks (raised on every rank).
@@ -39,10 +43,15 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     if process_sets == "dynamic":
         update_environ({"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
     rt = Runtime.create(comm=comm, process_sets=process_sets)
-    if rt.rank == 0:
-        warn_no_effect(rt.config, rt.mode)
-    _rt.set_current(rt)
-    rt.start()
+    try:
+        if rt.rank == 0:
+            warn_no_effect(rt.config, rt.mode)
+        _rt.set_current(rt)
+        rt.start()
+    except BaseException as exc:
+        _rt.set_current(None)
+        rt.abandon(f"init() failed on rank {rt.rank}: {type(exc).__name__}: {exc}")
+        raise
 
 
 def shutdown() -> None:

@@ -83,19 +83,25 @@ class Runtime:
         self._head_msg: tuple[Handle, list] | None = None
         self.shut_down = False
         self.cause: BaseException | None = None
-        self._topology()
-        _log.configure(config.log_level, config.log_hide_time, self.rank,
-                       self.hostname if self.cross_size > 1 else None)
-        if process_sets == "dynamic":
-            config = config.replace(dynamic_process_sets=True)
-        self.config, static = _agree(control, config, process_sets)
-        self.dynamic_process_sets = self.config.dynamic_process_sets
-        self.coordinator = Coordinator(self)
-        self._register(0, list(range(self.size)), control, global_process_set)
-        if isinstance(process_sets, (list, tuple)):
-            for ps, ranks in zip(process_sets, static):
-                self._add_static(ps, ranks)
-        self._setup_timeline()
+        try:
+            self._topology()
+            _log.configure(config.log_level, config.log_hide_time, self.rank,
+                           self.hostname if self.cross_size > 1 else None)
+            if process_sets == "dynamic":
+                config = config.replace(dynamic_process_sets=True)
+            self.config, static = _agree(control, config, process_sets)
+            self.dynamic_process_sets = self.config.dynamic_process_sets
+            self.coordinator = Coordinator(self)
+            self._register(0, list(range(self.size)), control, global_process_set)
+            if isinstance(process_sets, (list, tuple)):
+                for ps, ranks in zip(process_sets, static):
+                    self._add_static(ps, ranks)
+            self._setup_timeline()
+        except BaseException:
+            # A step after the ranks connected failed (different process sets, a duplicate
+            # set, the timeline's file): nothing of this world may outlive the error.
+            self._release()
+            raise
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -165,7 +171,12 @@ class Runtime:
         if any(r < 0 or r >= self.size for r in ranks):
             raise ValueError(f"process set ranks {ranks} out of range for size {self.size}")
         control = self.control.split(ranks)
-        self._register(self._next_ps_id(), ranks, control, ps)
+        try:
+            self._register(self._next_ps_id(), ranks, control, ps)
+        except BaseException:
+            if control is not None and all(m.control is not control for m in self._members):
+                control.close()
+            raise
 
     def _next_ps_id(self) -> int:
         i = 1
@@ -188,6 +199,22 @@ class Runtime:
     def start(self) -> "Runtime":
         self.coordinator.start()
         return self
+
+    def abandon(self, reason: str) -> None:
+        """Undoes an `init()` that failed on this rank after the runtime was made (its start,
+        or a later step): stops the coordinator if it runs (aborting the control planes, so
+        peers blocked on this rank fail rather than hang) and releases what `_release` does.
+        Later submits raise `ShutdownError`."""
+        with self._lock:
+            self.shut_down = True
+        coord = self.coordinator
+        if not coord.join(0):
+            for ps in self._members:
+                ps.control.abort(reason)
+            coord.request_shutdown()
+            if not coord.join(5.0):
+                _log_.error("the coordinator did not stop within 5 s of a failed init()")
+        self._release()
 
     def _pin_thread(self) -> None:
         spec = self.config.thread_affinity
@@ -368,6 +395,11 @@ class Runtime:
                 for ps in self._members:
                     ps.control.abort("shutdown timed out")
                 self.coordinator.join(5.0)
+        self._release()
+
+    def _release(self) -> None:
+        """Closes the engines and control planes of every set (the world's last) and the
+        timeline."""
         for ps in self._members:
             for eng in (ps.host_engine, ps.device_engine):
                 if eng is not None:
@@ -375,7 +407,8 @@ class Runtime:
             if ps.control is not self.control:
                 ps.control.close()
         self.control.close()
-        tl = self.coordinator.timeline
+        coord = getattr(self, "coordinator", None)  # None: construction failed before it
+        tl = coord.timeline if coord is not None else None
         if tl is not None:
             tl.close()
 
