@@ -12,7 +12,9 @@ class ProcessSet:
     """A group of ranks that runs collectives among themselves.
 
     Attributes:
-        process_set_id: id assigned at registration (0 = all ranks); None before.
+        process_set_id: id assigned at registration (0 = all ranks); None before, and again
+            after `shutdown()` or `remove_process_set()` (pass the set to the next `init()`,
+            or add it again, to register it afresh).
         ranks: sorted global ranks.
         mpi_comm: the mpi4py communicator it was built from, if any.
     """

@@ -399,7 +399,9 @@ class Runtime:
 
     def _release(self) -> None:
         """Closes the engines and control planes of every set (the world's last) and the
-        timeline."""
+        timeline, and unbinds the `ProcessSet` objects registered here: their ids name sets
+        of this world only (a later world may give the id to another set), so they read None
+        until an `init()` or `add_process_set()` registers them again."""
         for ps in self._members:
             for eng in (ps.host_engine, ps.device_engine):
                 if eng is not None:
@@ -411,6 +413,9 @@ class Runtime:
         tl = coord.timeline if coord is not None else None
         if tl is not None:
             tl.close()
+        for ps in list(self._registry.values()):
+            if ps is not global_process_set and ps._runtime is self:
+                ps._invalidate()
 
     def _on_loop_exit(self, cause: BaseException | None) -> None:
         with self._lock:

@@ -1,6 +1,9 @@
-"""Process sets under loopback ranks (threads of this process): the texts of
-`remove_process_set()` for the ops it fails and the submits it refuses."""
+"""Process sets in one process (loopback ranks as threads, or the size-1 world): the texts of
+`remove_process_set()` for the ops it fails and the submits it refuses; the global set's
+ranks; sets unbound by `shutdown()` (or a failed `init()`) and registered afresh later."""
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -139,3 +142,90 @@ def test_the_global_set_answers_for_each_ranks_runtime():
 
     got = run_loopback(3, body, timeout=40)
     assert got == [([0, 1, 2], 3, r, True, hash(hvd.global_process_set)) for r in range(3)]
+
+
+def _unbound(ps):
+    return (ps.process_set_id, ps.size(), ps.rank(), ps.included()) == (None,) * 4
+
+
+def test_shutdown_unbinds_a_static_set_and_init_registers_it_afresh():
+    a = hvd.ProcessSet([0])
+    for _ in range(2):
+        hvd.init(process_sets=[a])
+        try:
+            assert (a.process_set_id, a.size(), a.rank(), a.included()) == (1, 1, 0, True)
+            np.testing.assert_array_equal(hvd.allreduce(np.ones(1), process_set=a, name="a"),
+                                          np.ones(1))
+        finally:
+            hvd.shutdown()
+        assert _unbound(a) and a.ranks == [0]
+
+
+def test_a_set_added_before_shutdown_can_be_added_after_the_next_init(monkeypatch):
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")  # init("dynamic") sets it
+    hvd.init(process_sets="dynamic")
+    try:
+        a = hvd.add_process_set([0])
+    finally:
+        hvd.shutdown()
+    assert _unbound(a)
+    hvd.init(process_sets="dynamic")
+    try:
+        assert hvd.add_process_set(a) is a and a.process_set_id == 1
+        assert hvd.remove_process_set(a) and _unbound(a)
+    finally:
+        hvd.shutdown()
+
+
+def test_a_failed_init_unbinds_the_sets_it_had_registered():
+    a, dup = hvd.ProcessSet([0]), hvd.ProcessSet([0])
+    with pytest.raises(ValueError, match="^Attempted to add a duplicate process set"):
+        hvd.init(process_sets=[a, dup])
+    assert not hvd.is_initialized()
+    assert _unbound(a) and _unbound(dup)
+
+
+@pytest.mark.timeout(60)
+def test_a_set_left_out_of_the_next_init_is_not_taken_for_the_set_with_its_old_id():
+    """Sets [0] and [0, 1] get ids 1 and 2; after shutdown, init() with [0, 1] alone gives it
+    id 1. The left-out set must be refused as unregistered, not resolved to [0, 1]."""
+    from collective.config import read_env
+    from collective.engines.loopback import LoopbackWorld
+    from collective.runtime import Runtime
+
+    n = 2
+    sets = [(hvd.ProcessSet([0]), hvd.ProcessSet([0, 1])) for _ in range(n)]
+
+    def world(sets_of):
+        plane = LoopbackWorld(n, timeout=10.0)
+        made, raised = [None] * n, []
+
+        def body(r):
+            try:
+                made[r] = Runtime.create(config=read_env({}), control=plane.plane(r),
+                                         mode="loopback", process_sets=sets_of(r))
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                raised.append(exc)
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert raised == [] and None not in made
+        return made
+
+    first = world(lambda r: list(sets[r]))
+    assert [(a.process_set_id, b.process_set_id) for a, b in sets] == [(1, 2)] * n
+    for rt in first:
+        rt.shutdown(timeout=5.0)  # never started: closes what it made
+    assert all(_unbound(a) and _unbound(b) for a, b in sets)
+    second = world(lambda r: [sets[r][1]])
+    for r, rt in enumerate(second):
+        a, b = sets[r]
+        assert b.process_set_id == 1 and a.process_set_id is None
+        assert rt.process_set_state(b, "Allreduce").ranks == [0, 1]
+        with pytest.raises(ValueError, match=r"^Allreduce: Process set provided does not "
+                                             r"exist, or has not been registered\.$"):
+            rt.process_set_state(a, "Allreduce")
+        rt.shutdown(timeout=5.0)
