@@ -24,7 +24,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         comm: None (the whole job), a list of world ranks that run ringvod, or an mpi4py
             communicator (MPI mode).
         process_sets: None, a list of `ProcessSet` (every rank passes the same list; a set
-            of an mpi4py communicator counts as its ranks), or "dynamic" (on every rank) to
+            of an mpi4py communicator counts as its ranks, and at a place of the list each
+            rank may pass its own communicator of one split, e.g. `MPI.COMM_WORLD.Split(...)`:
+            every communicator becomes a set, and each rank's `ProcessSet` the one it is in),
+            or "dynamic" (on every rank) to
             allow `add_process_set`/`remove_process_set` later. As in Horovod, "dynamic"
             sets HOROVOD_DYNAMIC_PROCESS_SETS=1 in this process, so a later `init()` (after
             `shutdown()`, or an elastic reset) keeps dynamic process sets on.

@@ -95,8 +95,8 @@ class Runtime:
             self.coordinator = Coordinator(self)
             self._register(0, list(range(self.size)), control, global_process_set)
             if isinstance(process_sets, (list, tuple)):
-                for ps, ranks in zip(process_sets, static):
-                    self._add_static(ps, ranks)
+                for ps, (sets, own) in zip(process_sets, static):
+                    self._add_placed(ps, sets, own)
             self._setup_timeline()
         except BaseException:
             # A step after the ranks connected failed (different process sets, a duplicate
@@ -178,6 +178,20 @@ class Runtime:
             if control is not None and all(m.control is not control for m in self._members):
                 control.close()
             raise
+
+    def _add_placed(self, ps: ProcessSet, sets: list[list[int]], own: list[int] | None) -> None:
+        """Registers the sets init() agreed on for one place of its list (`agreement.agree`):
+        one, or one per communicator of a split. `ps` becomes the one with ranks `own` (None:
+        this rank is outside every communicator of the split, and `ps` stays unregistered);
+        the others get `ProcessSet` objects of their own.
+
+        Raises:
+            ValueError: as `_add_static` (every rank alike).
+        """
+        if not sets:
+            self._add_static(ps, [])  # raises: no ranks
+        for ranks in sets:
+            self._add_static(ps if ranks == own else ProcessSet(ranks), ranks)
 
     def _next_ps_id(self) -> int:
         i = 1
