@@ -24,10 +24,17 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         comm: None (the whole job), a list of world ranks that run ringvod, or an mpi4py
             communicator (MPI mode).
         process_sets: None, a list of `ProcessSet` (every rank passes the same list; a set
-            of an mpi4py communicator counts as its ranks), or "dynamic" (on every rank) to
+            of an mpi4py communicator counts as its ranks, and at a place of the list each
+            rank may pass its own communicator of one split, e.g. `MPI.COMM_WORLD.Split(...)`:
+            every communicator becomes a set, and each rank's `ProcessSet` the one it is in),
+            or "dynamic" (on every rank) to
             allow `add_process_set`/`remove_process_set` later. As in Horovod, "dynamic"
             sets HOROVOD_DYNAMIC_PROCESS_SETS=1 in this process, so a later `init()` (after
             `shutdown()`, or an elastic reset) keeps dynamic process sets on.
+
+    An `init()` that raises leaves ringvod uninitialised: what it had set up (connections,
+    threads, process set ids) is released, `is_initialized()` is False, and `init()` may be
+    called again.
 
     Raises:
         ValueError: duplicate or invalid process sets, or process sets that differ across
@@ -39,10 +46,15 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     if process_sets == "dynamic":
         update_environ({"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
     rt = Runtime.create(comm=comm, process_sets=process_sets)
-    if rt.rank == 0:
-        warn_no_effect(rt.config, rt.mode)
-    _rt.set_current(rt)
-    rt.start()
+    try:
+        if rt.rank == 0:
+            warn_no_effect(rt.config, rt.mode)
+        _rt.set_current(rt)
+        rt.start()
+    except BaseException as exc:
+        _rt.set_current(None)
+        rt.abandon(f"init() failed on rank {rt.rank}: {type(exc).__name__}: {exc}")
+        raise
 
 
 def shutdown() -> None:

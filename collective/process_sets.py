@@ -12,7 +12,9 @@ class ProcessSet:
     """A group of ranks that runs collectives among themselves.
 
     Attributes:
-        process_set_id: id assigned at registration (0 = all ranks); None before.
+        process_set_id: id assigned at registration (0 = all ranks); None before, and again
+            after `shutdown()` or `remove_process_set()` (pass the set to the next `init()`,
+            or add it again, to register it afresh).
         ranks: sorted global ranks.
         mpi_comm: the mpi4py communicator it was built from, if any.
     """
@@ -68,12 +70,23 @@ class ProcessSet:
 
 
 class _GlobalProcessSet(ProcessSet):
-    """Process set 0: all ranks. Its ranks track the current runtime."""
+    """Process set 0: all ranks. It follows the current runtime: before `init()` (and after
+    `shutdown()`) `ranks`, `size()`, `rank()` and `included()` are None; once initialised,
+    `ranks` lists every rank, as Horovod's `global_process_set.ranks` does."""
 
     def __init__(self) -> None:
-        super().__init__([])
+        # Not ProcessSet.__init__: `ranks` is a property here, not a stored list.
+        self.mpi_comm = None
         self.process_set_id = 0
-        self.ranks = None
+        self._runtime = None
+
+    @property  # type: ignore[override]  # read-only: the job's ranks, or None
+    def ranks(self) -> list[int] | None:
+        rt = current_or_none()
+        return None if rt is None else list(range(rt.size))
+
+    def __hash__(self) -> int:  # one value whether or not initialised (a dict key stays found)
+        return hash(((), 0))
 
     # Horovod answers these for the global set once initialised (all ranks are members).
     def size(self) -> int | None:

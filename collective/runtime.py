@@ -12,7 +12,8 @@ import threading
 from typing import Any, Sequence
 
 from . import _current, _log
-from .config import SHARED_OPTIONS, Config, read_env
+from .agreement import agree, change_of, common_sets, ranks_here
+from .config import Config, read_env
 from .coordinator import HELD, Coordinator, ProcessSetState, shutdown_error
 from .engines import create_backend, create_engine
 from .entry import Entry
@@ -83,19 +84,25 @@ class Runtime:
         self._head_msg: tuple[Handle, list] | None = None
         self.shut_down = False
         self.cause: BaseException | None = None
-        self._topology()
-        _log.configure(config.log_level, config.log_hide_time, self.rank,
-                       self.hostname if self.cross_size > 1 else None)
-        if process_sets == "dynamic":
-            config = config.replace(dynamic_process_sets=True)
-        self.config, static = _agree(control, config, process_sets)
-        self.dynamic_process_sets = self.config.dynamic_process_sets
-        self.coordinator = Coordinator(self)
-        self._register(0, list(range(self.size)), control, global_process_set)
-        if isinstance(process_sets, (list, tuple)):
-            for ps, ranks in zip(process_sets, static):
-                self._add_static(ps, ranks)
-        self._setup_timeline()
+        try:
+            self._topology()
+            _log.configure(config.log_level, config.log_hide_time, self.rank,
+                           self.hostname if self.cross_size > 1 else None)
+            if process_sets == "dynamic":
+                config = config.replace(dynamic_process_sets=True)
+            self.config, static = agree(control, config, process_sets)
+            self.dynamic_process_sets = self.config.dynamic_process_sets
+            self.coordinator = Coordinator(self)
+            self._register(0, list(range(self.size)), control, global_process_set)
+            if isinstance(process_sets, (list, tuple)):
+                for ps, (sets, own) in zip(process_sets, static):
+                    self._add_placed(ps, sets, own)
+            self._setup_timeline()
+        except BaseException:
+            # A step after the ranks connected failed (different process sets, a duplicate
+            # set, the timeline's file): nothing of this world may outlive the error.
+            self._release()
+            raise
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -165,7 +172,26 @@ class Runtime:
         if any(r < 0 or r >= self.size for r in ranks):
             raise ValueError(f"process set ranks {ranks} out of range for size {self.size}")
         control = self.control.split(ranks)
-        self._register(self._next_ps_id(), ranks, control, ps)
+        try:
+            self._register(self._next_ps_id(), ranks, control, ps)
+        except BaseException:
+            if control is not None and all(m.control is not control for m in self._members):
+                control.close()
+            raise
+
+    def _add_placed(self, ps: ProcessSet, sets: list[list[int]], own: list[int] | None) -> None:
+        """Registers the sets init() agreed on for one place of its list (`agreement.agree`):
+        one, or one per communicator of a split. `ps` becomes the one with ranks `own` (None:
+        this rank is outside every communicator of the split, and `ps` stays unregistered);
+        the others get `ProcessSet` objects of their own.
+
+        Raises:
+            ValueError: as `_add_static` (every rank alike).
+        """
+        if not sets:
+            self._add_static(ps, [])  # raises: no ranks
+        for ranks in sets:
+            self._add_static(ps if ranks == own else ProcessSet(ranks), ranks)
 
     def _next_ps_id(self) -> int:
         i = 1
@@ -188,6 +214,22 @@ class Runtime:
     def start(self) -> "Runtime":
         self.coordinator.start()
         return self
+
+    def abandon(self, reason: str) -> None:
+        """Undoes an `init()` that failed on this rank after the runtime was made (its start,
+        or a later step): stops the coordinator if it runs (aborting the control planes, so
+        peers blocked on this rank fail rather than hang) and releases what `_release` does.
+        Later submits raise `ShutdownError`."""
+        with self._lock:
+            self.shut_down = True
+        coord = self.coordinator
+        if not coord.join(0):
+            for ps in self._members:
+                ps.control.abort(reason)
+            coord.request_shutdown()
+            if not coord.join(5.0):
+                _log_.error("the coordinator did not stop within 5 s of a failed init()")
+        self._release()
 
     def _pin_thread(self) -> None:
         spec = self.config.thread_affinity
@@ -262,10 +304,10 @@ class Runtime:
         mine = None
         if head is not None:
             if self._head_msg is None or self._head_msg[0] is not head[2]:
-                self._head_msg = (head[2], ["add", _ranks_here(head[1], self.control)]
+                self._head_msg = (head[2], ["add", ranks_here(head[1], self.control)]
                                   if head[0] == "add" else ["remove", int(head[1])])
             mine = self._head_msg[1]
-        views = [_change_of(b, r, self.size)
+        views = [change_of(b, r, self.size)
                  for r, b in enumerate(self.control.allgather(json.dumps(mine).encode()))]
         if any(v is None for v in views):
             return
@@ -273,7 +315,7 @@ class Runtime:
             self._ps_changes.pop(0)
         assert head is not None
         kind, arg, handle = head
-        added = (_common_sets([[v[1]] for v in views])
+        added = (common_sets([[v[1]] for v in views])
                  if all(v[0] == "add" for v in views) else None)
         if added is None and any(v != views[0] for v in views):
             by: dict[str, list[int]] = {}
@@ -306,10 +348,14 @@ class Runtime:
             with state.lock:  # a submit that resolved the set before this now refuses it
                 names = sorted(state.table)
                 state.removed = True
+            shown = ", ".join(repr(n) for n in names[:5]) + (
+                f" and {len(names) - 5} more" if len(names) > 5 else "")
+            if not names:
+                shown = "its gradient sets' ops"
             state.fail_all(ValueError(
                 f"process set {ps_id} (ranks {state.ranks}) was removed by remove_process_set() "
-                f"while {', '.join(repr(n) for n in names)} waited on rank {self.rank}; wait "
-                "for a set's ops (synchronize) before removing it"))
+                f"while {shown} waited on rank {self.rank}; wait for a set's ops (synchronize) "
+                "before removing it"))
             state.host_engine.close()
             state.control.close()
         ps._invalidate()
@@ -337,7 +383,8 @@ class Runtime:
                 raise ValueError(
                     f"Process set provided does not exist, or has not been registered: process "
                     f"set {state.id} (ranks {state.ranks}) was removed by remove_process_set() "
-                    f"while {entries[0].name!r} was being submitted on rank {self.rank}")
+                    f"while {entries[0].name!r} was being submitted on rank {self.rank}; "
+                    "synchronize a set's ops and stop submitting to it before removing it")
             for i, e in enumerate(entries):
                 if e.name in state.table or any(e.name == o.name for o in entries[:i]):
                     raise DuplicateNameError(
@@ -363,6 +410,13 @@ class Runtime:
                 for ps in self._members:
                     ps.control.abort("shutdown timed out")
                 self.coordinator.join(5.0)
+        self._release()
+
+    def _release(self) -> None:
+        """Closes the engines and control planes of every set (the world's last) and the
+        timeline, and unbinds the `ProcessSet` objects registered here: their ids name sets
+        of this world only (a later world may give the id to another set), so they read None
+        until an `init()` or `add_process_set()` registers them again."""
         for ps in self._members:
             for eng in (ps.host_engine, ps.device_engine):
                 if eng is not None:
@@ -370,9 +424,13 @@ class Runtime:
             if ps.control is not self.control:
                 ps.control.close()
         self.control.close()
-        tl = self.coordinator.timeline
+        coord = getattr(self, "coordinator", None)  # None: construction failed before it
+        tl = coord.timeline if coord is not None else None
         if tl is not None:
             tl.close()
+        for ps in list(self._registry.values()):
+            if ps is not global_process_set and ps._runtime is self:
+                ps._invalidate()
 
     def _on_loop_exit(self, cause: BaseException | None) -> None:
         with self._lock:
@@ -386,98 +444,7 @@ class Runtime:
             h._set_exception(exc)
 
 
-def _agree(control: Any, config: Config,
-           process_sets: Any) -> tuple[Config, list[list[int]]]:
-    """The exchange of `init()`, collective over the world plane: every rank takes rank 0's
-    values of the options that shape what the ranks exchange (`Option.shared`), warning where
-    its own differ, and every rank checks that all passed the same `process_sets` ("dynamic"
-    on all or none; the same static sets, a communicator counting as its world ranks).
-
-    Returns:
-        the config to use and the static sets' ranks, in the order given.
-
-    Raises:
-        ValueError: the ranks passed different process sets (on every rank alike).
-    """
-    static = process_sets if isinstance(process_sets, (list, tuple)) else []
-    mine = {"options": {o.field: getattr(config, o.field) for o in SHARED_OPTIONS},
-            "sets": "dynamic" if process_sets == "dynamic"
-            else [_ranks_here(ps, control) for ps in static]}
-    views = [_agreement_of(b, r)
-             for r, b in enumerate(control.allgather(json.dumps(mine).encode()))]
-    compared = [sets for _, sets in views]
-    if "dynamic" in compared:
-        # "dynamic" turns on what HOROVOD_DYNAMIC_PROCESS_SETS=1 does: a rank that has the
-        # variable set and passes no static sets (a survivor re-initialized after an elastic
-        # reset, too) agrees with it.
-        compared = ["dynamic" if sets == [] and opts["dynamic_process_sets"] else sets
-                    for opts, sets in views]
-    agreed = _common_sets(compared)
-    if agreed is None:
-        by: dict[str, list[int]] = {}
-        for r, (_, sets) in enumerate(views):
-            shown = '"dynamic"' if isinstance(sets, str) else "[" + ", ".join(
-                "COMM_NULL" if s is None else str(s) for s in sets) + "]"
-            if compared[r] != sets:
-                shown += " with HOROVOD_DYNAMIC_PROCESS_SETS=1"
-            by.setdefault(shown, []).append(r)
-        raise ValueError(
-            "ranks passed different process sets to init(): "
-            + "; ".join(f"ranks {who} passed {shown}" for shown, who in by.items())
-            + ". Every rank must pass the same process_sets to hvd.init(), in the same order."
-            + (' For dynamic process sets, pass process_sets="dynamic" on every rank or set '
-               "HOROVOD_DYNAMIC_PROCESS_SETS=1." if '"dynamic"' in by else ""))
-    ours = views[0][0]
-    changes: dict[str, Any] = {}
-    for o in SHARED_OPTIONS:
-        own = getattr(config, o.field)
-        if ours[o.field] != own:
-            _log_.warning("%s is %r on this rank but %r on rank 0; every rank uses rank 0's "
-                          "value", o.env, own, ours[o.field])
-            changes[o.field] = ours[o.field]
-    return (config.replace(**changes) if changes else config), agreed
-
-
-def _ranks_here(ps: ProcessSet, control: Any) -> list[int] | None:
-    """A static set's sorted world ranks as this rank knows them: a communicator's members
-    translated into the world plane's communicator; None for `MPI.COMM_NULL` (this rank is not
-    a member; the members' entries say who is)."""
-    if ps.mpi_comm is None:
-        return ps.ranks
-    from mpi4py import MPI  # only reached for a set built from an mpi4py communicator
-    comm = ps.mpi_comm
-    if comm == MPI.COMM_NULL:
-        return None
-    world = getattr(control, "comm", MPI.COMM_WORLD).Get_group()
-    group = comm.Get_group()
-    try:
-        return sorted(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world))
-    finally:
-        group.Free()
-        world.Free()
-
-
-def _common_sets(views: list[str | list[list[int] | None]]) -> list[list[int]] | None:
-    """The static sets that every rank's entry (`_ranks_here` of each, or "dynamic") names
-    alike, each COMM_NULL taking the members' ranks; None where the ranks disagree: "dynamic"
-    on some only, other sets, counts or order, or a COMM_NULL on a rank that the set includes."""
-    if any(isinstance(v, str) for v in views):
-        return [] if all(v == "dynamic" for v in views) else None
-    if len({len(v) for v in views}) != 1:
-        return None
-    agreed: list[list[int]] = []
-    for i in range(len(views[0])):
-        known = {tuple(v[i]) for v in views if v[i] is not None}
-        if len(known) > 1:
-            return None
-        ranks = list(known.pop()) if known else []
-        if any(v[i] is None and r in ranks for r, v in enumerate(views)):
-            return None
-        agreed.append(ranks)
-    return agreed
-
-
-# -- plain-data messages of the topology exchange and process-set changes (never pickle) -------
+# -- the plain-data message of the topology exchange (never pickle) ----------------------------
 def _host_of(data: bytes, rank: int) -> str:
     if not 0 < len(data) <= MAX_STR_BYTES:
         raise WireError(f"rank {rank} sent a malformed host name ({len(data)} bytes)")
@@ -485,53 +452,6 @@ def _host_of(data: bytes, rank: int) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise WireError(f"rank {rank} sent a malformed host name (not UTF-8: {exc})") from None
-
-
-def _json(data: bytes, rank: int, what: str) -> Any:
-    if len(data) > MAX_STR_BYTES:
-        raise WireError(f"rank {rank} sent {what} of {len(data)} bytes")
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise WireError(f"rank {rank} sent malformed {what}: {exc}") from None
-
-
-def _rank_list(v: Any, rank: int, size: int, what: str) -> list[int]:
-    if not isinstance(v, list) or len(v) > size or not all(type(r) is int for r in v):
-        raise WireError(f"rank {rank} sent {what} that is not a list of at most {size} ranks: "
-                        f"{str(v)[:80]}")
-    return v
-
-
-def _agreement_of(data: bytes,
-                  rank: int) -> tuple[dict[str, Any], str | list[list[int] | None]]:
-    v = _json(data, rank, "init's settings")
-    options = v.get("options") if isinstance(v, dict) else None
-    sets = v.get("sets") if isinstance(v, dict) else None
-    if not (isinstance(options, dict)
-            and all(_of_type(options.get(o.field), o.default) for o in SHARED_OPTIONS)
-            and (sets == "dynamic" or isinstance(sets, list)
-                 and all(s is None or isinstance(s, list) and all(type(r) is int for r in s)
-                         for s in sets))):
-        raise WireError(f"rank {rank} sent malformed init settings: {str(v)[:80]}")
-    return options, sets
-
-
-def _of_type(value: Any, default: Any) -> bool:
-    """`value` has the type of an option whose default is `default` (an int does for a float)."""
-    return type(value) is type(default) or type(default) is float and type(value) is int
-
-
-def _change_of(data: bytes, rank: int, size: int) -> tuple | None:
-    v = _json(data, rank, "a process set change")
-    if v is None:
-        return None
-    if isinstance(v, list) and len(v) == 2 and v[0] == "add":
-        return ("add", None if v[1] is None else _rank_list(v[1], rank, size,
-                                                           "a process set change"))
-    if isinstance(v, list) and len(v) == 2 and v[0] == "remove" and type(v[1]) is int:
-        return ("remove", v[1])
-    raise WireError(f"rank {rank} sent a malformed process set change: {str(v)[:80]}")
 
 
 def _atexit_shutdown() -> None:

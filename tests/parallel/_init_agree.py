@@ -8,6 +8,10 @@ argv[1]:
   (rank 2 gets COMM_NULL); rank 1 passes it as the list [0, 1] instead; given to init() / to
   add_process_set() after init(process_sets="dynamic"): it is the set [0, 1] on every rank
   and its allreduce is right. "comm-other": rank 1 passes [1, 2]: every rank raises.
+* "comm-split" (MPI, 3 ranks): each rank passes its own communicator of
+  `MPI.COMM_WORLD.Split(rank % 2)` ([0, 2] or [1]), then a set of ranks: both halves are
+  registered everywhere, each rank's set is its half, and allreduces in each half (at once)
+  and in the global set are right.
 * "fusion" / "cache": rank 0 alone sets HOROVOD_FUSION_THRESHOLD=0 / HOROVOD_CACHE_CAPACITY=2:
   every rank uses rank 0's value, the others warn, and every result is right.
 """
@@ -49,6 +53,32 @@ if case.startswith("sets-"):
     print(f"rank {me}: {case} ok", flush=True)
     sys.exit(0)
 
+if case == "comm-split":
+    from mpi4py import MPI
+
+    half = hvd.ProcessSet(MPI.COMM_WORLD.Split(me % 2, me))
+    pair = hvd.ProcessSet([0, 1])
+    hvd.init(process_sets=[half, pair])
+    mine = [r for r in range(n) if r % 2 == me % 2]
+    assert (half.process_set_id, half.ranks, half.rank(), half.included()) == (
+        1 if me % 2 == 0 else 2, mine, mine.index(me), True), half
+    assert pair.process_set_id == 3 and hvd.global_process_set.ranks == list(range(n))
+    other = _current.current().registered_set(2 if me % 2 == 0 else 1)
+    assert other.ranks == [r for r in range(n) if r % 2 != me % 2] and not other.included()
+    h = hvd.allreduce_async(np.full(3, float(me + 1), np.float32), name="half", op=hvd.Sum,
+                            process_set=half)
+    g = hvd.allreduce(np.full(2, float(me), np.float32), name="all", op=hvd.Sum)
+    assert np.array_equal(h.wait(30), np.full(3, float(sum(r + 1 for r in mine)), np.float32))
+    assert np.array_equal(g, np.full(2, float(sum(range(n))), np.float32)), g
+    if pair.included():
+        out = hvd.allreduce(np.ones(1, np.float32), name="pair", op=hvd.Sum, process_set=pair)
+        assert out[0] == 2.0, out
+    hvd.allreduce(np.zeros(1, np.float32), name="done")
+    hvd.shutdown()
+    assert half.process_set_id is None and half.ranks == mine
+    print(f"rank {me}: {case} ok", flush=True)
+    sys.exit(0)
+
 if case.startswith("comm"):
     from mpi4py import MPI
 
@@ -60,7 +90,10 @@ if case.startswith("comm"):
         except ValueError as exc:
             want = ("ranks passed different process sets to init(): ranks [0] passed [[0, 1]]; "
                     "ranks [1] passed [[1, 2]]; ranks [2] passed [COMM_NULL]. Every rank must "
-                    "pass the same process_sets to hvd.init(), in the same order.")
+                    "pass the same process_sets to hvd.init(), in the same order. Sets of "
+                    "mpi4py communicators may differ across ranks as the communicators of one "
+                    "split do (MPI.COMM_WORLD.Split): every member of a communicator must pass "
+                    "it, or its ranks, at the same place in the list.")
             assert str(exc) == want, str(exc)
         else:
             raise AssertionError(f"rank {me}: init() accepted process sets that differ")

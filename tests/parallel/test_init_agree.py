@@ -1,8 +1,9 @@
 """init() under real ranks, MPI and tcp (`_init_agree.py`): ranks that pass different process
 sets (static, or "dynamic" on some only) all raise the same ValueError (no hang, no later
 IndexError), a set given as an mpi4py communicator on some ranks and as its ranks on others is
-one set, and rank 0's HOROVOD_FUSION_THRESHOLD / HOROVOD_CACHE_CAPACITY apply on every rank
-(correct results, a warning on the others)."""
+one set, the communicators of a split (each rank its own) are a set each, and rank 0's
+HOROVOD_FUSION_THRESHOLD / HOROVOD_CACHE_CAPACITY apply on every rank (correct results, a
+warning on the others)."""
 from __future__ import annotations
 
 import os
@@ -30,7 +31,7 @@ def test_init_agreement(mode: str, np_: int, case: str) -> None:
 
 @pytest.mark.spmd_driver
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("case", ["comm", "comm-dynamic", "comm-other"])
+@pytest.mark.parametrize("case", ["comm", "comm-dynamic", "comm-other", "comm-split"])
 def test_communicator_process_set(case: str) -> None:
     reason = mpi_available()
     if reason:

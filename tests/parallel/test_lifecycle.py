@@ -1,17 +1,21 @@
 """Lifecycle under real ranks: calls before init, idempotent init, init -> shutdown -> init,
-and one rank shutting down (or exiting) failing the others' pending ops with the shutdown error
-within a few seconds."""
+an init() that fails after the ranks connected (uninitialised, nothing left running, init()
+works again; also in tcp mode), and one rank shutting down (or exiting) failing the others'
+pending ops with the shutdown error within a few seconds."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import collective as hvd
+from collective.coordinator import Coordinator
 from collective.errors import NOT_INITIALIZED_MESSAGE, SHUT_DOWN_MESSAGE
-from tests._spmd import run_spmd, spmd_driver
+from tests._spmd import run_spmd, spmd_driver, spmd_rank
+from tests.parallel._util import env_size
 
 pytestmark = [pytest.mark.spmd, pytest.mark.timeout(90)]
 
@@ -28,6 +32,58 @@ def test_rank_that_exits_fails_the_others(how):
     """The last rank leaves (hvd.shutdown() + exit, or just exit through atexit) while the
     others wait in an allreduce it never joins: they get the shutdown error within seconds."""
     run_spmd(SCRIPT, np=3 if how == "plain-exit" else 2, timeout=60, args=[how])
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.tcp
+@pytest.mark.timeout(150)
+def test_failed_init_in_tcp_mode():
+    """The failed-init tests below under `hvdrun --gloo`, whose connections and threads
+    (accept, senders) a failed init() must not leave behind."""
+    run_spmd(__file__, 2, timeout=120, mode="tcp", args=["-k", "failed_init"])
+
+
+def _assert_uninitialised_and_nothing_running():
+    assert not hvd.is_initialized()
+    with pytest.raises(ValueError) as info:
+        hvd.size()
+    assert str(info.value) == NOT_INITIALIZED_MESSAGE
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("hvd-")]
+    assert alive == [], f"threads left by the failed init(): {alive}"
+
+
+def _init_works_again():
+    hvd.init()
+    try:
+        got = hvd.allreduce(np.ones(2), op=hvd.Sum, name="after_failed_init")
+        np.testing.assert_allclose(got, np.full(2, hvd.size()))
+    finally:
+        hvd.shutdown()
+
+
+def test_failed_init_after_the_ranks_connected_leaves_nothing(monkeypatch):
+    """Every rank's coordinator refuses to start (the last step of init())."""
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as m:
+        m.setattr(Coordinator, "start", refuse)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            hvd.init()
+    _assert_uninitialised_and_nothing_running()
+    _init_works_again()
+
+
+def test_failed_init_of_process_sets_that_differ_leaves_nothing():
+    n, me = env_size(), spmd_rank()
+    if n == 1:
+        pytest.skip("one rank cannot pass sets that differ from its peers'")
+    sets = [hvd.ProcessSet([n - 1] if me == n - 1 else [0])]
+    with pytest.raises(ValueError, match="^ranks passed different process sets to init"):
+        hvd.init(process_sets=sets)
+    assert sets[0].process_set_id is None
+    _assert_uninitialised_and_nothing_running()
+    _init_works_again()
 
 
 def test_calls_before_init_raise_value_error():

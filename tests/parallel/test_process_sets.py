@@ -41,7 +41,9 @@ def members(ps):
 def test_static_sets_registered():
     ids = [ps.process_set_id for ps in STATIC]
     assert len(set(ids)) == len(ids) and 0 not in ids and None not in ids
-    assert hvd.global_process_set.process_set_id == 0
+    g = hvd.global_process_set
+    assert (g.process_set_id, g.ranks, g.size(), g.rank(), g.included()) == (
+        0, list(range(N)), N, hvd.rank(), True)
     for ps in STATIC:
         assert ps.size() == len(ps.ranks)
         assert ps.included() == (hvd.rank() in ps.ranks)
@@ -148,9 +150,34 @@ def test_duplicate_static_sets_are_rejected():
             hvd.init(process_sets=[hvd.ProcessSet([0]), hvd.ProcessSet([0])])
     finally:
         hvd.shutdown()
-        for ps in STATIC:
-            ps._invalidate()
         hvd.init(process_sets=STATIC)
+
+
+def test_shutdown_unbinds_the_sets_and_init_registers_them_afresh():
+    hvd.shutdown()
+    try:
+        for ps in STATIC:
+            assert (ps.process_set_id, ps.size(), ps.rank(), ps.included()) == (None,) * 4
+        assert hvd.global_process_set.ranks is None
+        # Only the last set this time: it takes id 1, so the others, left out, must be
+        # refused as unregistered rather than run on the set that now has their old id.
+        last = STATIC[-1]
+        hvd.init(process_sets=[last])
+        assert last.process_set_id == 1
+        for ps in STATIC[:-1]:
+            assert ps.process_set_id is None
+            with pytest.raises(ValueError, match=r"^Allreduce: Process set provided does not "
+                                                 r"exist, or has not been registered\."):
+                hvd.allreduce(np.ones(1), process_set=ps, name="stale")
+        if last.included():
+            got = hvd.allreduce(np.ones(1), op=hvd.Sum, process_set=last, name="fresh")
+            np.testing.assert_allclose(got, np.full(1, len(last.ranks)))
+        # Nobody shuts down while a member still works in the set (shutdown is collective).
+        hvd.allreduce(np.ones(1), op=hvd.Sum, name="fresh.done")
+    finally:
+        hvd.shutdown()
+        hvd.init(process_sets=STATIC)
+    assert [ps.process_set_id for ps in STATIC] == list(range(1, len(STATIC) + 1))
 
 
 def test_dynamic_sets_add_use_remove():
@@ -228,6 +255,4 @@ def test_dynamic_sets_add_use_remove():
             os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
         else:
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = before
-        for ps in STATIC:
-            ps._invalidate()
         hvd.init(process_sets=STATIC)

@@ -1,7 +1,8 @@
 """init()'s exchange, under loopback ranks: every rank takes rank 0's values of the options that
-shape what the ranks exchange (a rank whose own differ warns), and ranks that pass different
+shape what the ranks exchange (a rank whose own differ warns), ranks that pass different
 process sets to init() ("dynamic" on some only; other static sets, a communicator counting as
-its ranks) all raise the same ValueError."""
+its ranks) all raise the same ValueError, and the communicators of a split (each rank its own)
+register one set each."""
 from __future__ import annotations
 
 import os
@@ -210,7 +211,64 @@ def test_a_communicator_counts_as_its_world_ranks(fake_mpi, sets_of):
 def test_a_different_communicator_raises_on_every_rank(fake_mpi, sets_of, shown):
     raised, _ = init_every_rank(lambda r: sets_of(r, fake_mpi))
     want = (f"ranks passed different process sets to init(): {shown}. Every rank must pass "
-            "the same process_sets to hvd.init(), in the same order.")
+            "the same process_sets to hvd.init(), in the same order." + SPLIT_HINT)
+    assert [(type(e), str(e)) for e in raised] == [(ValueError, want)] * N
+
+
+SPLIT_HINT = (" Sets of mpi4py communicators may differ across ranks as the communicators of "
+              "one split do (MPI.COMM_WORLD.Split): every member of a communicator must pass "
+              "it, or its ranks, at the same place in the list.")
+
+
+@pytest.mark.timeout(60)
+def test_the_communicators_of_a_split_are_one_set_each(fake_mpi):
+    """As `MPI.COMM_WORLD.Split(rank % 2)` gives: each rank passes its own communicator; every
+    rank registers both sets (sorted by ranks), and each rank's object is the one it is in."""
+    sets = [[hvd.ProcessSet(FakeComm([0, 2] if r % 2 == 0 else [1])), hvd.ProcessSet([1, 2])]
+            for r in range(N)]
+    raised, made = init_every_rank(lambda r: sets[r])
+    assert raised == [None] * N
+    assert [(s[0].process_set_id, s[0].ranks, s[0].rank(), s[0].included()) for s in sets] == [
+        (1, [0, 2], 0, True), (2, [1], 0, True), (1, [0, 2], 1, True)]
+    assert [s[1].process_set_id for s in sets] == [3] * N
+    for r, rt in enumerate(made):
+        assert {i: ps.ranks for i, ps in rt._registry.items() if i} == {
+            1: [0, 2], 2: [1], 3: [1, 2]}
+        other = rt.registered_set(1 if r == 1 else 2)  # the set this rank is not in
+        assert other.included() is False and other.size() == (1 if r != 1 else 2)
+        assert sorted(ps.id for ps in rt.member_sets()) == ([0, 2, 3] if r == 1 else
+                                                            [0, 1] if r == 0 else [0, 1, 3])
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_outside_a_split_of_several_sets_keeps_its_set_unregistered(fake_mpi):
+    """`Split(rank if rank < 2 else MPI.UNDEFINED)`: sets [0] and [1]; rank 2 has COMM_NULL,
+    which names neither, so its object stays unregistered; one passing a set's ranks instead
+    gets that set."""
+    for third, want in ((lambda mpi: mpi.COMM_NULL, (None, None, None)),
+                        (lambda mpi: [1], (2, [1], False))):
+        sets = [hvd.ProcessSet(FakeComm([r]) if r < 2 else third(fake_mpi)) for r in range(N)]
+        raised, made = init_every_rank(lambda r: [sets[r]])
+        assert raised == [None] * N
+        assert [(ps.process_set_id, ps.ranks) for ps in sets[:2]] == [(1, [0]), (2, [1])]
+        assert (sets[2].process_set_id, sets[2].ranks, sets[2].included()) == want
+        assert all(sorted(rt._registry) == [0, 1, 2] for rt in made)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sets_of,shown", [
+    (lambda r, mpi: [hvd.ProcessSet(FakeComm([0, 1] if r == 0 else [1, 2]))],
+     "ranks [0] passed [[0, 1]]; ranks [1, 2] passed [[1, 2]]"),
+    (lambda r, mpi: [hvd.ProcessSet(FakeComm([r])), hvd.ProcessSet([0, 1])][::1 if r else -1],
+     "ranks [0] passed [[0, 1], [0]]; ranks [1] passed [[1], [0, 1]]; ranks [2] passed "
+     "[[2], [0, 1]]"),
+], ids=["overlapping", "other-place"])
+def test_communicators_that_are_no_split_raise_on_every_rank(fake_mpi, sets_of, shown):
+    """A member of one communicator that names another there (or names it at another place
+    of its list) is no split: every rank raises, naming what each passed."""
+    raised, _ = init_every_rank(lambda r: sets_of(r, fake_mpi))
+    want = (f"ranks passed different process sets to init(): {shown}. Every rank must pass "
+            "the same process_sets to hvd.init(), in the same order." + SPLIT_HINT)
     assert [(type(e), str(e)) for e in raised] == [(ValueError, want)] * N
 
 
