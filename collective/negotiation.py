@@ -128,10 +128,12 @@ class ResponseCache:
 
 # -- wire format (control plane payloads) -----------------------------------------------------
 # Fixed-layout fields, never pickle: a peer's message is data, not code (collective/wire.py).
-_REQ_MAGIC, _RESP_MAGIC = b"RQ2", b"RS1"
+_REQ_MAGIC, _RESP_MAGIC = b"RQ2", b"RS2"
 _REQ_HEAD = struct.Struct("<IB")  # count, shutdown
 _REQ_ROW = struct.Struct("<iBBiiBddQB")  # rank type dtype device root op pre post layout ndim
 _RESP_HEAD = struct.Struct("<IBB")  # count, shutdown, join_active
+# With join_active set, the header is followed by the global ranks that have joined: a count
+# (u32), then one i32 each (`encode_responses`).
 _RESP_ROW = struct.Struct("<BBBiiiddIII")  # type dtype op device root last pre post n_names
 #                                            n_sizes n_shapes
 _DIMS = [struct.Struct(f"<{n}q") for n in range(MAX_DIMS + 1)]
@@ -244,8 +246,15 @@ def _pack_strs(parts: list, strs: Sequence[str]) -> None:
     parts.append(b"".join(enc))
 
 
-def encode_responses(resps: Sequence[Response], shutdown: bool, join_active: bool) -> bytes:
+def encode_responses(resps: Sequence[Response], shutdown: bool, join_active: bool,
+                     joined: Sequence[int] = ()) -> bytes:
+    """The response list rank 0 broadcasts. `joined`: the ranks that have joined (global
+    rounds only; sent only with `join_active`)."""
     parts = [_RESP_MAGIC, _RESP_HEAD.pack(len(resps), bool(shutdown), bool(join_active))]
+    if join_active:
+        parts.append(_U32.pack(len(joined)))
+        if joined:
+            parts.append(struct.pack(f"<{len(joined)}i", *joined))
     add = parts.append
     for r in resps:
         err = clip_text(r.error) if r.error else b""
@@ -268,14 +277,30 @@ def encode_responses(resps: Sequence[Response], shutdown: bool, join_active: boo
     return b"".join(parts)
 
 
-def decode_responses(data: bytes) -> tuple[list[Response], bool, bool]:
-    """Raises: WireError: `data` is not a well-formed response list."""
+def decode_responses(data: bytes) -> tuple[list[Response], bool, bool, tuple[int, ...]]:
+    """(responses, shutdown, join_active, joined ranks) of `encode_responses`.
+
+    Raises:
+        WireError: `data` is not a well-formed response list.
+    """
     data = bytes(data)
     end = len(data)
     if data[:3] != _RESP_MAGIC or end < 3 + _RESP_HEAD.size:
         raise WireError(f"malformed response list: bad header {data[:8]!r}")
     n, shutdown, join_active = _RESP_HEAD.unpack_from(data, 3)
     pos = 3 + _RESP_HEAD.size
+    joined: tuple[int, ...] = ()
+    if join_active:
+        if end - pos < 4:
+            raise WireError("malformed response list: truncated joined ranks")
+        (k,) = _U32.unpack_from(data, pos)
+        pos += 4
+        if 4 * k > end - pos:
+            raise WireError(f"malformed response list: {k} joined ranks cannot fit in "
+                            f"{end} bytes")
+        if k:
+            joined = struct.unpack_from(f"<{k}i", data, pos)
+            pos += 4 * k
     row = _RESP_ROW.size
     if n * (row + 4) > end - pos:
         raise WireError(f"malformed response list: {n} responses cannot fit in {end} bytes")
@@ -355,7 +380,7 @@ def decode_responses(data: bytes) -> tuple[list[Response], bool, bool]:
                         f"at offset {pos}") from None
     if pos != end:
         raise WireError(f"malformed response list: {end - pos} unexpected bytes after the end")
-    return out, bool(shutdown), bool(join_active)
+    return out, bool(shutdown), bool(join_active), joined
 
 
 # -- rank 0's message table -------------------------------------------------------------------
@@ -425,6 +450,33 @@ class MessageTable:
             self.joined.clear()
             self.last_joined = -1
         return responses
+
+    def waits_for(self, ranks: set[int]) -> bool:
+        """Some pending name lacks the request of one of `ranks` (set ranks)."""
+        return any(not ranks <= slot.keys() for slot in self.table.values())
+
+    def fail_waiting_for(self, ranks: set[int], ps_id: int) -> list[Response]:
+        """ERROR responses for the pending names that lack the request of one of `ranks`: set
+        ranks that called `join()` on the global process set and wait there, so they will not
+        submit ops of this set (process set `ps_id`, which is not the global one). The names
+        leave the table; a later request of the same name starts a new entry."""
+        out = []
+        for name in [n for n, slot in self.table.items() if not ranks <= slot.keys()]:
+            slot = self.table.pop(name)
+            self.first_seen.pop(name, None)
+            first = slot[min(slot)]
+            joined = _ranks_str(sorted(self.global_ranks[r] for r in ranks - slot.keys()))
+            sent = _ranks_str(sorted(self.global_ranks[r] for r in slot))
+            out.append(self._error(name, (
+                f"The {first.type.name} of tensor {quote_name(name)} on process set {ps_id} "
+                f"(ranks {list(self.global_ranks)}) cannot complete: rank(s) {joined} called "
+                f"hvd.join() and wait there without submitting it (rank(s) {sent} submitted "
+                "it). join() covers the global process set only: joined ranks contribute "
+                "zeros to allreduces of the global process set and take no part in ops of "
+                f"other process sets. Finish the ops on process set {ps_id} on every member "
+                "before calling hvd.join(), or run this op on the global process set (for an "
+                "allreduce).")))
+        return out
 
     def _error(self, name: str, message: str) -> Response:
         return Response(type=ResponseType.ERROR, names=[name], error=message)

@@ -550,10 +550,11 @@ def join(device: int = -1) -> int:
     Blocks until every rank has joined and returns the last rank to join (same on all ranks).
 
     Join covers the global process set only (Horovod's join takes no process set): a joined
-    rank contributes zeros to global allreduces, but an op on another process set that
-    includes it waits for it (the stall inspector names the op and the rank; with
-    HOROVOD_STALL_SHUTDOWN_TIME_SECONDS the job then ends). Finish the ops of other process
-    sets before calling `join`.
+    rank contributes zeros to global allreduces and takes no part in ops of other process
+    sets. An op of another set that waits for a joined rank fails on the ranks that submitted
+    it (HorovodInternalError naming the tensor, the set and the joined ranks; the joined rank
+    logs it) instead of waiting for it. Finish the ops of other process sets before calling
+    `join`.
     """
     return synchronize(_control_op(RequestType.JOIN, "join.noname", global_process_set))
 

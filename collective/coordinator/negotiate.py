@@ -46,13 +46,19 @@ class Negotiator:
         self.config = config
         self.tuning = tuning
         self._warned_eviction = False
+        # Global ranks that have joined, as global rank 0's last slow-path round of the global
+        # set said (empty when no join is active); other sets' rounds read it (`_note_joined`).
+        self.joined: frozenset[int] = frozenset()
 
     def round(self, ps: ProcessSetState, tl: Any,
               want_shutdown: bool) -> tuple[list[Response], bool]:
         """One round for `ps`: (responses to execute in order, whether the job shuts down)."""
         now = time.monotonic()
-        if ps.id != 0 and ps.cache.capacity != self.tuning.cache_capacity:
-            self.tuning.sync_cache(ps)  # autotune switched the cache in a global round
+        if ps.id != 0:
+            if ps.cache.capacity != self.tuning.cache_capacity:
+                self.tuning.sync_cache(ps)  # autotune switched the cache in a global round
+            if self.joined or ps.members_joined:
+                _note_joined(ps, self.joined)
         sets = ps.sets
         joined = False
         if sets:
@@ -92,8 +98,8 @@ class Negotiator:
         status = 0
         if not want_shutdown:
             status |= _NOT_SHUTDOWN
-        if not uncached:
-            status |= _NOT_UNCACHED
+        if not uncached and (cache_on or not ps.members_joined or not _doomed(ps)):
+            status |= _NOT_UNCACHED  # (rank 0 of a set with doomed ops: the slow path fails them)
         if not invalid:
             status |= _NOT_INVALID
         if not self.tuning.wants_retune(ps):
@@ -187,6 +193,8 @@ class Negotiator:
                 lists,
                 on_first=(lambda n, t: tl.negotiate_start(n, t.name)) if tl else None,
                 on_rank=(lambda n, r: tl.negotiate_rank_ready(n, r)) if tl else None)
+            if ps.members_joined:  # ops that wait for a rank blocked in the global join()
+                constructed += ps.messages.fail_waiting_for(ps.members_joined, ps.id)
             if tl is not None:
                 for r in constructed:
                     for n in r.names:
@@ -195,13 +203,20 @@ class Negotiator:
             fused = self.fuse(ps, responses, threshold)
             # Keep the cache suspended through the cycle that completes a join: its responses
             # ran with zeros on joined ranks, which have no entries to cache.
-            join_flag = ps.messages.join_active or any(
+            # Another set keeps it suspended while a member has joined the global set.
+            join_flag = ps.messages.join_active or bool(ps.members_joined) or any(
                 r.type == ResponseType.JOIN for r in constructed)
-            payload = encode_responses(fused, any_shutdown, join_flag)
-        fused, shutdown, join_active = decode_responses(ps.control.bcast(payload))
+            payload = encode_responses(fused, any_shutdown, join_flag,
+                                       sorted(ps.messages.joined) if ps.id == 0 else ())
+        fused, shutdown, join_active, joined = decode_responses(ps.control.bcast(payload))
         ps.join_active = join_active
-        if join_active and ps.id == 0:
-            self.tuning.on_join(ps)  # autotune holds the bucket size from the first join
+        if ps.id == 0:
+            if join_active:
+                self.tuning.on_join(ps)  # autotune holds the bucket size from the first join
+            if joined or self.joined:
+                self.joined = frozenset(joined)
+        elif ps.rank in ps.members_joined:
+            _report_to_joined(ps, fused)
         if ps.cache.capacity > 0 and not join_active:
             for resp in fused:
                 if resp.type not in CACHEABLE:
@@ -234,6 +249,33 @@ def check_stall(ps: ProcessSetState) -> bool:
     if report:
         (_log_.error if stop else _log_.warning)(report)
     return stop
+
+
+def _note_joined(ps: ProcessSetState, joined: frozenset[int]) -> None:
+    """At the start of a round of a set other than the global one, while some rank has joined
+    the global set (`joined`, global ranks) or had at the last round: the set's members among
+    them (`members_joined`, set ranks). They wait in `join()` and will submit none of the set's
+    ops, so while there are any the set's response cache is suspended (every request goes to
+    its rank 0, whose slow path fails the ops that wait for them: `_doomed`). Every member
+    learns `joined` in the same global round, before the same round of this set."""
+    members = frozenset(i for i, r in enumerate(ps.ranks) if r in joined)
+    ps.members_joined = members
+    ps.join_active = bool(members)
+
+
+def _doomed(ps: ProcessSetState) -> bool:
+    """On a set's rank 0: some pending op waits for a member that joined the global set."""
+    return ps.is_root and ps.messages is not None and ps.messages.waits_for(ps.members_joined)
+
+
+def _report_to_joined(ps: ProcessSetState, responses: list[Response]) -> None:
+    """On a member that waits in the global `join()`: logs the errors of ops of this set that it
+    never submitted (the other members get them as exceptions; its join goes on)."""
+    for r in responses:
+        if r.type == ResponseType.ERROR and all(ps.table.get(n) is None for n in r.names):
+            _log_.error("Rank %d waits in hvd.join() while other ranks of process set %d ran "
+                        "ops that include it; they fail there: %s", ps.ranks[ps.rank], ps.id,
+                        r.error)
 
 
 def _bits(words: np.ndarray) -> list[int]:

@@ -44,6 +44,10 @@ class ProcessSetState:
         self.hits = PendingHits()  # cached requests waiting for the other ranks
         self.carry: list[Request] = []  # requests that lost their cache entry; sent next cycle
         self.join_active = False  # some rank of the set has joined (cache suspended)
+        # Set ranks that joined the global set (a set other than the global one: they wait in
+        # join() and submit none of its ops); recomputed at each round's start while any rank
+        # has joined (negotiate.py), the same round on every member.
+        self.members_joined: frozenset[int] = frozenset()
         self.removed = False  # (lock) remove_process_set() dropped the set: submits refused
         # Registered gradient sets (collective/gradset.py), in registration order; changed
         # only inside a round, at the same point on every rank.

@@ -85,6 +85,33 @@ def test_join_response_follows_the_tensors_it_released():
     assert [r.type for r in out] == [ResponseType.ALLREDUCE, ResponseType.JOIN]
 
 
+def test_ops_waiting_for_globally_joined_members_fail_with_the_fix_named():
+    # Process set 3 = global ranks [4, 6, 7]; its rank 1 (global 6) waits in the global join().
+    t = table(3, [4, 6, 7])
+    t.process([[req(0, "a")], [], [req(2, "a")]])  # waits for set rank 1 only
+    t.process([[req(0, "b")], [req(1, "b")], []])  # global 6 submitted it: waits for rank 2
+    t.process([[req(0, "c", BC, root=4)], [], []])
+    assert t.waits_for({1}) and t.waits_for({0, 1}) and not t.waits_for(set())
+    out = t.fail_waiting_for({1}, 3)
+    assert [r.names for r in out] == [["a"], ["c"]]
+    assert all(r.type == ResponseType.ERROR for r in out)
+    assert out[0].error == (
+        "The ALLREDUCE of tensor 'a' on process set 3 (ranks [4, 6, 7]) cannot complete: "
+        "rank(s) 6 called hvd.join() and wait there without submitting it (rank(s) 4, 7 "
+        "submitted it). join() covers the global process set only: joined ranks contribute "
+        "zeros to allreduces of the global process set and take no part in ops of other "
+        "process sets. Finish the ops on process set 3 on every member before calling "
+        "hvd.join(), or run this op on the global process set (for an allreduce).")
+    assert out[1].error.startswith("The BROADCAST of tensor 'c' on process set 3 (ranks "
+                                   "[4, 6, 7]) cannot complete: rank(s) 6 called hvd.join()")
+    assert "(rank(s) 4 submitted it)" in out[1].error
+    assert list(t.pending()) == ["b"] and not t.waits_for({1})
+    assert t.fail_waiting_for({1}, 3) == []
+    # A later request of a failed name starts a new entry.
+    assert t.process([[], [], [req(2, "a")]]) == [] and t.pending()["a"][0] == {2}
+    assert [r.names for r in t.fail_waiting_for({1, 2}, 3)] == [["b"], ["a"]]
+
+
 def test_barrier_is_a_normal_name():
     t = table(2)
     out = t.process([[req(0, "barrier.noname", BAR, shape=())],
@@ -295,8 +322,9 @@ def test_response_round_trip():
                      sizes=[1, 2, 3, 4], shapes=[(1, 2), (3, 2)], last_joined_rank=2,
                      error="", root=-1, prescale=1.0, postscale=1.0),
             Response(type=ResponseType.ERROR, names=["e"], error="Mismatched data types")]
-    back, shutdown, join_active = decode_responses(encode_responses(resp, False, True))
-    assert (shutdown, join_active) == (False, True)
+    back, shutdown, join_active, joined = decode_responses(
+        encode_responses(resp, False, True, [2, 0]))
+    assert (shutdown, join_active, joined) == (False, True, (2, 0))
     assert back[0].names == ["x", "y"] and back[0].sizes == [1, 2, 3, 4]
     assert back[0].shapes == [(1, 2), (3, 2)] and back[0].last_joined_rank == 2
     assert back[1].type == ResponseType.ERROR and back[1].error == "Mismatched data types"

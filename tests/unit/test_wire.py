@@ -30,7 +30,11 @@ def test_round_trip() -> None:
     reqs, shutdown = decode_requests(encode_requests(REQS, True))
     assert reqs == REQS and shutdown is True
     assert all(type(r.type) is RequestType and type(r.dtype) is DataType for r in reqs)
-    assert decode_responses(encode_responses(RESPS, False, True)) == (RESPS, False, True)
+    assert decode_responses(encode_responses(RESPS, False, True)) == (RESPS, False, True, ())
+    assert decode_responses(encode_responses(RESPS, False, True, [1, 3])) == (
+        RESPS, False, True, (1, 3))
+    # the joined ranks travel only with join_active
+    assert decode_responses(encode_responses([], True, False, [1])) == ([], True, False, ())
     assert decode_requests(encode_requests([], False)) == ([], False)
 
 
@@ -50,9 +54,10 @@ def test_a_pickle_is_refused(decode) -> None:
 
 def test_garbage_raises_wire_error_only() -> None:
     rng = random.Random(16)
-    good = [encode_requests(REQS, False), encode_responses(RESPS, True, False)]
+    good = [encode_requests(REQS, False), encode_responses(RESPS, True, False),
+            encode_requests(REQS, True), encode_responses(RESPS, False, True, [0, 2, 5])]
     for i in range(3000):
-        base = bytearray(good[i % 2])
+        base = bytearray(good[i % 4])
         kind = rng.randrange(4)
         if kind == 0:  # truncate
             data = bytes(base[:rng.randrange(len(base))])
@@ -76,7 +81,11 @@ def test_huge_counts_do_not_allocate() -> None:
     with pytest.raises(WireError, match="cannot fit"):
         decode_requests(b"RQ2" + struct.pack("<IB", 0xFFFFFFFF, 0))
     with pytest.raises(WireError, match="cannot fit"):
-        decode_responses(b"RS1" + struct.pack("<IBB", 0xFFFFFFFF, 0, 0))
+        decode_responses(b"RS2" + struct.pack("<IBB", 0xFFFFFFFF, 0, 0))
+    with pytest.raises(WireError, match="joined ranks cannot fit"):
+        decode_responses(b"RS2" + struct.pack("<IBBI", 0, 0, 1, 0xFFFFFFFF))
+    with pytest.raises(WireError, match="truncated joined ranks"):
+        decode_responses(b"RS2" + struct.pack("<IBB", 0, 0, 1))
 
 
 def test_the_sender_is_named() -> None:
@@ -108,7 +117,7 @@ def test_an_error_text_over_the_limit_is_sent_clipped() -> None:
     # The last guard: a response's error text past MAX_STR_BYTES travels clipped, instead of the
     # encoder refusing it and ending the job.
     resp = Response(type=ResponseType.ERROR, names=["t"], error="E" * (MAX_STR_BYTES + 10))
-    (got,), _, _ = decode_responses(encode_responses([resp], False, False))
+    (got,), _, _, _ = decode_responses(encode_responses([resp], False, False))
     assert got.error.startswith("EEE") and got.error.endswith(
         f" ... (cut from {MAX_STR_BYTES + 10} bytes)")
     assert len(got.error.encode()) <= MAX_STR_BYTES
