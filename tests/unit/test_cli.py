@@ -350,22 +350,44 @@ def test_config_file_sets_every_key(tmp_path):
     assert cli.settings_from_args(args).mode == "tcp"
 
 
-def test_config_file_precedence_is_positional(tmp_path):
+def test_command_line_flags_win_over_the_config_file_wherever_they_stand(tmp_path):
+    # horovodrun (test_run.py's test_config_file_override_args): a flag given on the command
+    # line, before or after --config-file, is never overridden by the file.
     f = tmp_path / "c.yaml"
-    f.write_text("params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 3\n")
-    env = env_of("--fusion-threshold-mb", "1", "--config-file", str(f), "--cycle-time-ms", "7")
-    assert env["HOROVOD_FUSION_THRESHOLD"] == str(8 << 20)  # file overrides earlier flag
-    assert env["HOROVOD_CYCLE_TIME"] == "7.0"  # later flag overrides the file
+    f.write_text("params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 3\n  cache_capacity: 5\n"
+                 "autotune:\n  enabled: true\n"
+                 "stall_check:\n  enabled: true\n"
+                 "logging:\n  level: error\n  with_timestamp: true\n")
+    env = env_of("--fusion-threshold-mb", "1", "--no-autotune", "--no-stall-check",
+                 "--log-without-timestamp", "--config-file", str(f), "--cycle-time-ms", "7")
+    assert env["HOROVOD_FUSION_THRESHOLD"] == str(1 << 20)  # flag before the file
+    assert env["HOROVOD_CYCLE_TIME"] == "7.0"  # flag after the file
+    assert env["HOROVOD_CACHE_CAPACITY"] == "5"  # not on the command line: from the file
+    assert env["HOROVOD_AUTOTUNE"] == "0"  # --no-autotune beats enabled: true
+    assert env["HOROVOD_STALL_CHECK_DISABLE"] == "1"  # --no-stall-check beats enabled: true
+    assert env["HOROVOD_LOG_HIDE_TIME"] == "1"
+    assert env["HOROVOD_LOG_LEVEL"] == "ERROR"
+
+
+def test_config_file_settable_flags_default_to_none():
+    # _given_on_command_line reads "not None" as "given": every dest the file sets must
+    # default to None.
+    args = cli.build_parser().parse_args(["-np", "1", "x"])
+    for section in cli.YAML_KEYS.values():
+        for dest in section.values():
+            assert getattr(args, dest.lstrip("!")) is None, dest
+    assert args.use_gloo is None and args.use_mpi is None
 
 
 @pytest.mark.parametrize("controller,flag,mode", [("mpi", "--gloo", "tcp"),
                                                   ("gloo", "--mpi", "mpi")])
-def test_controller_flag_after_config_file_wins(tmp_path, controller, flag, mode):
+@pytest.mark.parametrize("flag_first", [True, False])
+def test_controller_flag_wins_over_config_file(tmp_path, controller, flag, mode, flag_first):
     f = tmp_path / "c.yaml"
     f.write_text(f"controller: {controller}\n")
-    args = parse("-np", "1", "--config-file", str(f), flag)
-    assert cli._mode(args) == mode
-    assert cli._mode(parse("-np", "1", flag, "--config-file", str(f))) != mode  # file wins
+    argv = [flag, "--config-file", str(f)] if flag_first else ["--config-file", str(f), flag]
+    assert cli._mode(parse("-np", "1", *argv)) == mode
+    assert cli._mode(parse("-np", "1", "--config-file", str(f))) != mode  # file alone
 
 
 def test_yaml_table_names_real_dests():
