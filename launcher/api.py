@@ -94,12 +94,11 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         warnings.warn("horovod.run(slots=/reset_limit=/cooldown_range=) has no effect in "
                       "ringvod unless the run is elastic (min_num_proc, max_num_proc or "
                       "host_discovery_script)", RuntimeWarning, stacklevel=2)
-    nics: list[str] = []
-    if isinstance(network_interface, str):
-        nics.append(network_interface)
-    elif network_interface:
-        nics.extend(network_interface)
-    nics.extend(network_interfaces or ())
+    from .network import split_interfaces  # noqa: PLC0415
+
+    nics = split_interfaces(
+        ([network_interface] if isinstance(network_interface, str)
+         else list(network_interface or ())) + list(network_interfaces or ()))
     py = executable or sys.executable
     if elastic and use_mpi:
         raise ValueError("elastic horovod.run (min_num_proc/max_num_proc/"

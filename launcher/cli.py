@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from collective.config import OPTIONS, Option, out_of_range
 
 from .hosts import HostInfo, parse_hostfile, parse_hosts
+from .network import split_interfaces
 from .settings import (MODE_MPI, MODE_TCP, LaunchSettings, default_mode,
                        start_timeout_or_env)
 
@@ -235,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--network-interface)")
     p.add_argument("--network-interface", dest="nics", action="append", default=None,
                    metavar="NIC",
-                   help="network interface for the job's traffic (repeatable)")
+                   help="network interface for the job's traffic (repeatable; a comma list "
+                        "such as eth0,eth1 also works)")
     p.add_argument("--output-filename",
                    help="tcp: write DIR/rank.<r>/stdout|stderr (output is also shown); "
                         "mpi: passed to mpirun")
@@ -480,10 +482,7 @@ def settings_from_args(args: argparse.Namespace, *, check_command: bool = True
         raise ValueError(f"ssh_port={args.ssh_port} must be >= 0")
     env = env_from_args(args)
     start_timeout = start_timeout_or_env(args.start_timeout)
-    nics: list[str] = []
-    if args.nics_deprecated:
-        nics += [n.strip() for n in args.nics_deprecated.split(",") if n.strip()]
-    nics += args.nics or []
+    nics = split_interfaces([args.nics_deprecated or "", *(args.nics or [])])
     mode = _mode(args)
     hosts = tuple(_hosts(args))
     return LaunchSettings(

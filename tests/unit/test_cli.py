@@ -280,6 +280,25 @@ def test_version_and_settings(capsys):
         cli.settings_from_args(parse("-np", "5", "-H", "a:2"))
 
 
+def test_network_interface_takes_a_comma_list():
+    # horovodrun's --network-interface "eth0,eth1" (and horovod.run's network_interface=
+    # "eth0,eth1") is a comma list; it used to be taken as one interface named 'eth0,eth1'.
+    s = cli.settings_from_args(parse("-np", "1", "--tcp", "--network-interface", "eth0, eth1",
+                                     "--network-interface", "ib0", "--network-interface", "eth0"))
+    assert s.network_interfaces == ("eth0", "eth1", "ib0")
+
+
+@pytest.mark.parametrize("kwargs", [{"network_interface": "lo,eth0"},
+                                    {"network_interface": ["lo", "eth0"]},
+                                    {"network_interface": "lo", "network_interfaces": ["eth0"]}])
+def test_horovod_run_network_interface_comma_list(monkeypatch, kwargs):
+    from launcher import api
+    seen = {}
+    monkeypatch.setattr(api, "_run_tcp", lambda settings, blob: seen.setdefault("s", settings))
+    api.run(print, num_proc=1, use_gloo=True, **kwargs)
+    assert seen["s"].network_interfaces == ("lo", "eth0")
+
+
 def test_mutually_exclusive_groups():
     for argv in (["--gloo", "--mpi"], ["-H", "a:1", "--hostfile", "f"]):
         with pytest.raises(SystemExit):
