@@ -114,13 +114,22 @@ def _flag_type(o: Option) -> Callable[[str], Any]:
 
 
 def _coerce(dest: str, value: Any) -> Any:
-    """Converts a YAML value to what the flag would have produced."""
+    """Converts a YAML value to what the flag would have produced.
+
+    Raises:
+        ValueError: a value the flag would refuse (not a number, a log level not among the
+            flag's choices, ...).
+    """
     o = FLAG_OPTIONS.get(dest)
     if o is None or value is None:
         return value
     if _is_bool(o):
         return value if isinstance(value, bool) else o.type(str(value))
-    return _flag_type(o)(str(value))
+    converted = _flag_type(o)(str(value))
+    if o.field == "log_level" and converted not in _LOG_LEVELS:
+        raise ValueError(f"not a log level; use one of {', '.join(_LOG_LEVELS)} "
+                         "(as --log-level)")
+    return converted
 
 
 def _given_on_command_line(namespace: argparse.Namespace) -> set[str]:

@@ -422,6 +422,9 @@ def test_yaml_table_names_real_dests():
                                         ("params:\n  cache_capacity: lots\n", "cache_capacity"),
                                         ("timeline:\n  mark_cycles: maybe\n",
                                          "timeline.mark_cycles='maybe': cannot parse boolean"),
+                                        ("logging:\n  level: verbose\n",
+                                         "logging.level='verbose': not a log level; use one of "
+                                         "TRACE, DEBUG"),
                                         ("library_options:\n  thread_affinity: a,b\n",
                                          "library_options.thread_affinity='a,b': 'a,b' is not a "
                                          "comma list of core ids")])
