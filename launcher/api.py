@@ -111,6 +111,11 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
         network_interfaces=tuple(nics), output_filename=output_filename,
         verbose=bool(verbose), mpi_args=mpi_args)
+    if mpi_args and settings.mode == MODE_TCP:
+        warnings.warn("horovod.run(mpi_args=...) has no effect: this run is in tcp mode ("
+                      + ("elastic runs always are" if elastic else "use_gloo=True" if use_gloo
+                         else "no mpirun/mpi4py found") + "); pass use_mpi=True to run "
+                      "through mpirun", RuntimeWarning, stacklevel=2)
     blob = dumps((func, tuple(args), dict(kwargs or {})))
     if elastic:
         return _run_elastic(settings, blob, min_num_proc, max_num_proc, slots, reset_limit,

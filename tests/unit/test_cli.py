@@ -299,6 +299,15 @@ def test_horovod_run_network_interface_comma_list(monkeypatch, kwargs):
     assert seen["s"].network_interfaces == ("lo", "eth0")
 
 
+def test_horovod_run_mpi_args_in_tcp_mode_warns(monkeypatch):
+    # hvdrun warns about --mpi-args in tcp mode; horovod.run dropped mpi_args without a word.
+    from launcher import api
+    monkeypatch.setattr(api, "_run_tcp", lambda settings, blob: [None])
+    with pytest.warns(RuntimeWarning, match=r"mpi_args=\.\.\.\) has no effect: this run is in "
+                                             r"tcp mode \(use_gloo=True\)"):
+        api.run(print, num_proc=1, use_gloo=True, mpi_args="--mca btl tcp,self")
+
+
 def test_mutually_exclusive_groups():
     for argv in (["--gloo", "--mpi"], ["-H", "a:1", "--hostfile", "f"]):
         with pytest.raises(SystemExit):
