@@ -205,6 +205,19 @@ class _ControllerAction(argparse.Action):
         namespace.use_mpi = self.dest == "use_mpi"
 
 
+class _UnsupportedAction(argparse.Action):
+    """A horovodrun flag that ringvod cannot honour: a usage error saying so (not argparse's
+    bare "unrecognized arguments")."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: ringvod has no jsrun (IBM LSF) launch; use --mpi "
+                     "(mpirun, e.g. inside an LSF allocation) or --gloo")
+
+
 class _Parser(argparse.ArgumentParser):
     """Prints a usage error as the message and a one-line hint, not the whole usage block;
     applies `--config-file` once the whole command line is parsed, to the flags it left
@@ -323,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     cg.add_argument("--mpi", dest="use_mpi", action=_ControllerAction, default=None,
                     help="MPI mode: run through mpirun (the default when mpi4py and mpirun "
                          "are installed)")
+    cg.add_argument("--jsrun", action=_UnsupportedAction,
+                    help="horovodrun's IBM LSF launch through jsrun: not supported in ringvod "
+                         "(refused); use --mpi or --gloo")
     p.add_argument("command", nargs=argparse.REMAINDER, help="command to run")
     return p
 

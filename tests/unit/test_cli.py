@@ -308,6 +308,13 @@ def test_horovod_run_mpi_args_in_tcp_mode_warns(monkeypatch):
         api.run(print, num_proc=1, use_gloo=True, mpi_args="--mca btl tcp,self")
 
 
+def test_jsrun_is_refused_by_name(capsys):
+    # horovodrun's --jsrun: argparse said only "unrecognized arguments: --jsrun".
+    with pytest.raises(SystemExit):
+        parse("-np", "1", "--jsrun")
+    assert "--jsrun: ringvod has no jsrun (IBM LSF) launch; use --mpi" in capsys.readouterr().err
+
+
 def test_mutually_exclusive_groups():
     for argv in (["--gloo", "--mpi"], ["-H", "a:1", "--hostfile", "f"]):
         with pytest.raises(SystemExit):
