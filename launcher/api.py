@@ -94,12 +94,11 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         warnings.warn("horovod.run(slots=/reset_limit=/cooldown_range=) has no effect in "
                       "ringvod unless the run is elastic (min_num_proc, max_num_proc or "
                       "host_discovery_script)", RuntimeWarning, stacklevel=2)
-    nics: list[str] = []
-    if isinstance(network_interface, str):
-        nics.append(network_interface)
-    elif network_interface:
-        nics.extend(network_interface)
-    nics.extend(network_interfaces or ())
+    from .network import split_interfaces  # noqa: PLC0415
+
+    nics = split_interfaces(
+        ([network_interface] if isinstance(network_interface, str)
+         else list(network_interface or ())) + list(network_interfaces or ()))
     py = executable or sys.executable
     if elastic and use_mpi:
         raise ValueError("elastic horovod.run (min_num_proc/max_num_proc/"
@@ -112,6 +111,11 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
         network_interfaces=tuple(nics), output_filename=output_filename,
         verbose=bool(verbose), mpi_args=mpi_args)
+    if mpi_args and settings.mode == MODE_TCP:
+        warnings.warn("horovod.run(mpi_args=...) has no effect: this run is in tcp mode ("
+                      + ("elastic runs always are" if elastic else "use_gloo=True" if use_gloo
+                         else "no mpirun/mpi4py found") + "); pass use_mpi=True to run "
+                      "through mpirun", RuntimeWarning, stacklevel=2)
     blob = dumps((func, tuple(args), dict(kwargs or {})))
     if elastic:
         return _run_elastic(settings, blob, min_num_proc, max_num_proc, slots, reset_limit,

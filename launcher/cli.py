@@ -7,8 +7,9 @@ The tuning, autotune, timeline, stall, logging and library flags are generated f
 their environment variables and `--help` cannot drift apart. Flags left unset export nothing:
 the worker then sees the launcher's environment or the option's default.
 
-`--config-file` applies a YAML file at its position on the command line: it overrides the flags
-before it, and flags after it override the file.
+`--config-file` sets the flags a YAML file names, except those given on the command line
+(before or after it): as in horovodrun, a flag beats the file, and the file beats the
+environment.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from collective.config import OPTIONS, Option, out_of_range
 
 from .hosts import HostInfo, parse_hostfile, parse_hosts
+from .network import split_interfaces
 from .settings import (MODE_MPI, MODE_TCP, LaunchSettings, default_mode,
                        start_timeout_or_env)
 
@@ -112,29 +114,40 @@ def _flag_type(o: Option) -> Callable[[str], Any]:
 
 
 def _coerce(dest: str, value: Any) -> Any:
-    """Converts a YAML value to what the flag would have produced."""
+    """Converts a YAML value to what the flag would have produced.
+
+    Raises:
+        ValueError: a value the flag would refuse (not a number, a log level not among the
+            flag's choices, ...).
+    """
     o = FLAG_OPTIONS.get(dest)
     if o is None or value is None:
         return value
     if _is_bool(o):
         return value if isinstance(value, bool) else o.type(str(value))
-    return _flag_type(o)(str(value))
+    converted = _flag_type(o)(str(value))
+    if o.field == "log_level" and converted not in _LOG_LEVELS:
+        raise ValueError(f"not a log level; use one of {', '.join(_LOG_LEVELS)} "
+                         "(as --log-level)")
+    return converted
 
 
-class _ConfigFileAction(argparse.Action):
-    """Loads the YAML file into the namespace when argparse reaches `--config-file`."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, values)
-        try:
-            apply_config_file(str(values), namespace)
-        except (OSError, ValueError, ImportError) as exc:
-            parser.error(str(exc))
+def _given_on_command_line(namespace: argparse.Namespace) -> set[str]:
+    """The dests a config file may set that the command line already set (every such flag
+    defaults to None, so a value means the flag was given, `--no-x` included)."""
+    dests = {d.lstrip("!") for keys in YAML_KEYS.values() for d in keys.values()}
+    dests |= {"use_gloo", "use_mpi"}
+    return {d for d in dests if getattr(namespace, d, None) is not None}
 
 
-def apply_config_file(path: str, namespace: argparse.Namespace) -> None:
+def apply_config_file(path: str, namespace: argparse.Namespace,
+                      keep: typing.AbstractSet[str] = frozenset()) -> None:
     """Sets the namespace fields named by a YAML config file (Horovod's keys).
+
+    Args:
+        keep: dests left alone (the flags given on the command line, which win over the
+            file, as horovodrun's `set_args_from_config` skips its `override_args`); the file's
+            `controller` is skipped when `use_gloo` or `use_mpi` is in it.
 
     Raises:
         ImportError: PyYAML is not installed.
@@ -154,8 +167,9 @@ def apply_config_file(path: str, namespace: argparse.Namespace) -> None:
             mode = str(body).lower()
             if mode not in ("gloo", "tcp", "mpi"):
                 raise ValueError(f"{path}: controller={body!r}; use gloo, tcp or mpi")
-            namespace.use_mpi = mode == "mpi"
-            namespace.use_gloo = mode != "mpi"
+            if not {"use_gloo", "use_mpi"} & set(keep):
+                namespace.use_mpi = mode == "mpi"
+                namespace.use_gloo = mode != "mpi"
             continue
         keys = YAML_KEYS.get(section)
         if keys is None:
@@ -174,12 +188,13 @@ def apply_config_file(path: str, namespace: argparse.Namespace) -> None:
                 value = _coerce(dest, value)
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 raise ValueError(f"{path}: {section}.{key}={value!r}: {exc}") from None
-            setattr(namespace, dest, (not value) if negate else value)
+            if dest not in keep:
+                setattr(namespace, dest, (not value) if negate else value)
 
 
 class _ControllerAction(argparse.Action):
-    """`--gloo` / `--mpi`: selects that controller and deselects the other, so a flag after
-    `--config-file` overrides the file's `controller` (as every other flag does)."""
+    """`--gloo` / `--mpi`: selects that controller and deselects the other (either one, given
+    anywhere on the command line, overrides a config file's `controller`)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, **kwargs)
@@ -190,8 +205,35 @@ class _ControllerAction(argparse.Action):
         namespace.use_mpi = self.dest == "use_mpi"
 
 
+class _UnsupportedAction(argparse.Action):
+    """A horovodrun flag that ringvod cannot honour: a usage error saying so (not argparse's
+    bare "unrecognized arguments")."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: ringvod has no jsrun (IBM LSF) launch; use --mpi "
+                     "(mpirun, e.g. inside an LSF allocation) or --gloo")
+
+
 class _Parser(argparse.ArgumentParser):
-    """Prints a usage error as the message and a one-line hint, not the whole usage block."""
+    """Prints a usage error as the message and a one-line hint, not the whole usage block;
+    applies `--config-file` once the whole command line is parsed, to the flags it left
+    unset."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        ns, rest = super().parse_known_args(args, namespace)
+        path = getattr(ns, "config_file", None)
+        if path:
+            try:
+                apply_config_file(str(path), ns, keep=_given_on_command_line(ns))
+            except (OSError, ValueError, ImportError) as exc:
+                self.error(str(exc))
+        return ns, rest
 
     def error(self, message: str) -> "typing.NoReturn":  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n"
@@ -216,16 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "--network-interface)")
     p.add_argument("--network-interface", dest="nics", action="append", default=None,
                    metavar="NIC",
-                   help="network interface for the job's traffic (repeatable)")
+                   help="network interface for the job's traffic (repeatable; a comma list "
+                        "such as eth0,eth1 also works)")
     p.add_argument("--output-filename",
                    help="tcp: write DIR/rank.<r>/stdout|stderr (output is also shown); "
                         "mpi: passed to mpirun")
     p.add_argument("--verbose", action="store_true", help="print the launch plan")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="do not print the start line (processes, mode, engines)")
-    p.add_argument("--config-file", action=_ConfigFileAction,
-                   help="YAML file of parameters; it overrides flags before it, flags after it "
-                        "override it")
+    p.add_argument("--config-file",
+                   help="YAML file of parameters (horovodrun's keys); a flag given on the "
+                        "command line wins over the file, the file over the environment")
     g = p.add_argument_group("SSH arguments")
     g.add_argument("-p", "--ssh-port", type=int, help="ssh port on all hosts")
     g.add_argument("-i", "--ssh-identity-file", help="ssh private key file")
@@ -293,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     cg.add_argument("--mpi", dest="use_mpi", action=_ControllerAction, default=None,
                     help="MPI mode: run through mpirun (the default when mpi4py and mpirun "
                          "are installed)")
+    cg.add_argument("--jsrun", action=_UnsupportedAction,
+                    help="horovodrun's IBM LSF launch through jsrun: not supported in ringvod "
+                         "(refused); use --mpi or --gloo")
     p.add_argument("command", nargs=argparse.REMAINDER, help="command to run")
     return p
 
@@ -461,10 +507,7 @@ def settings_from_args(args: argparse.Namespace, *, check_command: bool = True
         raise ValueError(f"ssh_port={args.ssh_port} must be >= 0")
     env = env_from_args(args)
     start_timeout = start_timeout_or_env(args.start_timeout)
-    nics: list[str] = []
-    if args.nics_deprecated:
-        nics += [n.strip() for n in args.nics_deprecated.split(",") if n.strip()]
-    nics += args.nics or []
+    nics = split_interfaces([args.nics_deprecated or "", *(args.nics or [])])
     mode = _mode(args)
     hosts = tuple(_hosts(args))
     return LaunchSettings(

@@ -10,11 +10,11 @@ import fcntl
 import ipaddress
 import socket
 import struct
-from typing import Sequence
+from typing import Iterable, Sequence
 
 __all__ = ["interface_names", "interface_address", "local_addresses", "is_local_host",
            "is_loopback_address", "resolves_here", "route_source_address",
-           "interface_of_address", "choose_server_address"]
+           "interface_of_address", "choose_server_address", "split_interfaces"]
 
 _SIOCGIFADDR = 0x8915  # linux/sockios.h
 
@@ -103,6 +103,20 @@ def interface_of_address(address: str) -> str | None:
         if interface_address(iface) == address:
             return iface
     return None
+
+
+def split_interfaces(values: Iterable[str]) -> tuple[str, ...]:
+    """Interface names from `--network-interface`/`--network-interfaces` values (and
+    `horovod.run(network_interface=...)`), each of which may be a comma list as horovodrun
+    takes it (`--network-interface "eth0,eth1"`): split, stripped, duplicates dropped, in
+    order."""
+    names: list[str] = []
+    for value in values:
+        for name in value.split(","):
+            name = name.strip()
+            if name and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 def choose_server_address(remote_hosts: Sequence[str], interfaces: Sequence[str]) -> str:

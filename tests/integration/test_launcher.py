@@ -380,7 +380,8 @@ def test_config_file(mode, worker, tmp_path):
                    str(cfg), "--cycle-time-ms", "7", sys.executable, str(worker), "env")
     assert r.returncode == 0, explain(r)
     for e in rank_envs(r.stdout).values():
-        assert e["HOROVOD_FUSION_THRESHOLD"] == str(8 << 20)
+        # Flags given on the command line win over the file, before it or after it.
+        assert e["HOROVOD_FUSION_THRESHOLD"] == str(1 << 20)
         assert e["HOROVOD_CYCLE_TIME"] == "7.0"
         assert e["HOROVOD_TIMELINE"] == "/tmp/tl.json"
         assert e["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "9.0"

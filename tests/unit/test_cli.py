@@ -280,6 +280,41 @@ def test_version_and_settings(capsys):
         cli.settings_from_args(parse("-np", "5", "-H", "a:2"))
 
 
+def test_network_interface_takes_a_comma_list():
+    # horovodrun's --network-interface "eth0,eth1" (and horovod.run's network_interface=
+    # "eth0,eth1") is a comma list; it used to be taken as one interface named 'eth0,eth1'.
+    s = cli.settings_from_args(parse("-np", "1", "--tcp", "--network-interface", "eth0, eth1",
+                                     "--network-interface", "ib0", "--network-interface", "eth0"))
+    assert s.network_interfaces == ("eth0", "eth1", "ib0")
+
+
+@pytest.mark.parametrize("kwargs", [{"network_interface": "lo,eth0"},
+                                    {"network_interface": ["lo", "eth0"]},
+                                    {"network_interface": "lo", "network_interfaces": ["eth0"]}])
+def test_horovod_run_network_interface_comma_list(monkeypatch, kwargs):
+    from launcher import api
+    seen = {}
+    monkeypatch.setattr(api, "_run_tcp", lambda settings, blob: seen.setdefault("s", settings))
+    api.run(print, num_proc=1, use_gloo=True, **kwargs)
+    assert seen["s"].network_interfaces == ("lo", "eth0")
+
+
+def test_horovod_run_mpi_args_in_tcp_mode_warns(monkeypatch):
+    # hvdrun warns about --mpi-args in tcp mode; horovod.run dropped mpi_args without a word.
+    from launcher import api
+    monkeypatch.setattr(api, "_run_tcp", lambda settings, blob: [None])
+    with pytest.warns(RuntimeWarning, match=r"mpi_args=\.\.\.\) has no effect: this run is in "
+                                             r"tcp mode \(use_gloo=True\)"):
+        api.run(print, num_proc=1, use_gloo=True, mpi_args="--mca btl tcp,self")
+
+
+def test_jsrun_is_refused_by_name(capsys):
+    # horovodrun's --jsrun: argparse said only "unrecognized arguments: --jsrun".
+    with pytest.raises(SystemExit):
+        parse("-np", "1", "--jsrun")
+    assert "--jsrun: ringvod has no jsrun (IBM LSF) launch; use --mpi" in capsys.readouterr().err
+
+
 def test_mutually_exclusive_groups():
     for argv in (["--gloo", "--mpi"], ["-H", "a:1", "--hostfile", "f"]):
         with pytest.raises(SystemExit):
@@ -350,22 +385,44 @@ def test_config_file_sets_every_key(tmp_path):
     assert cli.settings_from_args(args).mode == "tcp"
 
 
-def test_config_file_precedence_is_positional(tmp_path):
+def test_command_line_flags_win_over_the_config_file_wherever_they_stand(tmp_path):
+    # horovodrun (test_run.py's test_config_file_override_args): a flag given on the command
+    # line, before or after --config-file, is never overridden by the file.
     f = tmp_path / "c.yaml"
-    f.write_text("params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 3\n")
-    env = env_of("--fusion-threshold-mb", "1", "--config-file", str(f), "--cycle-time-ms", "7")
-    assert env["HOROVOD_FUSION_THRESHOLD"] == str(8 << 20)  # file overrides earlier flag
-    assert env["HOROVOD_CYCLE_TIME"] == "7.0"  # later flag overrides the file
+    f.write_text("params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 3\n  cache_capacity: 5\n"
+                 "autotune:\n  enabled: true\n"
+                 "stall_check:\n  enabled: true\n"
+                 "logging:\n  level: error\n  with_timestamp: true\n")
+    env = env_of("--fusion-threshold-mb", "1", "--no-autotune", "--no-stall-check",
+                 "--log-without-timestamp", "--config-file", str(f), "--cycle-time-ms", "7")
+    assert env["HOROVOD_FUSION_THRESHOLD"] == str(1 << 20)  # flag before the file
+    assert env["HOROVOD_CYCLE_TIME"] == "7.0"  # flag after the file
+    assert env["HOROVOD_CACHE_CAPACITY"] == "5"  # not on the command line: from the file
+    assert env["HOROVOD_AUTOTUNE"] == "0"  # --no-autotune beats enabled: true
+    assert env["HOROVOD_STALL_CHECK_DISABLE"] == "1"  # --no-stall-check beats enabled: true
+    assert env["HOROVOD_LOG_HIDE_TIME"] == "1"
+    assert env["HOROVOD_LOG_LEVEL"] == "ERROR"
+
+
+def test_config_file_settable_flags_default_to_none():
+    # _given_on_command_line reads "not None" as "given": every dest the file sets must
+    # default to None.
+    args = cli.build_parser().parse_args(["-np", "1", "x"])
+    for section in cli.YAML_KEYS.values():
+        for dest in section.values():
+            assert getattr(args, dest.lstrip("!")) is None, dest
+    assert args.use_gloo is None and args.use_mpi is None
 
 
 @pytest.mark.parametrize("controller,flag,mode", [("mpi", "--gloo", "tcp"),
                                                   ("gloo", "--mpi", "mpi")])
-def test_controller_flag_after_config_file_wins(tmp_path, controller, flag, mode):
+@pytest.mark.parametrize("flag_first", [True, False])
+def test_controller_flag_wins_over_config_file(tmp_path, controller, flag, mode, flag_first):
     f = tmp_path / "c.yaml"
     f.write_text(f"controller: {controller}\n")
-    args = parse("-np", "1", "--config-file", str(f), flag)
-    assert cli._mode(args) == mode
-    assert cli._mode(parse("-np", "1", flag, "--config-file", str(f))) != mode  # file wins
+    argv = [flag, "--config-file", str(f)] if flag_first else ["--config-file", str(f), flag]
+    assert cli._mode(parse("-np", "1", *argv)) == mode
+    assert cli._mode(parse("-np", "1", "--config-file", str(f))) != mode  # file alone
 
 
 def test_yaml_table_names_real_dests():
@@ -381,6 +438,9 @@ def test_yaml_table_names_real_dests():
                                         ("params:\n  cache_capacity: lots\n", "cache_capacity"),
                                         ("timeline:\n  mark_cycles: maybe\n",
                                          "timeline.mark_cycles='maybe': cannot parse boolean"),
+                                        ("logging:\n  level: verbose\n",
+                                         "logging.level='verbose': not a log level; use one of "
+                                         "TRACE, DEBUG"),
                                         ("library_options:\n  thread_affinity: a,b\n",
                                          "library_options.thread_affinity='a,b': 'a,b' is not a "
                                          "comma list of core ids")])
