@@ -485,6 +485,19 @@ def resolve_command(command: list[str], hosts: Sequence[HostInfo] | None = ()
     return command
 
 
+def check_slots_per_host(args: argparse.Namespace) -> None:
+    """Refuses `--slots-per-host` below 1 (an elastic job would wait for hosts of 0 slots, that
+    it never uses, until --elastic-timeout).
+
+    Raises:
+        ValueError: the message names the flag.
+    """
+    slots = getattr(args, "slots", None)
+    if slots is not None and slots < 1:
+        raise ValueError(f"--slots-per-host must be at least 1 (got {slots}): it is the number "
+                         "of slots of each host the discovery script names without ':N'")
+
+
 def settings_from_args(args: argparse.Namespace, *, check_command: bool = True
                        ) -> LaunchSettings:
     """Validates parsed arguments into `LaunchSettings`.
@@ -505,6 +518,7 @@ def settings_from_args(args: argparse.Namespace, *, check_command: bool = True
         raise ValueError(f"-np must be at least 1 (got {args.num_proc})")
     if args.ssh_port is not None and args.ssh_port < 0:
         raise ValueError(f"ssh_port={args.ssh_port} must be >= 0")
+    check_slots_per_host(args)
     env = env_from_args(args)
     start_timeout = start_timeout_or_env(args.start_timeout)
     nics = split_interfaces([args.nics_deprecated or "", *(args.nics or [])])

@@ -155,6 +155,19 @@ def test_flags_with_their_companion_do_not_warn():
         assert cli.ignored_flags(parse(*argv), mode, elastic) == [], argv
 
 
+@pytest.mark.parametrize("slots", ["0", "-2"])
+@pytest.mark.parametrize("where", [["--host-discovery-script", "./d.sh"],
+                                   ["--min-np", "2", "-H", "a:1,b:1"], []])
+def test_slots_per_host_below_one_is_refused(capsys, slots, where):
+    """--slots-per-host 0 was accepted: the hosts the script names without ':N' got 0 slots and
+    the job waited for slots until --elastic-timeout. -2 was refused as 'slots_per_host=-2'."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["-np", "2", *where, "--slots-per-host", slots, "true"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"hvdrun: error: --slots-per-host must be at least 1 (got {slots})" in err, err
+
+
 def test_ignored_flags_are_warned_not_refused(monkeypatch, capsys):
     """hvdrun still runs the job (horovodrun's scripts keep working), the env still gated."""
     seen = []
