@@ -33,6 +33,11 @@ def _hosts(num_proc: int, hosts: str | None, hostfile: str | None) -> list[HostI
     return [HostInfo("localhost", num_proc)]
 
 
+def _deprecated(old: str, new: str) -> None:
+    # Horovod's text; stacklevel 3 points at the caller of horovod.run.
+    warnings.warn(f"{old} is deprecated, use {new} instead", DeprecationWarning, stacklevel=3)
+
+
 def _mode(use_gloo: bool | None, use_mpi: bool | None) -> str:
     if use_gloo and use_mpi:
         raise ValueError("use_gloo and use_mpi are mutually exclusive")
@@ -53,8 +58,8 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         disable_cache: bool | None = None, output_filename: str | None = None,
         verbose: bool | None = None, use_gloo: bool | None = None, use_mpi: bool | None = None,
         mpi_args: str | None = None, network_interface: str | Sequence[str] | None = None,
-        executable: str | None = None, np: int | None = None, min_np: int | None = None,
-        max_np: int | None = None, network_interfaces: Sequence[str] | None = None,
+        network_interfaces: Sequence[str] | None = None, executable: str | None = None,
+        np: int | None = None, min_np: int | None = None, max_np: int | None = None,
         ) -> list[Any]:
     """Runs `func(*args, **kwargs)` on `num_proc` processes (Horovod's `horovod.run`).
 
@@ -66,6 +71,11 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
     `slots`, `reset_limit` and `cooldown_range` are the `--slots-per-host`, `--reset-limit`
     and `--blacklist-cooldown-range` values, and the results are those of the last round's
     ranks. `func` then typically wraps its training in `hvd.elastic.run`.
+
+    `num_proc` defaults to 1 (to `min_num_proc` in an elastic run). `np`, `min_np`, `max_np`
+    and `network_interface` are Horovod's deprecated spellings of `num_proc`, `min_num_proc`,
+    `max_num_proc` and `network_interfaces`: they still work (and, as in Horovod, take
+    precedence), with a `DeprecationWarning` naming the replacement.
 
     Example:
         >>> import horovod
@@ -85,11 +95,21 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         TimeoutError: remote hosts did not answer within `start_timeout`.
     """
     del disable_cache  # ringvod caches no ssh/NIC checks
-    min_num_proc = min_num_proc if min_num_proc is not None else min_np
-    max_num_proc = max_num_proc if max_num_proc is not None else max_np
+    # Horovod's order and texts: each deprecated name warns and overrides the new one.
+    if network_interface:
+        _deprecated("network_interface", "network_interfaces")
+    if np is not None:
+        _deprecated("np", "num_proc")
+        num_proc = np
+    if min_np is not None:
+        _deprecated("min_np", "min_num_proc")
+        min_num_proc = min_np
+    if max_np is not None:
+        _deprecated("max_np", "max_num_proc")
+        max_num_proc = max_np
     elastic = any(v is not None for v in (min_num_proc, max_num_proc, host_discovery_script))
-    num_proc = num_proc if num_proc is not None else (np if np is not None else (
-        min_num_proc if elastic and min_num_proc is not None else 1))
+    if num_proc is None:
+        num_proc = min_num_proc if elastic and min_num_proc is not None else 1
     if not elastic and any(v is not None for v in (slots, reset_limit, cooldown_range)):
         warnings.warn("horovod.run(slots=/reset_limit=/cooldown_range=) has no effect in "
                       "ringvod unless the run is elastic (min_num_proc, max_num_proc or "

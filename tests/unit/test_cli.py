@@ -358,7 +358,8 @@ def test_horovod_run_network_interface_comma_list(monkeypatch, kwargs):
     from launcher import api
     seen = {}
     monkeypatch.setattr(api, "_run_tcp", lambda settings, blob: seen.setdefault("s", settings))
-    api.run(print, num_proc=1, use_gloo=True, **kwargs)
+    with pytest.warns(DeprecationWarning, match="use network_interfaces instead"):
+        api.run(print, num_proc=1, use_gloo=True, **kwargs)
     assert seen["s"].network_interfaces == ("lo", "eth0")
 
 
