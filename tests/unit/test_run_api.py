@@ -70,3 +70,43 @@ def test_deprecated_name_wins_as_in_horovod(launched):
     with pytest.warns(DeprecationWarning):
         api.run(print, num_proc=1, np=3, use_gloo=True)
     assert launched["s"].num_proc == 3
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"num_proc": 0}, "horovod.run: num_proc must be at least 1 (got 0)"),
+    ({"num_proc": -2}, "horovod.run: num_proc must be at least 1 (got -2)"),
+    ({"np": 0}, "horovod.run: num_proc must be at least 1 (got 0)"),
+    ({"num_proc": 3, "hosts": "a:1,b:1"},
+     "Requested more processes (num_proc=3) than there are available slots (2); hosts: "
+     "a:1,b:1. Lower num_proc or add slots."),
+    ({"hosts": "a:0"}, "host 'a' in hosts has 0 slots"),
+    ({"num_proc": 2, "min_num_proc": 0, "hosts": "a:1,b:1"},
+     "horovod.run: min_num_proc must be at least 1 (got 0)"),
+    ({"num_proc": 2, "min_num_proc": 3, "hosts": "a:2,b:2"},
+     "horovod.run: need min_num_proc (3) <= num_proc (2) <= max_num_proc (unlimited)"),
+    ({"num_proc": 2, "max_num_proc": 1, "hosts": "a:1,b:1"},
+     "horovod.run: need min_num_proc (2) <= num_proc (2) <= max_num_proc (1)"),
+    ({"num_proc": 2, "host_discovery_script": "./d.sh", "slots": 0},
+     "horovod.run: slots must be at least 1 (got 0)"),
+    ({"num_proc": 2, "host_discovery_script": "./d.sh", "reset_limit": -1},
+     "horovod.run: reset_limit must be at least 0 (got -1)"),
+    ({"num_proc": 2, "host_discovery_script": "./d.sh", "cooldown_range": (9, 2)},
+     "horovod.run: cooldown_range=(9, 2): need 1 <= min <= max <= 3600 (seconds)"),
+    ({"num_proc": 1, "ssh_port": -1}, "horovod.run: ssh_port must be at least 0 (got -1)"),
+])
+def test_argument_errors_name_the_python_argument(launched, kwargs, message):
+    """They named hvdrun's flags (`-np must be at least 1`, `Lower -np`, `in -H`), or were not
+    checked at all before the launch (min/max sizes, slots=0, cooldown_range, ssh_port)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError) as e:
+            api.run(print, use_gloo=True, **kwargs)
+    assert message in str(e.value)
+    assert "-np" not in str(e.value) and "-H" not in str(e.value)
+    assert "s" not in launched
+
+
+@pytest.mark.parametrize("value", [2.0, "2", True])
+def test_num_proc_must_be_an_int(launched, value):
+    with pytest.raises(TypeError, match=r"horovod.run: num_proc must be an int"):
+        api.run(print, num_proc=value, use_gloo=True)
