@@ -15,7 +15,7 @@ import sys
 import warnings
 from typing import Any, Callable, Sequence
 
-from .hosts import HostInfo, parse_hostfile, parse_hosts
+from .hosts import HostInfo, hosts_arg, parse_hostfile, parse_hosts, total_slots
 from .run_task import FUNC_KEY, FUNC_SCOPE, RESULT_SCOPE, dumps
 from .settings import (MODE_MPI, MODE_TCP, LaunchSettings, default_mode,
                        start_timeout_or_env)
@@ -27,10 +27,32 @@ def _hosts(num_proc: int, hosts: str | None, hostfile: str | None) -> list[HostI
     if hosts and hostfile:
         raise ValueError("give either hosts or hostfile, not both")
     if hosts:
-        return parse_hosts(hosts)
-    if hostfile:
-        return parse_hostfile(hostfile)
-    return [HostInfo("localhost", num_proc)]
+        found = parse_hosts(hosts, source="hosts")
+    elif hostfile:
+        found = parse_hostfile(hostfile)
+    else:
+        return [HostInfo("localhost", num_proc)]
+    available = total_slots(found)
+    if num_proc > available:
+        raise ValueError(
+            f"Requested more processes (num_proc={num_proc}) than there are available slots "
+            f"({available}); hosts: {hosts_arg(found)}. Lower num_proc or add slots.")
+    return found
+
+
+def _count(name: str, value: Any, least: int) -> None:
+    """Refuses a count argument that is not an int, or below `least`, naming the argument."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"horovod.run: {name} must be an int (got {value!r})")
+    if value < least:
+        raise ValueError(f"horovod.run: {name} must be at least {least} (got {value})")
+
+
+def _deprecated(old: str, new: str) -> None:
+    # Horovod's text; stacklevel 3 points at the caller of horovod.run.
+    warnings.warn(f"{old} is deprecated, use {new} instead", DeprecationWarning, stacklevel=3)
 
 
 def _mode(use_gloo: bool | None, use_mpi: bool | None) -> str:
@@ -53,8 +75,8 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         disable_cache: bool | None = None, output_filename: str | None = None,
         verbose: bool | None = None, use_gloo: bool | None = None, use_mpi: bool | None = None,
         mpi_args: str | None = None, network_interface: str | Sequence[str] | None = None,
-        executable: str | None = None, np: int | None = None, min_np: int | None = None,
-        max_np: int | None = None, network_interfaces: Sequence[str] | None = None,
+        network_interfaces: Sequence[str] | None = None, executable: str | None = None,
+        np: int | None = None, min_np: int | None = None, max_np: int | None = None,
         ) -> list[Any]:
     """Runs `func(*args, **kwargs)` on `num_proc` processes (Horovod's `horovod.run`).
 
@@ -66,6 +88,11 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
     `slots`, `reset_limit` and `cooldown_range` are the `--slots-per-host`, `--reset-limit`
     and `--blacklist-cooldown-range` values, and the results are those of the last round's
     ranks. `func` then typically wraps its training in `hvd.elastic.run`.
+
+    `num_proc` defaults to 1 (to `min_num_proc` in an elastic run). `np`, `min_np`, `max_np`
+    and `network_interface` are Horovod's deprecated spellings of `num_proc`, `min_num_proc`,
+    `max_num_proc` and `network_interfaces`: they still work (and, as in Horovod, take
+    precedence), with a `DeprecationWarning` naming the replacement.
 
     Example:
         >>> import horovod
@@ -80,16 +107,43 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         The function's return value on each rank, ordered by rank.
 
     Raises:
-        ValueError: invalid arguments (too few slots, both hosts and hostfile, ...).
+        ValueError: invalid arguments, named as the Python argument (num_proc below 1, too
+            few slots, both hosts and hostfile, ...).
+        TypeError: a count (num_proc, slots, ...) that is not an int.
         RuntimeError: a rank failed (the message names the first one), or ssh/MPI trouble.
         TimeoutError: remote hosts did not answer within `start_timeout`.
     """
     del disable_cache  # ringvod caches no ssh/NIC checks
-    min_num_proc = min_num_proc if min_num_proc is not None else min_np
-    max_num_proc = max_num_proc if max_num_proc is not None else max_np
+    # Horovod's order and texts: each deprecated name warns and overrides the new one.
+    if network_interface:
+        _deprecated("network_interface", "network_interfaces")
+    if np is not None:
+        _deprecated("np", "num_proc")
+        num_proc = np
+    if min_np is not None:
+        _deprecated("min_np", "min_num_proc")
+        min_num_proc = min_np
+    if max_np is not None:
+        _deprecated("max_np", "max_num_proc")
+        max_num_proc = max_np
+    for name, value, least in (("num_proc", num_proc, 1), ("min_num_proc", min_num_proc, 1),
+                               ("max_num_proc", max_num_proc, 1), ("slots", slots, 1),
+                               ("reset_limit", reset_limit, 0), ("ssh_port", ssh_port, 0)):
+        _count(name, value, least)
     elastic = any(v is not None for v in (min_num_proc, max_num_proc, host_discovery_script))
-    num_proc = num_proc if num_proc is not None else (np if np is not None else (
-        min_num_proc if elastic and min_num_proc is not None else 1))
+    if num_proc is None:
+        num_proc = min_num_proc if elastic and min_num_proc is not None else 1
+    if elastic:
+        low = min_num_proc if min_num_proc is not None else num_proc
+        if low > num_proc or (max_num_proc is not None and max_num_proc < num_proc):
+            raise ValueError(f"horovod.run: need min_num_proc ({low}) <= num_proc ({num_proc}) "
+                             f"<= max_num_proc ("
+                             f"{max_num_proc if max_num_proc is not None else 'unlimited'})")
+        if cooldown_range is not None:
+            lo, hi = cooldown_range
+            if not 1 <= lo <= hi <= 3600:
+                raise ValueError(f"horovod.run: cooldown_range=({lo}, {hi}): need 1 <= min <= "
+                                 "max <= 3600 (seconds)")
     if not elastic and any(v is not None for v in (slots, reset_limit, cooldown_range)):
         warnings.warn("horovod.run(slots=/reset_limit=/cooldown_range=) has no effect in "
                       "ringvod unless the run is elastic (min_num_proc, max_num_proc or "

@@ -23,7 +23,7 @@ import threading
 import typing
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from collective.config import OPTIONS, Option, out_of_range
+from collective.config import OPTIONS, Option, options_by_field, out_of_range
 
 from .hosts import HostInfo, parse_hostfile, parse_hosts
 from .network import split_interfaces
@@ -351,19 +351,49 @@ def _fmt(o: Option, value: Any) -> str:
     return str(value)
 
 
-def env_from_args(args: argparse.Namespace) -> dict[str, str]:
+def _env_switch(environ: Mapping[str, str] | None, var: str) -> bool:
+    """Whether hvdrun's environment turns autotune (`HOROVOD_AUTOTUNE`, an int > 0 or true) or
+    the timeline (`HOROVOD_TIMELINE`, a path or DYNAMIC) on for the ranks, which inherit it."""
+    raw = (os.environ if environ is None else environ).get(var, "").strip()
+    if var != "HOROVOD_AUTOTUNE":
+        return bool(raw)
+    try:
+        return bool(options_by_field()["autotune"].type(raw))
+    except ValueError:  # the ranks warn about it and read it as off
+        return False
+
+
+def autotune_on(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> bool:
+    """Autotune runs in the job: `--autotune` (or the config file's `autotune.enabled`), or,
+    with neither that nor `--no-autotune`, HOROVOD_AUTOTUNE in hvdrun's environment."""
+    flag = getattr(args, "autotune", None)
+    return bool(flag) if flag is not None else _env_switch(environ, "HOROVOD_AUTOTUNE")
+
+
+def timeline_on(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> bool:
+    """The job writes a timeline: `--timeline-filename`, or else HOROVOD_TIMELINE in hvdrun's
+    environment."""
+    name = getattr(args, "timeline_filename", None)
+    return bool(name) if name is not None else _env_switch(environ, "HOROVOD_TIMELINE")
+
+
+def env_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
+                  ) -> dict[str, str]:
     """HOROVOD_* variables for the flags that were set (Horovod's `set_env_from_args`).
 
-    Autotune variables are exported only with --autotune, timeline ones only with a filename
-    (`main` warns about the flags dropped so: `ignored_flags`).
+    Autotune variables are exported only when autotune is on, timeline ones only when the
+    timeline is: by the flag (`--autotune`, `--timeline-filename`) or, unlike horovodrun,
+    which drops them then, by HOROVOD_AUTOTUNE / HOROVOD_TIMELINE in `environ` (default:
+    hvdrun's environment), which the ranks inherit. `main` warns about the flags dropped
+    (`ignored_flags`).
 
     Raises:
         ValueError: `<arg>=<v> must be >= 0`, a float flag is not finite (nan, inf), or the
             Gaussian process noise is outside [0, 1].
     """
     env: dict[str, str] = {}
-    autotune = bool(getattr(args, "autotune", None))
-    timeline = bool(getattr(args, "timeline_filename", None))
+    autotune = autotune_on(args, environ)
+    timeline = timeline_on(args, environ)
     for dest, o in FLAG_OPTIONS.items():
         value = getattr(args, dest, None)
         if value is None:
@@ -397,7 +427,8 @@ _MPI_ONLY = (("mpi_args", "--mpi-args"), ("binding_args", "--binding-args"),
 _TCP_ONLY = (("gloo_timeout_seconds", "--gloo-timeout-seconds"),)
 
 
-def ignored_flags(args: argparse.Namespace, mode: str, elastic: bool) -> list[str]:
+def ignored_flags(args: argparse.Namespace, mode: str, elastic: bool,
+                  environ: Mapping[str, str] | None = None) -> list[str]:
     """One warning line per flag that was given but has no effect, because the flag or mode it
     only works with is absent. horovodrun drops them silently; they stay accepted (scripts
     written for it keep working), so this only tells.
@@ -405,18 +436,25 @@ def ignored_flags(args: argparse.Namespace, mode: str, elastic: bool) -> list[st
     Args:
         mode: the job's mode (`MODE_TCP` or `MODE_MPI`).
         elastic: an elastic job (`--min-np`, `--max-np` or `--host-discovery-script`).
+        environ: hvdrun's environment (default `os.environ`): HOROVOD_AUTOTUNE /
+            HOROVOD_TIMELINE there switch autotune / the timeline on as the flags do.
     """
     out = []
 
     def warn(flag: str, why: str) -> None:
         out.append(f"hvdrun: warning: ignoring {flag}: {why}")
 
-    if not _given(args, "autotune"):
+    if not autotune_on(args, environ):
+        why = ("autotune is switched off (--no-autotune, or autotune.enabled: false in "
+               "--config-file)" if getattr(args, "autotune", None) is False
+               else "it only applies with --autotune (or HOROVOD_AUTOTUNE=1 in hvdrun's "
+               "environment)")
         for dest, o in FLAG_OPTIONS.items():
             if o.field in _AUTOTUNE_ONLY and _given(args, dest):
-                warn(o.cli, "it only applies with --autotune")
-    if _given(args, "timeline_mark_cycles") and not _given(args, "timeline_filename"):
-        warn(_flag("timeline_mark_cycles"), "it only applies with --timeline-filename")
+                warn(o.cli, why)
+    if _given(args, "timeline_mark_cycles") and not timeline_on(args, environ):
+        warn(_flag("timeline_mark_cycles"), "it only applies with --timeline-filename (or "
+                                            "HOROVOD_TIMELINE in hvdrun's environment)")
     if _given(args, "no_stall_check"):
         for field in ("stall_check_time", "stall_shutdown_time"):
             dest = _flag(field).lstrip("-").replace("-", "_")
@@ -485,6 +523,19 @@ def resolve_command(command: list[str], hosts: Sequence[HostInfo] | None = ()
     return command
 
 
+def check_slots_per_host(args: argparse.Namespace) -> None:
+    """Refuses `--slots-per-host` below 1 (an elastic job would wait for hosts of 0 slots, that
+    it never uses, until --elastic-timeout).
+
+    Raises:
+        ValueError: the message names the flag.
+    """
+    slots = getattr(args, "slots", None)
+    if slots is not None and slots < 1:
+        raise ValueError(f"--slots-per-host must be at least 1 (got {slots}): it is the number "
+                         "of slots of each host the discovery script names without ':N'")
+
+
 def settings_from_args(args: argparse.Namespace, *, check_command: bool = True
                        ) -> LaunchSettings:
     """Validates parsed arguments into `LaunchSettings`.
@@ -505,6 +556,7 @@ def settings_from_args(args: argparse.Namespace, *, check_command: bool = True
         raise ValueError(f"-np must be at least 1 (got {args.num_proc})")
     if args.ssh_port is not None and args.ssh_port < 0:
         raise ValueError(f"ssh_port={args.ssh_port} must be >= 0")
+    check_slots_per_host(args)
     env = env_from_args(args)
     start_timeout = start_timeout_or_env(args.start_timeout)
     nics = split_interfaces([args.nics_deprecated or "", *(args.nics or [])])

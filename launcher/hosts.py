@@ -55,8 +55,10 @@ def _check_unique(hosts: Sequence[HostInfo], source: str) -> None:
         seen.add(h.hostname)
 
 
-def parse_hosts(hosts_string: str) -> list[HostInfo]:
+def parse_hosts(hosts_string: str, source: str = "-H") -> list[HostInfo]:
     """Parses `-H/--hosts` text such as `worker-0:2,worker-1:2`.
+
+    `source` names the argument in messages (`horovod.run` passes "hosts").
 
     Raises:
         ValueError: an entry does not match `^[\\w.-]+:[0-9]+$`, a host repeats, or has 0 slots.
@@ -70,10 +72,10 @@ def parse_hosts(hosts_string: str) -> list[HostInfo]:
                 f"format as : worker-0:2,worker-1:2.")
         name, slots = entry.rsplit(":", 1)
         if int(slots) <= 0:
-            raise ValueError(f"host {name!r} in -H has {slots} slots; give at least 1 (e.g. "
-                             f"{name}:1)")
+            raise ValueError(f"host {name!r} in {source} has {slots} slots; give at least 1 "
+                             f"(e.g. {name}:1)")
         hosts.append(HostInfo(name, int(slots)))
-    _check_unique(hosts, "-H")
+    _check_unique(hosts, source)
     return hosts
 
 

@@ -16,13 +16,15 @@ def elastic_settings_from_args(args: argparse.Namespace
     """Validates an elastic command line (`--min-np`, `--max-np`, `--host-discovery-script`).
 
     Raises:
-        ValueError: inconsistent sizes, MPI mode, or a fixed host list of one host.
+        ValueError: inconsistent sizes, `--slots-per-host` below 1, MPI mode, or a fixed host
+            list of one host.
         OSError: the hostfile cannot be read.
     """
     from collective.config import read_env  # noqa: PLC0415
 
-    from ..cli import settings_from_args  # noqa: PLC0415
+    from ..cli import check_slots_per_host, settings_from_args  # noqa: PLC0415
 
+    check_slots_per_host(args)
     if args.use_mpi:
         raise ValueError("elastic training (--min-np/--max-np/--host-discovery-script) needs "
                          "the tcp mode (Horovod's Gloo): drop --mpi")

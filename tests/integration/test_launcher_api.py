@@ -40,7 +40,7 @@ def test_run_returns_results_by_rank(mode):
             rank = int(os.environ.get("HOROVOD_RANK") or os.environ["OMPI_COMM_WORLD_RANK"])
             return {{"rank": rank, "sum": a + b}}
         print("RESULT", run(f, args=(1,), kwargs={{"b": 2}}, num_proc=3, {flag}))
-        print("LAMBDA", run(lambda: "ok", np=2, {flag}))
+        print("LAMBDA", run(lambda: "ok", num_proc=2, {flag}))
         """)
     assert r.returncode == 0, explain(r)
     assert "RESULT [{'rank': 0, 'sum': 3}, {'rank': 1, 'sum': 3}, {'rank': 2, 'sum': 3}]" \

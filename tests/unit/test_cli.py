@@ -102,7 +102,7 @@ IGNORED = [
     (["--autotune-warmup-samples", "0"], "tcp", False, "--autotune-warmup-samples",
      "--autotune"),
     (["--no-autotune", "--autotune-steps-per-sample", "4"], "tcp", False,
-     "--autotune-steps-per-sample", "--autotune"),
+     "--autotune-steps-per-sample", "--no-autotune"),
     (["--autotune-bayes-opt-max-samples", "4"], "mpi", False,
      "--autotune-bayes-opt-max-samples", "--autotune"),
     (["--autotune-gaussian-process-noise", "0.5"], "tcp", False,
@@ -130,7 +130,7 @@ IGNORED = [
 @pytest.mark.parametrize("argv,mode,elastic,flag,needs", IGNORED,
                          ids=[" ".join(c[0]) for c in IGNORED])
 def test_flags_ignored_without_their_companion_warn(argv, mode, elastic, flag, needs):
-    lines = cli.ignored_flags(parse(*argv), mode, elastic)
+    lines = cli.ignored_flags(parse(*argv), mode, elastic, environ={})
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"hvdrun: warning: ignoring {flag}: "), lines
     assert needs in lines[0] and "\n" not in lines[0], lines
@@ -152,7 +152,68 @@ def test_flags_with_their_companion_do_not_warn():
             (["--gloo-timeout-seconds", "5", "--start-timeout", "9"], "tcp", False),
             (["--mpi", "--start-timeout", "9"], "mpi", False),  # bounds the ssh check too
             ([], "tcp", False), ([], "mpi", False)):
-        assert cli.ignored_flags(parse(*argv), mode, elastic) == [], argv
+        assert cli.ignored_flags(parse(*argv), mode, elastic, environ={}) == [], argv
+
+
+@pytest.mark.parametrize("var,value", [("HOROVOD_AUTOTUNE", "1"), ("HOROVOD_AUTOTUNE", "true"),
+                                       ("HOROVOD_TIMELINE", "/tmp/tl.json"),
+                                       ("HOROVOD_TIMELINE", "DYNAMIC")])
+def test_companion_flags_apply_when_the_environment_switches_the_feature_on(
+        monkeypatch, capsys, var, value):
+    """HOROVOD_AUTOTUNE / HOROVOD_TIMELINE in hvdrun's environment reach every rank, so autotune
+    or the timeline is on: --autotune-* / --timeline-mark-cycles then apply. They used to be
+    dropped with a warning saying they 'only apply with --autotune', which was untrue."""
+    monkeypatch.setenv(var, value)
+    seen = []
+    monkeypatch.setattr(cli, "_launch", lambda settings, quiet=False: seen.append(settings)
+                        or 0)
+    assert cli.main(["-np", "1", "--tcp", "--autotune-log-file", "a.csv",
+                     "--autotune-warmup-samples", "2", "--timeline-mark-cycles", "-q",
+                     "true"]) == 0
+    err = capsys.readouterr().err
+    env = seen[0].env_overrides
+    if var == "HOROVOD_AUTOTUNE":
+        assert env["HOROVOD_AUTOTUNE_LOG"] == "a.csv"
+        assert env["HOROVOD_AUTOTUNE_WARMUP_SAMPLES"] == "2"
+        assert "HOROVOD_TIMELINE_MARK_CYCLES" not in env
+        assert "--autotune" not in err and "ignoring --timeline-mark-cycles" in err, err
+    else:
+        assert env["HOROVOD_TIMELINE_MARK_CYCLES"] == "1"
+        assert "HOROVOD_AUTOTUNE_LOG" not in env
+        assert "--timeline-mark-cycles" not in err and "ignoring --autotune-log-file" in err, err
+
+
+def test_companion_flags_dropped_say_why(monkeypatch):
+    """Off in the environment (0) or by --no-autotune (which beats HOROVOD_AUTOTUNE=1 and
+    exports HOROVOD_AUTOTUNE=0): the warning names both routes, or the flag that turned it
+    off."""
+    off = {"HOROVOD_AUTOTUNE": "0", "HOROVOD_TIMELINE": ""}
+    assert cli.ignored_flags(parse("--autotune-log-file", "a.csv", "--timeline-mark-cycles"),
+                             "tcp", False, environ=off) == [
+        "hvdrun: warning: ignoring --autotune-log-file: it only applies with --autotune (or "
+        "HOROVOD_AUTOTUNE=1 in hvdrun's environment)",
+        "hvdrun: warning: ignoring --timeline-mark-cycles: it only applies with "
+        "--timeline-filename (or HOROVOD_TIMELINE in hvdrun's environment)"]
+    on = {"HOROVOD_AUTOTUNE": "1"}
+    args = parse("--no-autotune", "--autotune-log-file", "a.csv")
+    assert cli.ignored_flags(args, "tcp", False, environ=on) == [
+        "hvdrun: warning: ignoring --autotune-log-file: autotune is switched off "
+        "(--no-autotune, or autotune.enabled: false in --config-file)"]
+    env = cli.env_from_args(args, environ=on)
+    assert env["HOROVOD_AUTOTUNE"] == "0" and "HOROVOD_AUTOTUNE_LOG" not in env
+
+
+@pytest.mark.parametrize("slots", ["0", "-2"])
+@pytest.mark.parametrize("where", [["--host-discovery-script", "./d.sh"],
+                                   ["--min-np", "2", "-H", "a:1,b:1"], []])
+def test_slots_per_host_below_one_is_refused(capsys, slots, where):
+    """--slots-per-host 0 was accepted: the hosts the script names without ':N' got 0 slots and
+    the job waited for slots until --elastic-timeout. -2 was refused as 'slots_per_host=-2'."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["-np", "2", *where, "--slots-per-host", slots, "true"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"hvdrun: error: --slots-per-host must be at least 1 (got {slots})" in err, err
 
 
 def test_ignored_flags_are_warned_not_refused(monkeypatch, capsys):
@@ -160,13 +221,15 @@ def test_ignored_flags_are_warned_not_refused(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(cli, "_launch", lambda settings, quiet=False: seen.append(settings)
                         or 0)
+    monkeypatch.delenv("HOROVOD_AUTOTUNE", raising=False)
+    monkeypatch.delenv("HOROVOD_TIMELINE", raising=False)
     assert cli.main(["-np", "1", "--tcp", "--autotune-log-file", "a.csv",
                      "--timeline-mark-cycles", "--mpi-args", "-x A", "-q", "true"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err == ["hvdrun: warning: ignoring --autotune-log-file: it only applies with "
-                   "--autotune",
+                   "--autotune (or HOROVOD_AUTOTUNE=1 in hvdrun's environment)",
                    "hvdrun: warning: ignoring --timeline-mark-cycles: it only applies with "
-                   "--timeline-filename",
+                   "--timeline-filename (or HOROVOD_TIMELINE in hvdrun's environment)",
                    "hvdrun: warning: ignoring --mpi-args: it only applies in MPI mode (--mpi); "
                    "this job runs in tcp mode"]
     assert seen and "HOROVOD_AUTOTUNE_LOG" not in seen[0].env_overrides
@@ -295,7 +358,8 @@ def test_horovod_run_network_interface_comma_list(monkeypatch, kwargs):
     from launcher import api
     seen = {}
     monkeypatch.setattr(api, "_run_tcp", lambda settings, blob: seen.setdefault("s", settings))
-    api.run(print, num_proc=1, use_gloo=True, **kwargs)
+    with pytest.warns(DeprecationWarning, match="use network_interfaces instead"):
+        api.run(print, num_proc=1, use_gloo=True, **kwargs)
     assert seen["s"].network_interfaces == ("lo", "eth0")
 
 
