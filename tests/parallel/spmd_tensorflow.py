@@ -554,6 +554,16 @@ def test_broadcast_callback_keeps_local_variables():
         hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=["kernel"])
 
 
+def test_warmup_verbose_prints_on_rank_0_only(capsys):
+    x, y = _dataset(8)
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    warm = hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1, verbose=1)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[warm])
+    out = capsys.readouterr().out
+    assert ("finished gradual learning rate warmup" in out) == (hvd.rank() == 0), out
+
+
 def test_learning_rate_schedules_and_momentum_correction():
     x, y = _dataset(16)
     model = _model()

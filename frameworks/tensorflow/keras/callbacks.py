@@ -203,7 +203,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
-    """Linear warm-up from initial_lr / size to initial_lr over `warmup_epochs` (per batch)."""
+    """Linear warm-up from initial_lr / size to initial_lr over `warmup_epochs` (per batch).
+
+    With `verbose` > 0, rank 0 prints a line when the warm-up ends (as Horovod: the other ranks
+    stay quiet whatever their `verbose`)."""
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5,
                  momentum_correction: bool = True, steps_per_epoch: int | None = None,
@@ -221,7 +224,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0:
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and collective.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{_get_lr(self.model.optimizer):g}.")
 
