@@ -9,7 +9,7 @@ Driver side (a normal pytest process)::
 Each rank runs `python tests/_spmd.py --child <target> ...` under the launcher. The child wrapper
 redirects its stdout/stderr to `<dir>/rank<k>.log`, writes its pid to `rank<k>.pid`, installs
 `faulthandler` on SIGUSR1, runs the target (`runpy` for a script, `pytest.main` with `-x` for a
-test file) and writes a small JSON result `rank<k>.json` (status, failures, skip reasons,
+test file: `test_*.py` or `spmd_*.py`) and writes a small JSON result `rank<k>.json` (status, failures, skip reasons,
 traceback). No exit-code protocol (STYLE anti-pattern 10).
 
 The harness fails fast: the launcher (mpirun) ends the job when a rank exits non-zero, and a
@@ -571,7 +571,9 @@ def _child_main(argv: list[str]) -> int:
                                       file=_DUMP_FILE)
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "failures": [], "skipped": [],
                               "traceback": "", "first_failure_t": None, "passed": 0}
-    is_pytest = any(os.path.basename(t).startswith("test_") for t in targets)
+    # A test file: test_*.py, or spmd_*.py (rank-side checks kept from plain pytest's
+    # collection, e.g. tests/parallel/spmd_tensorflow.py); anything else is a script.
+    is_pytest = any(os.path.basename(t).startswith(("test_", "spmd_")) for t in targets)
     try:
         if is_pytest:
             import pytest

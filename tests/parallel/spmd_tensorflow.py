@@ -533,6 +533,37 @@ def test_broadcast_callback_after_first_batch_and_metric_average():
     assert rec.logs[0]["rank_metric"] == pytest.approx((SIZE - 1) / 2)
 
 
+def test_broadcast_callback_keeps_local_variables():
+    """`local_variables` takes one variable (Horovod accepts a lone tf.Variable; iterating it
+    used to raise) or a list, and a Keras variable's backing `tf.Variable` excludes it too."""
+    me = hvd.rank()
+    x, y = _dataset(8)
+    for local in ("one", "backing"):
+        model = _model(seed=200 + me)  # different weights on every rank
+        kernel, bias = model.layers[-1].kernel, model.layers[-1].bias
+        mine = kernel.numpy().copy()
+        root_first = hvd.broadcast_object(model.layers[0].kernel.numpy(), 0, name=f"lv.{local}")
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
+        cb = hvd.callbacks.BroadcastGlobalVariablesCallback(
+            0, local_variables=kernel if local == "one" else [kernel.value])
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+        np.testing.assert_array_equal(kernel.numpy(), mine, err_msg=local)
+        np.testing.assert_array_equal(model.layers[0].kernel.numpy(), root_first, err_msg=local)
+        all_equal(bias.numpy(), f"broadcast bias {local}")
+    with pytest.raises(ValueError, match="tf.Variable"):
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=["kernel"])
+
+
+def test_warmup_verbose_prints_on_rank_0_only(capsys):
+    x, y = _dataset(8)
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    warm = hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1, verbose=1)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[warm])
+    out = capsys.readouterr().out
+    assert ("finished gradual learning rate warmup" in out) == (hvd.rank() == 0), out
+
+
 def test_learning_rate_schedules_and_momentum_correction():
     x, y = _dataset(16)
     model = _model()

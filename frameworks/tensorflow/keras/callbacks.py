@@ -22,6 +22,7 @@ import tensorflow as tf
 
 import collective
 
+from .._reduce import _ref
 from ..functions import broadcast_variables
 from ..mpi_ops import allreduce
 from .optimizer import LiveMomentum
@@ -30,15 +31,19 @@ __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint"]
 
 
-def _key(var: Any) -> Any:
-    return getattr(var, "path", None) or id(var)
+def _is_variable(value: Any) -> bool:
+    return isinstance(value, (tf.Variable, keras.Variable))
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Broadcasts the model's and optimizer's variables from `root_rank` after the first batch.
 
     `device` has no effect. Variables registered with `register_local_var` (or passed as
-    `local_variables`) keep each rank's own value.
+    `local_variables`: one variable or a collection) keep each rank's own value; a Keras
+    variable and the `tf.Variable` holding its value (`.value`) are the same variable.
+
+    Raises:
+        ValueError: `local_variables` holds something that is not a variable.
     """
 
     def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
@@ -47,18 +52,27 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.device = device
         self.broadcast_done = False
         self._local: set[Any] = set()
-        for v in (local_variables or []):
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        else:
+            local_variables = list(local_variables)
+            if not all(_is_variable(v) for v in local_variables):
+                raise ValueError("All local variables must be of tf.Variable type.")
+        for v in local_variables:
             self.register_local_var(v)
 
     def register_local_var(self, var: Any) -> None:
-        self._local.add(_key(var))
+        """Keeps `var` (a `tf.Variable` or Keras variable) out of the broadcast."""
+        self._local.add(_ref(var))
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.broadcast_done:
             return
         opt = getattr(self.model, "optimizer", None)
         variables = list(self.model.variables) + (list(opt.variables) if opt is not None else [])
-        broadcast_variables([v for v in variables if _key(v) not in self._local],
+        broadcast_variables([v for v in variables if _ref(v) not in self._local],
                             self.root_rank)
         self.broadcast_done = True
 
@@ -189,7 +203,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
-    """Linear warm-up from initial_lr / size to initial_lr over `warmup_epochs` (per batch)."""
+    """Linear warm-up from initial_lr / size to initial_lr over `warmup_epochs` (per batch).
+
+    With `verbose` > 0, rank 0 prints a line when the warm-up ends (as Horovod: the other ranks
+    stay quiet whatever their `verbose`)."""
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5,
                  momentum_correction: bool = True, steps_per_epoch: int | None = None,
@@ -207,7 +224,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0:
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and collective.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{_get_lr(self.model.optimizer):g}.")
 
