@@ -92,9 +92,8 @@ class _VariablesState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
-        # No save here: `run` saves the whole state right after syncing it (the synced state
-        # is every rank's rollback point), as for torch's states.
         broadcast_variables(self._variables(), root_rank=0)
+        self._save_vars()
         super().sync()
 
 

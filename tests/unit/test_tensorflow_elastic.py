@@ -72,7 +72,7 @@ def test_keras_state_commit_restore_sync(hvd) -> None:
         np.testing.assert_array_equal(a, b)
     assert int(model.optimizer.iterations.numpy()) == 3
 
-    state.sync()  # size 1: rank 0's values stay (they are the commit already)
+    state.sync()  # size 1: rank 0's values stay, and become the commit
     _fit(model, 1)
     state.restore()
     for a, b in zip(committed, _values(model.variables) + _values(opt_vars)):
@@ -96,43 +96,6 @@ def test_tensorflow_state_variables(hvd) -> None:
     assert w.numpy().tolist() == [5.0, 6.0] and float(b.numpy()) == 3.0 and state.step == 2
     with pytest.raises(ValueError, match="session= is for TF1"):
         hvd_tf.elastic.TensorFlowState([w], session=object())
-
-
-@pytest.mark.parametrize("kind", ["keras", "variables"])
-def test_one_sync_saves_the_variables_once(hvd, kind) -> None:
-    """`run` syncs the state and then saves it (the rollback point): the variables are copied
-    once per sync, and `sync()` itself is no commit (as for torch's states): a `restore()`
-    after it goes back to the last commit."""
-    import tensorflow as tf
-
-    import horovod.tensorflow as hvd_tf
-    if kind == "keras":
-        model = _model(hvd)
-        state = hvd.elastic.KerasState(model, epoch=0)
-        var = model.variables[0]
-    else:
-        var = tf.Variable([1.0, 2.0])
-        state = hvd_tf.elastic.TensorFlowState([var], epoch=0)
-    committed = var.numpy().copy()
-    copies: list[int] = []
-    save_vars = state._save_vars
-
-    def counting_save_vars() -> None:
-        copies.append(1)
-        save_vars()
-    state._save_vars = counting_save_vars
-
-    @hvd_tf.elastic.run
-    def train(state):
-        return len(copies)
-
-    assert train(state) == 1
-    copies.clear()
-    var.assign(var + 1.0)
-    state.sync()
-    assert copies == []
-    state.restore()
-    np.testing.assert_array_equal(var.numpy(), committed)
 
 
 def test_callbacks_commit_every_n_batches_and_at_epoch_end(hvd) -> None:
