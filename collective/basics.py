@@ -33,8 +33,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             `shutdown()`, or an elastic reset) keeps dynamic process sets on.
 
     An `init()` that raises leaves ringvod uninitialised: what it had set up (connections,
-    threads, process set ids) is released, `is_initialized()` is False, and `init()` may be
-    called again.
+    threads, process set ids) is released and `is_initialized()` is False. When it raised on
+    every rank alike (different or duplicate process sets), `init()` may be called again.
 
     Raises:
         ValueError: duplicate or invalid process sets, or process sets that differ across

@@ -301,6 +301,9 @@ def decode_responses(data: bytes) -> tuple[list[Response], bool, bool, tuple[int
         if k:
             joined = struct.unpack_from(f"<{k}i", data, pos)
             pos += 4 * k
+            if min(joined) < 0 or len(set(joined)) != k:
+                raise WireError(f"malformed response list: joined ranks {list(joined)[:8]} "
+                                "are not distinct ranks")
     row = _RESP_ROW.size
     if n * (row + 4) > end - pos:
         raise WireError(f"malformed response list: {n} responses cannot fit in {end} bytes")

@@ -60,7 +60,9 @@ class ProcessSet:
             self.process_set_id == other.process_set_id)
 
     def __hash__(self) -> int:
-        return hash((tuple(self.ranks or ()), self.process_set_id))
+        # The ranks only: the id changes when the set is registered, removed or unbound at
+        # shutdown, and a set used as a dict key must stay found (equal sets have equal ranks).
+        return hash(tuple(self.ranks or ()))
 
     def __str__(self) -> str:
         return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "

@@ -217,9 +217,8 @@ class Runtime:
 
     def abandon(self, reason: str) -> None:
         """Undoes an `init()` that failed on this rank after the runtime was made (its start,
-        or a later step): stops the coordinator if it runs (aborting the control planes, so
-        peers blocked on this rank fail rather than hang) and releases what `_release` does.
-        Later submits raise `ShutdownError`."""
+        or a later step): stops the coordinator if it runs (aborting the control planes
+        first) and releases what `_release` does. Later submits raise `ShutdownError`."""
         with self._lock:
             self.shut_down = True
         coord = self.coordinator

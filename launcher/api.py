@@ -91,8 +91,9 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
 
     `num_proc` defaults to 1 (to `min_num_proc` in an elastic run). `np`, `min_np`, `max_np`
     and `network_interface` are Horovod's deprecated spellings of `num_proc`, `min_num_proc`,
-    `max_num_proc` and `network_interfaces`: they still work (and, as in Horovod, take
-    precedence), with a `DeprecationWarning` naming the replacement.
+    `max_num_proc` and `network_interfaces`: they still work, with a `DeprecationWarning`
+    naming the replacement (`np`, `min_np` and `max_np` win over the new names, as in Horovod;
+    `network_interface`'s names are used together with `network_interfaces`').
 
     Example:
         >>> import horovod
@@ -140,6 +141,11 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
                              f"<= max_num_proc ("
                              f"{max_num_proc if max_num_proc is not None else 'unlimited'})")
         if cooldown_range is not None:
+            if (not isinstance(cooldown_range, (tuple, list)) or len(cooldown_range) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool)
+                               for v in cooldown_range)):
+                raise ValueError(f"horovod.run: cooldown_range must be two ints (min, max) in "
+                                 f"seconds, got {cooldown_range!r}")
             lo, hi = cooldown_range
             if not 1 <= lo <= hi <= 3600:
                 raise ValueError(f"horovod.run: cooldown_range=({lo}, {hi}): need 1 <= min <= "
@@ -167,9 +173,10 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         verbose=bool(verbose), mpi_args=mpi_args)
     if mpi_args and settings.mode == MODE_TCP:
         warnings.warn("horovod.run(mpi_args=...) has no effect: this run is in tcp mode ("
-                      + ("elastic runs always are" if elastic else "use_gloo=True" if use_gloo
-                         else "no mpirun/mpi4py found") + "); pass use_mpi=True to run "
-                      "through mpirun", RuntimeWarning, stacklevel=2)
+                      + ("elastic runs always are)" if elastic else
+                         ("use_gloo=True" if use_gloo else "no mpirun/mpi4py found")
+                         + "); pass use_mpi=True to run through mpirun"),
+                      RuntimeWarning, stacklevel=2)
     blob = dumps((func, tuple(args), dict(kwargs or {})))
     if elastic:
         return _run_elastic(settings, blob, min_num_proc, max_num_proc, slots, reset_limit,

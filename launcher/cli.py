@@ -137,7 +137,10 @@ def _given_on_command_line(namespace: argparse.Namespace) -> set[str]:
     defaults to None, so a value means the flag was given, `--no-x` included)."""
     dests = {d.lstrip("!") for keys in YAML_KEYS.values() for d in keys.values()}
     dests |= {"use_gloo", "use_mpi"}
-    return {d for d in dests if getattr(namespace, d, None) is not None}
+    given = {d for d in dests if getattr(namespace, d, None) is not None}
+    if getattr(namespace, "tcp_flag", False):  # a plain store_true flag (False when absent)
+        given.add("tcp_flag")
+    return given
 
 
 def apply_config_file(path: str, namespace: argparse.Namespace,
@@ -147,7 +150,7 @@ def apply_config_file(path: str, namespace: argparse.Namespace,
     Args:
         keep: dests left alone (the flags given on the command line, which win over the
             file, as horovodrun's `set_args_from_config` skips its `override_args`); the file's
-            `controller` is skipped when `use_gloo` or `use_mpi` is in it.
+            `controller` is skipped when `use_gloo`, `use_mpi` or `tcp_flag` is in it.
 
     Raises:
         ImportError: PyYAML is not installed.
@@ -167,7 +170,8 @@ def apply_config_file(path: str, namespace: argparse.Namespace,
             mode = str(body).lower()
             if mode not in ("gloo", "tcp", "mpi"):
                 raise ValueError(f"{path}: controller={body!r}; use gloo, tcp or mpi")
-            if not {"use_gloo", "use_mpi"} & set(keep):
+            # A mode flag on the command line wins; `--tcp` alone is one (tcp mode here).
+            if not {"use_gloo", "use_mpi", "tcp_flag"} & set(keep):
                 namespace.use_mpi = mode == "mpi"
                 namespace.use_gloo = mode != "mpi"
             continue

@@ -33,8 +33,8 @@ _R_BROADCAST, _R_ALLTOALL, _R_REDUCESCATTER = (ResponseType.BROADCAST, ResponseT
 def perform(ps: ProcessSetState, resp: Response, tl: Any, device_engine: str,
             config: Any, tuner: Any = None) -> None:
     """Runs `resp` on this rank and completes its handles. `tl`: the set's timeline
-    (`ProcessSetState.timeline`: global rank 0 only) or None; `device_engine`: the registered name of the device
-    engine; `tuner`: autotune's `Driver` on global rank 0 while tuning runs, else None (it
+    (`ProcessSetState.timeline`: global rank 0 only) or None; `device_engine`: the registered
+    name of the device engine; `tuner`: autotune's `Driver` on global rank 0 while tuning runs, else None (it
     records the global set's allreduces).
 
     Raises:

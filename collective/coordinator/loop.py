@@ -77,9 +77,16 @@ class Coordinator(FastPaths):
         self._express_ok = (not rt.dynamic_process_sets and len(rt.member_sets()) == 1
                             and all(ps.cache.capacity > 0 for ps in rt.member_sets()))
         self.tuning.start(rt.rank)
-        self._thread = threading.Thread(target=self._loop, name="hvd-coordinator", daemon=True)
-        self._thread.start()
-        self._thread_id = self._thread.ident
+        thread = threading.Thread(target=self._loop, name="hvd-coordinator", daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            self.tuning.close()  # the loop that would close the autotune log never runs
+            raise
+        # Only a started thread: `join` then has a thread to wait for (a failed start leaves
+        # None, which `join` treats as stopped).
+        self._thread = thread
+        self._thread_id = thread.ident
 
     def wake(self, held: bool = False) -> None:
         """New work. `held`: only device reductions, which the fusion window collects anyway;

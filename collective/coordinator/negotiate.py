@@ -207,7 +207,8 @@ class Negotiator:
             join_flag = ps.messages.join_active or bool(ps.members_joined) or any(
                 r.type == ResponseType.JOIN for r in constructed)
             payload = encode_responses(fused, any_shutdown, join_flag,
-                                       sorted(ps.messages.joined) if ps.id == 0 else ())
+                                       sorted(ps.messages.joined)
+                                       if join_flag and ps.id == 0 else ())
         fused, shutdown, join_active, joined = decode_responses(ps.control.bcast(payload))
         ps.join_active = join_active
         if ps.id == 0:

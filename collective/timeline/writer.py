@@ -2,8 +2,8 @@
 
 The coordinator thread (rank 0 of the global process set) calls the event methods of
 `Timeline` for the global set's ops, and of the `SetTimeline` that `Timeline.for_set` gives
-for any other set's (its rows carry the set). Each call costs about a microsecond: it reads
-a clock and puts a tuple on a `queue.SimpleQueue`. A named writer thread
+for any other set's (its rows carry the set). A call only reads a clock and puts a tuple on
+a `queue.SimpleQueue`. A named writer thread
 (`hvd-timeline-writer`) drains the queue in batches, runs the per-tensor state machine, formats
 the records and writes them with one `os.pwrite` per chunk, so no Python-side buffer holds
 data that a crash could lose.

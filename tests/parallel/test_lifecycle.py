@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import collective as hvd
-from collective.coordinator import Coordinator
 from collective.errors import NOT_INITIALIZED_MESSAGE, SHUT_DOWN_MESSAGE
 from tests._spmd import run_spmd, spmd_driver, spmd_rank
 from tests.parallel._util import env_size
@@ -63,11 +62,15 @@ def _init_works_again():
 
 def test_failed_init_after_the_ranks_connected_leaves_nothing(monkeypatch):
     """Every rank's coordinator refuses to start (the last step of init())."""
-    def refuse(self):
-        raise RuntimeError("can't start new thread")
+    original_start = threading.Thread.start
+
+    def refuse(self):  # the coordinator's thread cannot start (other threads can)
+        if self.name == "hvd-coordinator":
+            raise RuntimeError("can't start new thread")
+        original_start(self)
 
     with monkeypatch.context() as m:
-        m.setattr(Coordinator, "start", refuse)
+        m.setattr(threading.Thread, "start", refuse)
         with pytest.raises(RuntimeError, match="can't start new thread"):
             hvd.init()
     _assert_uninitialised_and_nothing_running()

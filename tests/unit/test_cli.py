@@ -372,6 +372,17 @@ def test_horovod_run_mpi_args_in_tcp_mode_warns(monkeypatch):
         api.run(print, num_proc=1, use_gloo=True, mpi_args="--mca btl tcp,self")
 
 
+def test_horovod_run_mpi_args_in_an_elastic_run_warns_without_use_mpi_advice(monkeypatch):
+    # use_mpi=True is refused with elastic, so the warning must not suggest it.
+    from launcher import api
+    monkeypatch.setattr(api, "_run_elastic", lambda *a, **k: [None])
+    with pytest.warns(RuntimeWarning) as got:
+        api.run(print, num_proc=1, min_num_proc=1, host_discovery_script="./d.sh",
+                mpi_args="--mca btl tcp,self")
+    text = " ".join(str(w.message) for w in got)
+    assert "elastic runs always are" in text and "use_mpi" not in text
+
+
 def test_jsrun_is_refused_by_name(capsys):
     # horovodrun's --jsrun: argparse said only "unrecognized arguments: --jsrun".
     with pytest.raises(SystemExit):
@@ -479,7 +490,8 @@ def test_config_file_settable_flags_default_to_none():
 
 
 @pytest.mark.parametrize("controller,flag,mode", [("mpi", "--gloo", "tcp"),
-                                                  ("gloo", "--mpi", "mpi")])
+                                                  ("gloo", "--mpi", "mpi"),
+                                                  ("mpi", "--tcp", "tcp")])
 @pytest.mark.parametrize("flag_first", [True, False])
 def test_controller_flag_wins_over_config_file(tmp_path, controller, flag, mode, flag_first):
     f = tmp_path / "c.yaml"

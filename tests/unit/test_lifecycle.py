@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import collective as hvd
-from collective.coordinator import Coordinator
 from collective.engines.loopback import LoopbackControlPlane
 from collective.errors import NOT_INITIALIZED_MESSAGE
 from collective.runtime import Runtime
@@ -57,11 +56,15 @@ def _works_again():
 def test_a_coordinator_that_cannot_start_leaves_ringvod_uninitialised(made, monkeypatch):
     runtimes, closed = made
 
-    def refuse(self):
-        raise RuntimeError("can't start new thread")
+    original_start = threading.Thread.start
+
+    def refuse(self):  # the coordinator's thread cannot start (other threads can)
+        if self.name == "hvd-coordinator":
+            raise RuntimeError("can't start new thread")
+        original_start(self)
 
     with monkeypatch.context() as m:
-        m.setattr(Coordinator, "start", refuse)
+        m.setattr(threading.Thread, "start", refuse)
         with pytest.raises(RuntimeError, match="can't start new thread"):
             hvd.init()
     _assert_uninitialised()

@@ -150,15 +150,18 @@ def _unbound(ps):
 
 def test_shutdown_unbinds_a_static_set_and_init_registers_it_afresh():
     a = hvd.ProcessSet([0])
+    by_set = {a: "a"}  # a set as a key stays found whether registered or not
     for _ in range(2):
         hvd.init(process_sets=[a])
         try:
             assert (a.process_set_id, a.size(), a.rank(), a.included()) == (1, 1, 0, True)
             np.testing.assert_array_equal(hvd.allreduce(np.ones(1), process_set=a, name="a"),
                                           np.ones(1))
+            assert by_set[a] == "a"
         finally:
             hvd.shutdown()
         assert _unbound(a) and a.ranks == [0]
+        assert by_set[a] == "a"
 
 
 def test_a_set_added_before_shutdown_can_be_added_after_the_next_init(monkeypatch):

@@ -92,6 +92,8 @@ def test_deprecated_name_wins_as_in_horovod(launched):
      "horovod.run: reset_limit must be at least 0 (got -1)"),
     ({"num_proc": 2, "host_discovery_script": "./d.sh", "cooldown_range": (9, 2)},
      "horovod.run: cooldown_range=(9, 2): need 1 <= min <= max <= 3600 (seconds)"),
+    ({"num_proc": 2, "host_discovery_script": "./d.sh", "cooldown_range": (1,)},
+     "horovod.run: cooldown_range must be two ints (min, max) in seconds, got (1,)"),
     ({"num_proc": 1, "ssh_port": -1}, "horovod.run: ssh_port must be at least 0 (got -1)"),
 ])
 def test_argument_errors_name_the_python_argument(launched, kwargs, message):

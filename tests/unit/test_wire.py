@@ -86,6 +86,10 @@ def test_huge_counts_do_not_allocate() -> None:
         decode_responses(b"RS2" + struct.pack("<IBBI", 0, 0, 1, 0xFFFFFFFF))
     with pytest.raises(WireError, match="truncated joined ranks"):
         decode_responses(b"RS2" + struct.pack("<IBB", 0, 0, 1))
+    for bad in ((1, 1), (-1,)):
+        with pytest.raises(WireError, match="not distinct ranks"):
+            decode_responses(b"RS2" + struct.pack("<IBBI", 0, 0, 1, len(bad))
+                             + struct.pack(f"<{len(bad)}i", *bad))
 
 
 def test_the_sender_is_named() -> None:
