@@ -39,6 +39,8 @@ __all__ = ["ElasticDriver", "ElasticKVServer", "ElasticResult", "assign_slots",
            "host_update_flags", "RESET_LIMIT_MESSAGE", "DISCOVERY_INTERVAL_S"]
 
 DISCOVERY_INTERVAL_S = 1.0
+# The workers' `alive.<worker>` heartbeat period (collective.elastic.HEARTBEAT_INTERVAL_S).
+HEARTBEAT_INTERVAL_S = 5.0
 
 # The worker side of the protocol is collective/elastic.py (which the launcher does not import:
 # it needs numpy); tests/unit/test_elastic_driver.py checks that both agree.
@@ -59,8 +61,18 @@ class ElasticKVServer(KVServer):
     def __init__(self, *args: Any, on_ready: Callable[[int, int], None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._on_ready = on_ready
+        self._beats: dict[int, float] = {}
+
+    def heartbeats(self) -> dict[int, float]:
+        """Worker id -> time.monotonic() of its latest `alive.<worker>` heartbeat."""
+        return dict(self._beats)
 
     def put(self, scope: str, key: str, value: bytes) -> None:
+        if scope == SCOPE and key.startswith("alive."):
+            wid = key[len("alive."):]
+            if wid.isdigit():
+                self._beats[int(wid)] = time.monotonic()
+            return  # only the time matters: nothing to store
         super().put(scope, key, value)
         if scope == SCOPE and key.startswith("ready."):
             parts = key.split(".")
@@ -176,9 +188,11 @@ class ElasticDriver:
         reset_limit: the most resets (None: no limit).
         cooldown_range: (lo, hi) seconds of blacklist cooldown, or None (permanent).
         message: where driver messages go (stderr lines).
-        straggler_timeout: seconds a live worker may keep the others waiting for a new round
-            (it should fail its next collective within the tcp timeout); after that it is
-            killed and counted as failed.
+        straggler_timeout: seconds a live worker that sends no heartbeat (`alive.<worker>`,
+            every 5 s) may keep the others waiting for a new round (it should fail its next
+            collective within the tcp timeout); after that it is killed and counted as failed.
+            A worker whose heartbeats go on is busy outside collectives (a rank-0 checkpoint
+            or evaluation): it is waited for up to the elastic timeout.
     """
 
     def __init__(self, discovery: Any, spawner: WorkerSpawner,
@@ -205,6 +219,8 @@ class ElasticDriver:
         self._interval = discovery_interval
         self._straggler_timeout = straggler_timeout
         self._waiting_since: float | None = None
+        self._straggler_msg = 0.0
+        self._stopped_stragglers: set[int] = set()
         self._grace = grace_period
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._workers: dict[int, _Worker] = {}
@@ -404,19 +420,10 @@ class ElasticDriver:
             self._waiting_since = None
             return
         if not all(w.waiting for w in live):
-            now = time.monotonic()
-            if self._waiting_since is None:
-                self._waiting_since = now
-            elif now - self._waiting_since > self._straggler_timeout:
-                for w in live:
-                    if not w.waiting:
-                        self._message(f"hvdrun: worker {w.id} (rank {w.rank} on host {w.host}) "
-                                      f"did not rejoin within {self._straggler_timeout:g} s of "
-                                      "the others asking for a new round; stopping it")
-                        self.spawner.stop(w.id, signal.SIGKILL)
-                self._waiting_since = now  # its exit (a failure) completes the barrier
+            self._check_stragglers([w for w in live if not w.waiting])
             return
         self._waiting_since = None
+        self._stopped_stragglers.clear()
         self.timings["barrier"] = time.time()
         finished = [w for w in self._workers.values()
                     if w.exit is not None and w.exit[0] == 0 and not w.removed]
@@ -432,6 +439,45 @@ class ElasticDriver:
         self.resets += 1
         self._forming_since = time.monotonic()
         self._last_wait_msg = 0.0
+
+    def _check_stragglers(self, stragglers: list[_Worker]) -> None:
+        """Some workers asked for a new round, `stragglers` not yet. One that sent no heartbeat
+        for the straggler timeout is stopped, frozen or cut off: it is killed (a failure, which
+        completes the barrier). One whose heartbeats go on is busy outside collectives: it is
+        waited for (Horovod waits for every worker) up to the elastic timeout."""
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = self._straggler_msg = now
+            return
+        beats = self.server.heartbeats() if hasattr(self.server, "heartbeats") else {}
+        waited = now - self._waiting_since
+        busy_limit = max(self.elastic_timeout, self._straggler_timeout)
+        busy = []
+        for w in stragglers:
+            if w.id in self._stopped_stragglers:
+                continue
+            what = f"worker {w.id} (rank {w.rank} on host {w.host})"
+            silent = now - max(self._waiting_since, beats.get(w.id, float("-inf")))
+            if silent > self._straggler_timeout:
+                why = (f"did not rejoin within {waited:.0f} s of the others asking for a new "
+                       f"round, and sent no heartbeat for {silent:.0f} s (stopped, hung or cut "
+                       "off); stopping it")
+            elif waited > busy_limit:
+                why = (f"is alive but did not rejoin within {busy_limit:g} s (--elastic-timeout)"
+                       " of the others asking for a new round; stopping it")
+            else:
+                if now - beats.get(w.id, float("-inf")) <= 3 * HEARTBEAT_INTERVAL_S:
+                    busy.append(what)  # heard from lately (else: silent, maybe stopped)
+                continue
+            self._message(f"hvdrun: {what} {why}")
+            self._stopped_stragglers.add(w.id)
+            self.spawner.stop(w.id, signal.SIGKILL)  # its exit (a failure) completes the barrier
+        if busy and now - self._straggler_msg >= 30.0:
+            self._straggler_msg = now
+            self._message(f"hvdrun: waiting for {', '.join(busy)} to ask for a new round too: "
+                          "alive, but busy outside collectives for "
+                          f"{waited:.0f} s (given up on after {busy_limit:g} s, "
+                          "--elastic-timeout)")
 
     def _stop_if_survivors_blacklisted(self, live: list[_Worker]) -> bool:
         """Stops the job when every live worker's host is blacklisted for good: none of them

@@ -191,6 +191,110 @@ def test_survivors_on_blacklisted_hosts_only(cooldown) -> None:
         assert d._forming_since is not None  # waiting for the host's cooldown to end
 
 
+class _KillingSpawner(_FakeSpawner):
+    """Reports a SIGKILLed worker's exit to the driver, as hvdrun's spawner does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.killed: list[int] = []
+        self.driver = None
+
+    def stop(self, worker_id, sig) -> None:
+        if sig == signal.SIGKILL:
+            self.killed.append(worker_id)
+            self.driver._on_exit(worker_id, 137, "SIGKILL")
+
+
+class _BeatingStore(_FakeStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.beats: dict[int, float] = {}
+
+    def heartbeats(self) -> dict[int, float]:
+        return dict(self.beats)
+
+
+@pytest.mark.parametrize("beating", [True, False], ids=["busy", "silent"])
+@pytest.mark.timeout(30)
+def test_a_worker_that_keeps_the_others_waiting(beating) -> None:
+    """Worker 1 dies; worker 2 asks for a new round; worker 0 does not (yet). Silent (no
+    heartbeat: stopped, frozen, cut off), it is killed after the straggler timeout. Busy
+    outside collectives (a rank-0 checkpoint or evaluation; its heartbeats go on), it is
+    waited for up to the elastic timeout, and then joins the round: it was killed after the
+    straggler timeout, its host blacklisted for good, and with it the job."""
+    spawner, store = _KillingSpawner(), _BeatingStore()
+    messages: list[str] = []
+    d = ElasticDriver(lambda: {"a": 2, "b": 1}, spawner, lambda slot: {}, store, num_proc=3,
+                      min_np=1, max_np=None, elastic_timeout=5.0, straggler_timeout=1.0,
+                      message=messages.append)
+    spawner.driver = d
+    d.hosts.update({"a": 2, "b": 1})
+    d._start()
+    d._on_exit(2, 137, "SIGKILL")  # worker 2 on b dies
+    d._step()
+    d.ready(1, 1)  # worker 1's collective failed
+    d._step()
+    deadline = time.monotonic() + 2.5  # each step waits up to 0.5 s for an event
+    while time.monotonic() < deadline:
+        if beating:
+            store.beats[0] = time.monotonic()
+        d._step()
+    if not beating:
+        assert spawner.killed == [0], messages
+        assert "sent no heartbeat" in "\n".join(messages), messages
+        assert d._stop_reason.startswith("No hosts from previous set remaining"), d._stop_reason
+        return
+    assert spawner.killed == [] and d._stop_reason is None, messages
+    d.ready(0, 1)  # done with its checkpoint, worker 0 fails its next collective
+    d._step()
+    assert store.data["assign.0.1"]["size"] == 2 and store.data["assign.1.1"]["size"] == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_busy_worker_is_stopped_after_the_elastic_timeout() -> None:
+    spawner, store = _KillingSpawner(), _BeatingStore()
+    messages: list[str] = []
+    d = ElasticDriver(lambda: {"a": 1, "b": 1}, spawner, lambda slot: {}, store, num_proc=2,
+                      min_np=1, max_np=None, elastic_timeout=1.2, straggler_timeout=0.8,
+                      message=messages.append)
+    spawner.driver = d
+    d.hosts.update({"a": 1, "b": 1})
+    d._start()
+    d.ready(1, 1)
+    d._step()
+    deadline = time.monotonic() + 4.0
+    while time.monotonic() < deadline and not spawner.killed:
+        store.beats[0] = time.monotonic()
+        d._step()
+    assert spawner.killed == [0], messages
+    assert any("is alive but did not rejoin within 1.2 s (--elastic-timeout)" in m
+               for m in messages), messages
+
+
+@pytest.mark.timeout(30)
+def test_worker_heartbeat_reaches_the_server(monkeypatch) -> None:
+    import collective.elastic as worker
+    from launcher.elastic.driver import ElasticKVServer
+
+    monkeypatch.setattr(worker, "HEARTBEAT_INTERVAL_S", 0.05)
+    secret = b"s" * 32
+    server = ElasticKVServer("127.0.0.1", 0, secret, on_ready=lambda wid, seq: None)
+    addr, port = server.start()
+    try:
+        beat = worker._Heartbeat()
+        beat.start(addr, port, secret, "7")
+        deadline = time.monotonic() + 10
+        while 7 not in server.heartbeats() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = server.heartbeats()[7]
+        while server.heartbeats()[7] == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.heartbeats()[7] > first  # it goes on
+        assert server.get("elastic", "alive.7") is None  # nothing stored
+    finally:
+        server.stop()
+
+
 def test_host_manager_order_and_cooldown() -> None:
     now = [100.0]
     hm = HostManager((2, 10), clock=lambda: now[0])
@@ -361,6 +465,7 @@ def test_protocol_constants_match_the_worker_side() -> None:
     from launcher.elastic import driver
 
     assert (driver.SCOPE, driver.WORKER_ID_ENV) == (worker.SCOPE, worker.WORKER_ID_ENV)
+    assert driver.HEARTBEAT_INTERVAL_S == worker.HEARTBEAT_INTERVAL_S
     for name in ("no_update", "removed", "added", "mixed"):
         assert getattr(driver.HostUpdateResult, name) == getattr(worker.HostUpdateResult, name)
 
