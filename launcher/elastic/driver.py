@@ -32,7 +32,7 @@ from collective.rendezvous import KVServer
 
 from .._proc import describe_exit
 from ..hosts import HostInfo, SlotInfo, get_host_assignments
-from .discovery import DiscoveryError, HostDiscovery, HostManager, as_discovery
+from .discovery import DiscoveryError, FixedHosts, HostDiscovery, HostManager, as_discovery
 from .spawn import WorkerSpawner
 
 __all__ = ["ElasticDriver", "ElasticKVServer", "ElasticResult", "assign_slots",
@@ -492,6 +492,25 @@ class ElasticDriver:
                    f"{'are' if many else 'is'} blacklisted")
         return True
 
+    def _stop_if_slots_cannot_come(self, need: int) -> bool:
+        """Stops the job when fewer than `need` slots are left and no more can come: the hosts
+        are a fixed list (-H/--hostfile) and the missing ones are blacklisted for good, so
+        waiting --elastic-timeout (600 s by default) would change nothing."""
+        if not isinstance(self.discovery, FixedHosts) or self.hosts.cooldown_range is not None:
+            return False
+        fixed = self.discovery.find_available_hosts_and_slots()
+        possible = sum(n for h, n in fixed.items() if not self.hosts.blacklisted_for_good(h))
+        if possible >= need:
+            return False
+        black = [h for h in fixed if self.hosts.blacklisted_for_good(h)]
+        many = len(black) > 1
+        self._stop(f"Only {possible} slot(s) left for --min-np {need}, and no more can come: "
+                   f"the hosts are the fixed list {self._describe_hosts(fixed)} (-H/--hostfile)"
+                   f" and {', '.join(black)} {'are' if many else 'is'} blacklisted for good. "
+                   "Lower --min-np, give more hosts, or let failed hosts come back "
+                   "(--blacklist-cooldown-range) or be replaced (--host-discovery-script).")
+        return True
+
     def _try_assign(self) -> None:
         assert self._forming_since is not None
         live = [w for w in self._workers.values() if w.live]
@@ -505,6 +524,8 @@ class ElasticDriver:
         have = self.hosts.total_slots()
         need = self.min_np
         if have < need:
+            if self._stop_if_slots_cannot_come(need):
+                return
             deadline = self._forming_since + self.elastic_timeout
             self._say_waiting(need, deadline)
             if time.monotonic() >= deadline:
@@ -611,7 +632,8 @@ class ElasticDriver:
               and all(w.exit is not None and w.exit[0] == 0 for w in last))
         final = [w for w in last if w.exit is not None and w.exit[0] == 0]
         status = "finished" if ok else "failed"
-        lines = [f"hvdrun: elastic job {status}" + (f": {reason}" if reason else "") + "."]
+        lines = [f"hvdrun: elastic job {status}"
+                 + (f": {reason.rstrip('.')}" if reason else "") + "."]
         lines.append(f"  {self._round + 1} round(s), {self.resets} reset(s); {self._started} "
                      f"worker(s) started, {len(self._failures)} failed, {self._removed} "
                      f"removed; final size {len(final) if ok else 0}")

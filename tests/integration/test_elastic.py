@@ -179,10 +179,11 @@ def test_reset_limit_fails_cleanly(tmp_path: Path) -> None:
 
 def test_fewer_than_min_np_times_out(tmp_path: Path) -> None:
     """Test 5: after a failure fewer than --min-np slots remain; the driver waits
-    --elastic-timeout, then fails with a clear error and leaves no process behind."""
+    --elastic-timeout (the discovery could find more), then fails with a clear error and
+    leaves no process behind."""
     t0 = time.monotonic()
-    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "2", "-H",
-                         "localhost:1,127.0.0.1:1"],
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "2",
+                         "--host-discovery-script", "printf 'localhost:1\\n127.0.0.1:1\\n'"],
               {"ET_STEPS": "200", "ET_KILL": "127.0.0.1:3"}, 60)
     code, out = job.finish()
     assert code == 1, out
@@ -190,6 +191,24 @@ def test_fewer_than_min_np_times_out(tmp_path: Path) -> None:
     assert "Timed out after 2 s waiting for 2 slots; have 1 (localhost:1; blacklisted: " \
            "127.0.0.1)" in out, out
     assert "hvdrun stopped the elastic job" in out  # what the waiting survivor was told
+    assert time.monotonic() - t0 < 30
+    no_orphans(job)
+
+
+def test_fixed_hosts_fewer_than_min_np_stops_at_once(tmp_path: Path) -> None:
+    """The same with a fixed -H list: no slot can come back (the failed host is blacklisted
+    for good), so the job stops at once instead of waiting --elastic-timeout (600 s)."""
+    t0 = time.monotonic()
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "-H", "localhost:1,127.0.0.1:1"],
+              {"ET_STEPS": "200", "ET_KILL": "127.0.0.1:3"}, 60)
+    code, out = job.finish()
+    assert code == 1, out
+    assert "waiting for 2 slots" not in out, out
+    reason = ("Only 1 slot(s) left for --min-np 2, and no more can come: the hosts are the "
+              "fixed list localhost:1,127.0.0.1:1 (-H/--hostfile) and 127.0.0.1 is "
+              "blacklisted for good.")
+    assert f"hvdrun stopped the elastic job: {reason}" in out, out
+    assert f"hvdrun: elastic job failed: {reason}" in out, out
     assert time.monotonic() - t0 < 30
     no_orphans(job)
 

@@ -15,7 +15,8 @@ import pytest
 from launcher import network
 from launcher.cli import build_parser
 from launcher.elastic.cli import elastic_settings_from_args
-from launcher.elastic.discovery import (DiscoveryError, HostDiscoveryScript, HostManager,
+from launcher.elastic.discovery import (DiscoveryError, FixedHosts, HostDiscoveryScript,
+                                        HostManager,
                                         as_discovery, parse_discovery_output)
 from launcher.elastic.driver import (ElasticDriver, ElasticResult, HostUpdateResult,
                                      assign_slots, host_update_flags)
@@ -293,6 +294,45 @@ def test_worker_heartbeat_reaches_the_server(monkeypatch) -> None:
         assert server.get("elastic", "alive.7") is None  # nothing stored
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("cooldown", [None, (5.0, 10.0)], ids=["for-good", "cooldown"])
+@pytest.mark.timeout(30)
+def test_fixed_hosts_too_few_slots_for_min_np(cooldown) -> None:
+    """-H a:1,b:1 --min-np 2: the worker on b fails and b is blacklisted for good. The fixed
+    list cannot grow, so the job stops at once with the reason (it waited --elastic-timeout,
+    600 s by default, for slots that could not come). With a cooldown b comes back: wait."""
+    spawner, store = _FakeSpawner(), _FakeStore()
+    d = ElasticDriver(FixedHosts({"a": 1, "b": 1}), spawner, lambda slot: {}, store,
+                      num_proc=2, min_np=2, max_np=None, cooldown_range=cooldown)
+    d.hosts.update({"a": 1, "b": 1})
+    d._start()
+    d._on_exit(1, 1, None)
+    d._step()
+    d.ready(0, 1)
+    d._step()
+    d._step()
+    if cooldown is not None:
+        assert d._stop_reason is None and d._forming_since is not None
+        return
+    assert d._stop_reason == (
+        "Only 1 slot(s) left for --min-np 2, and no more can come: the hosts are the fixed "
+        "list a:1,b:1 (-H/--hostfile) and b is blacklisted for good. Lower --min-np, give "
+        "more hosts, or let failed hosts come back (--blacklist-cooldown-range) or be "
+        "replaced (--host-discovery-script)."), d._stop_reason
+    assert store.data["assign.0.1"] == {"stop": d._stop_reason}
+    d._on_exit(0, 1, None)
+    res = d._result()
+    assert res.exit_code == 1
+    assert res.summary.startswith(f"hvdrun: elastic job failed: {d._stop_reason}\n"), res.summary
+
+
+def test_summary_ends_with_one_period() -> None:
+    d, _, _ = _driver({"a": 1}, 1, None)
+    d._stop("No hosts from previous set remaining, unable to broadcast state.")
+    assert d._result().summary.splitlines()[0] == (
+        "hvdrun: elastic job failed: No hosts from previous set remaining, unable to "
+        "broadcast state.")
 
 
 def test_host_manager_order_and_cooldown() -> None:
