@@ -220,6 +220,9 @@ class ElasticDriver:
         self._straggler_timeout = straggler_timeout
         self._waiting_since: float | None = None
         self._straggler_msg = 0.0
+        self._discovery_failures = 0
+        self._discovery_error: str | None = None
+        self._discovery_msg = 0.0
         self._stopped_stragglers: set[int] = set()
         self._grace = grace_period
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
@@ -296,9 +299,13 @@ class ElasticDriver:
         elif kind == "exit":
             self._worker_exited(a, *b)
         elif kind == "hosts":
+            if self._discovery_failures:
+                self._message(f"hvdrun: host discovery works again (after "
+                              f"{self._discovery_failures} failed run(s))")
+                self._discovery_failures, self._discovery_error = 0, None
             self.hosts.update(b)
         elif kind == "discovery_error":
-            self._message(f"hvdrun: host discovery failed (will retry): {a}")
+            self._discovery_failed(a)
         elif kind == "signal":
             name = signal.Signals(a).name
             if self._stopping_since is None:
@@ -590,6 +597,19 @@ class ElasticDriver:
                 self._events.put(("discovery_error", str(exc), None))
 
     # -- messages -------------------------------------------------------------------------------
+    def _discovery_failed(self, text: str) -> None:
+        """Reports a failed discovery run (polled every second): the first failure, a new
+        error text, and then once a minute with the count, not once a second."""
+        self._discovery_failures += 1
+        now = time.monotonic()
+        if text == self._discovery_error and now - self._discovery_msg < 60.0:
+            return
+        self._discovery_error, self._discovery_msg = text, now
+        again = (f" ({self._discovery_failures} failed runs so far)"
+                 if self._discovery_failures > 1 else "")
+        self._message(f"hvdrun: host discovery failed{again}; keeping the hosts found last "
+                      f"and retrying every {self._interval:g} s: {text}")
+
     def _say_waiting(self, need: int, deadline: float) -> None:
         now = time.monotonic()
         if now - self._last_wait_msg < 10.0:

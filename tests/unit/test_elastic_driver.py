@@ -327,6 +327,28 @@ def test_fixed_hosts_too_few_slots_for_min_np(cooldown) -> None:
     assert res.summary.startswith(f"hvdrun: elastic job failed: {d._stop_reason}\n"), res.summary
 
 
+def test_discovery_failures_are_reported_once_not_every_second() -> None:
+    messages: list[str] = []
+    d = ElasticDriver(lambda: {"a": 1}, _FakeSpawner(), lambda slot: {}, _FakeStore(),
+                      num_proc=1, min_np=1, max_np=None, message=messages.append)
+    d.hosts.update({"a": 1})
+    d._start()
+    messages.clear()
+    for _ in range(5):
+        d._events.put(("discovery_error", "script exited with status 2", None))
+        d._step()
+    d._events.put(("discovery_error", "script did not finish within 30 s", None))
+    d._step()
+    d._events.put(("hosts", None, {"a": 1}))
+    d._step()
+    assert messages == [
+        "hvdrun: host discovery failed; keeping the hosts found last and retrying every 1 s: "
+        "script exited with status 2",
+        "hvdrun: host discovery failed (6 failed runs so far); keeping the hosts found last "
+        "and retrying every 1 s: script did not finish within 30 s",
+        "hvdrun: host discovery works again (after 6 failed run(s))"], messages
+
+
 def test_summary_ends_with_one_period() -> None:
     d, _, _ = _driver({"a": 1}, 1, None)
     d._stop("No hosts from previous set remaining, unable to broadcast state.")
