@@ -208,10 +208,10 @@ def rendezvous(config: Any) -> tuple[Any, str]:
     kv = KVClient(config.rendezvous_addr, config.rendezvous_port, secret, timeout)
     try:
         kv.put(SCOPE, f"ready.{wid}.{n}", b"")
-        # The driver may wait up to the elastic timeout for a busy peer to ask too, and as
-        # long again for --min-np slots.
+        # The driver may wait up to the elastic timeout for a busy peer to ask too, as long
+        # again for --min-np slots, and as long again for the round's new workers to start.
         raw = kv.get(SCOPE, f"assign.{wid}.{n}",
-                     timeout=2 * config.elastic_timeout + 2 * timeout + 30.0)
+                     timeout=3 * config.elastic_timeout + 2 * timeout + 30.0)
         kv.delete(SCOPE, f"assign.{wid}.{n}")
     finally:
         kv.close()

@@ -221,6 +221,10 @@ class ElasticDriver:
         self._waiting_since: float | None = None
         self._straggler_msg = 0.0
         self._discovery_failures = 0
+        # Survivors' answers of the latest round, held until its new workers have asked.
+        self._held: dict[int, tuple[int, dict[str, Any]]] = {}
+        self._held_new: list[int] = []
+        self._held_since = self._held_msg = 0.0
         self._discovery_error: str | None = None
         self._discovery_msg = 0.0
         self._stopped_stragglers: set[int] = set()
@@ -317,6 +321,9 @@ class ElasticDriver:
             if not self._killed and time.monotonic() >= self._stopping_since + self._grace:
                 self._kill_all()
             return
+        if self._held:
+            self._check_held()
+            return
         self._check_barrier()
         if self._forming_since is not None:
             self._try_assign()
@@ -349,7 +356,7 @@ class ElasticDriver:
             self._launch(s, sync=True)
 
     # -- workers --------------------------------------------------------------------------------
-    def _launch(self, slot: SlotInfo, sync: bool) -> None:
+    def _launch(self, slot: SlotInfo, sync: bool) -> int:
         wid = self._next_id
         self._next_id += 1
         w = _Worker(wid, slot.hostname, slot.rank, answered_seq=0, round=self._round)
@@ -360,6 +367,7 @@ class ElasticDriver:
         env[WORKER_ID_ENV] = str(wid)
         self._started += 1
         self.spawner.spawn(wid, slot.hostname, env, self._on_exit)
+        return wid
 
     def _assignment(self, slot: SlotInfo, sync: bool) -> dict[str, Any]:
         """A worker's place in this round; `sync`: the round has a worker that was not in the
@@ -486,6 +494,35 @@ class ElasticDriver:
                           f"{waited:.0f} s (given up on after {busy_limit:g} s, "
                           "--elastic-timeout)")
 
+    def _check_held(self) -> None:
+        """Answers the survivors of a round with new workers once every new worker has asked
+        for its place (its first `init()`), or exited. The new workers' rendezvous then waits
+        for survivors that are ready, instead of survivors waiting in theirs, which gives up
+        after HOROVOD_GLOO_TIMEOUT_SECONDS, for a worker still starting up (slow imports, CUDA
+        or data set set-up before `hvd.init()`): that failed the new worker and blacklisted its
+        host. A new worker that has not asked within the elastic timeout is killed."""
+        now = time.monotonic()
+        late = [self._workers[i] for i in self._held_new
+                if self._workers[i].ready_seq < 0 and self._workers[i].exit is None]
+        if late and now - self._held_since <= self.elastic_timeout:
+            if now - self._held_msg >= 30.0:
+                self._held_msg = now
+                self._message(f"hvdrun: round {self._round} waits for new worker(s) "
+                              f"{', '.join(str(w.id) for w in late)} to start (to call "
+                              f"hvd.init()) for {now - self._held_since:.0f} s (given up on "
+                              f"after {self.elastic_timeout:g} s, --elastic-timeout)")
+            return
+        for w in late:
+            self._message(f"hvdrun: new worker {w.id} (rank {w.rank} on host {w.host}) did "
+                          f"not call hvd.init() within {self.elastic_timeout:g} s "
+                          "(--elastic-timeout); stopping it")
+            self.spawner.stop(w.id, signal.SIGKILL)
+        held, self._held, self._held_new = self._held, {}, []
+        for wid, (seq, msg) in held.items():
+            w = self._workers[wid]
+            if w.exit is None:
+                self._answer(w, seq, msg)
+
     def _stop_if_survivors_blacklisted(self, live: list[_Worker]) -> bool:
         """Stops the job when every live worker's host is blacklisted for good: none of them
         can keep a place, whatever hosts come (Horovod: every recorded host is blacklisted),
@@ -556,9 +593,13 @@ class ElasticDriver:
         for wid, slot in placed.items():
             w = self._workers[wid]
             w.rank, w.round = slot.rank, self._round
-            self._answer(w, w.ready_seq, self._assignment(slot, sync=bool(new)))
-        for s in new:
-            self._launch(s, sync=True)
+            msg = self._assignment(slot, sync=bool(new))
+            if new:  # answered once the new workers have asked for their place
+                self._held[wid] = (w.ready_seq, msg)
+            else:
+                self._answer(w, w.ready_seq, msg)
+        self._held_new = [self._launch(s, sync=True) for s in new]
+        self._held_since = self._held_msg = time.monotonic()
         self.timings["assigned"] = time.time()
         self._message(f"hvdrun: elastic round {self._round} (reset {self.resets}): "
                       f"{len(slots)} worker(s) on {self._describe(slots)}"

@@ -50,6 +50,31 @@ def test_sigkill_rolls_back_to_last_commit(tmp_path: Path) -> None:
     no_orphans(job)
 
 
+def test_new_worker_slower_to_start_than_the_gloo_timeout(tmp_path: Path) -> None:
+    """A host appears; its worker takes longer to reach init() than
+    HOROVOD_GLOO_TIMEOUT_SECONDS (slow imports, CUDA or data set-up). The survivors are
+    answered once it has asked, so nobody's rendezvous gives up on it: it joins, no host is
+    blacklisted, and the job finishes at the larger size."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    steps = 80
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3",
+                         "--host-discovery-script", f"cat {hosts}"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.1",
+               "ET_SLOW_START": "2:8", "HOROVOD_GLOO_TIMEOUT_SECONDS": "4"}, 90)
+    job.wait_progress(4)
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [r["rank"] for r in res] == [0, 1, 2], out
+    for r in res:
+        assert r["size"] == 3 and r["step"] == steps and r["log"] == list(range(steps))
+        assert r["w"] == [_expected_w(steps)] * 4
+    assert "blacklisting" not in out and "0 failed" in out, out
+    no_orphans(job)
+
+
 @pytest.mark.parametrize("process_sets", ["", "dynamic"], ids=["static-sets", "dynamic-sets"])
 def test_host_added_by_discovery(tmp_path: Path, process_sets: str) -> None:
     """Test 2: a host appears in the discovery output; the new worker gets the state and the

@@ -127,6 +127,9 @@ def test_round_with_a_new_worker_tells_every_survivor_to_sync(
     _next_round(d, after, meanwhile)
     assert store.data["update.0"] == [1, flags] and "update.1" not in store.data
     assert [host for _, host in spawner.spawned[num_proc:]] == new
+    for wid, _ in spawner.spawned[num_proc:]:  # the new workers ask: the survivors are answered
+        d.ready(wid, 0)
+        d._step()
     answers = [store.data[f"assign.{wid}.1"] for wid in range(num_proc)]
     assert sum("removed" in a for a in answers) == 1, answers
     assert [a["sync"] for a in answers if "rank" in a] == [bool(new)] * (num_proc - 1), answers
@@ -355,6 +358,50 @@ def test_summary_ends_with_one_period() -> None:
     assert d._result().summary.splitlines()[0] == (
         "hvdrun: elastic job failed: No hosts from previous set remaining, unable to "
         "broadcast state.")
+
+
+@pytest.mark.parametrize("how", ["asks", "dies", "never"])
+@pytest.mark.timeout(30)
+def test_survivors_wait_for_the_new_workers_of_their_round(how) -> None:
+    """A host appears; the round starts a worker there. The survivor's answer is held until
+    the new worker has asked for its place (its first init()): written at once, the
+    survivor's rendezvous gave up after HOROVOD_GLOO_TIMEOUT_SECONDS when the new worker
+    took longer to start (slow imports, CUDA or data set-up), which failed the new worker
+    and blacklisted its host. A new worker that dies first releases the survivor (whose
+    rendezvous then fails and asks again); one that never asks is killed after the elastic
+    timeout."""
+    spawner, store = _KillingSpawner(), _FakeStore()
+    messages: list[str] = []
+    d = ElasticDriver(lambda: {"a": 1}, spawner, lambda slot: {}, store, num_proc=1,
+                      min_np=1, max_np=None, elastic_timeout=1.0, message=messages.append)
+    spawner.driver = d
+    d.hosts.update({"a": 1})
+    d._start()
+    d._events.put(("hosts", None, {"a": 1, "b": 1}))
+    d._step()
+    d.ready(0, 1)  # the survivor's check_host_updates() raised: it asks for its place
+    d._step()
+    assert spawner.spawned == [(0, "a"), (1, "b")]
+    assert store.data["assign.1.0"]["size"] == 2  # the new worker's place: written at start
+    for _ in range(3):  # the new worker is still starting
+        d._events.put(("tick", None, None))
+        d._step()
+    assert "assign.0.1" not in store.data, store.data
+    if how == "asks":
+        d.ready(1, 0)
+        d._step()
+    elif how == "dies":
+        d._on_exit(1, 1, None)
+        d._step()
+    else:
+        deadline = time.monotonic() + 3.0
+        while "assign.0.1" not in store.data and time.monotonic() < deadline:
+            d._step()
+        assert spawner.killed == [1], messages
+        assert any("new worker 1 (rank 1 on host b) did not call hvd.init() within 1 s"
+                   in m for m in messages), messages
+    assert store.data["assign.0.1"] == {**store.data["assign.1.0"], "rank": 0, "local_rank": 0,
+                                        "cross_rank": 0}, store.data
 
 
 def test_host_manager_order_and_cooldown() -> None:
