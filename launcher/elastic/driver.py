@@ -258,13 +258,19 @@ class ElasticDriver:
         self._events.put(("exit", worker_id, (code, sig_name)))
 
     # -- main loop ------------------------------------------------------------------------------
-    def run(self) -> ElasticResult:
+    def run(self, first_hosts: Mapping[str, int] | None = None) -> ElasticResult:
         """Starts the job and returns when every worker has exited.
+
+        Args:
+            first_hosts: the result of a discovery run the caller just made (hvdrun's, to
+                choose the server address): the job starts from it instead of running the
+                discovery script again, whose failure would then fail the start.
 
         Raises:
             DiscoveryError: the first host discovery failed.
         """
-        self.hosts.update(self.discovery.find_available_hosts_and_slots())
+        self.hosts.update(first_hosts if first_hosts is not None
+                          else self.discovery.find_available_hosts_and_slots())
         old = self._install_signal_handlers()
         poller = threading.Thread(target=self._poll_hosts, name="hvdrun-discovery",
                                   daemon=True)
@@ -276,6 +282,10 @@ class ElasticDriver:
                 self._step()
         finally:
             self._closed.set()
+            close = getattr(self.discovery, "close", None)
+            if close is not None:  # a discovery run in progress must not outlive the job
+                close()
+            poller.join(timeout=5.0)
             for w in self._workers.values():
                 if w.exit is None:
                     self.spawner.stop(w.id, signal.SIGKILL)

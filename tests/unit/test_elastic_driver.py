@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -404,6 +405,49 @@ def test_survivors_wait_for_the_new_workers_of_their_round(how) -> None:
                                         "cross_rank": 0}, store.data
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(30)
+def test_job_end_kills_a_discovery_run_in_progress(tmp_path) -> None:
+    """The job ends while a discovery run hangs (the poller runs the script every second):
+    hvdrun kills it with what it started, instead of leaving it behind. The job starts from
+    the hosts the caller found (hvdrun's first run), without running the script again."""
+    count, pidfile = tmp_path / "count", tmp_path / "pid"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho x >> {count}\necho $$ > {pidfile}.tmp\n"
+                      f"mv {pidfile}.tmp {pidfile}\nexec sleep 300\n")
+    script.chmod(0o755)
+
+    class ExitsLater(_FakeSpawner):
+        def spawn(self, worker_id, hostname, env, on_exit) -> None:
+            super().spawn(worker_id, hostname, env, on_exit)
+            def finish():
+                deadline = time.monotonic() + 10
+                while not pidfile.exists() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                on_exit(worker_id, 0, None)
+            threading.Thread(target=finish, daemon=True).start()
+
+    d = ElasticDriver(HostDiscoveryScript(str(script), timeout=60), ExitsLater(),
+                      lambda slot: {}, _FakeStore(), num_proc=1, min_np=1, max_np=None,
+                      discovery_interval=0.05)
+    t0 = time.monotonic()
+    res = d.run({"a": 1})
+    assert res.exit_code == 0, res.summary
+    assert time.monotonic() - t0 < 10
+    assert count.read_text() == "x\n"  # only the poller's run: none at start
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), "the discovery run outlived the job"
+
+
 def test_host_manager_order_and_cooldown() -> None:
     now = [100.0]
     hm = HostManager((2, 10), clock=lambda: now[0])
@@ -628,7 +672,7 @@ class _ScriptedDriver:
     def __init__(self, discovery, spawner, env_for, server, **kwargs) -> None:
         self.env_for = env_for
 
-    def run(self) -> ElasticResult:
+    def run(self, first_hosts=None) -> ElasticResult:
         for rank, host in enumerate(self.HOSTS):
             self.env_for(SlotInfo(host, rank, 0, rank, len(self.HOSTS), 1, len(self.HOSTS)))
         return ElasticResult(0, "hvdrun: elastic job finished.", final_size=len(self.HOSTS))
