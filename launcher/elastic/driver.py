@@ -362,16 +362,23 @@ class ElasticDriver:
         self._notified = self._signature()
         self._message(f"hvdrun: elastic job starting {len(slots)} worker(s) on "
                       f"{self._describe(slots)}")
-        for s in new:
-            self._launch(s, sync=True)
+        # Every worker is answered once all have asked (called hvd.init()): a worker slower to
+        # start than HOROVOD_GLOO_TIMEOUT_SECONDS does not make the others' rendezvous fail.
+        self._held_new = [self._launch(s, sync=True, hold=True) for s in new]
+        self._held_since = self._held_msg = time.monotonic()
 
     # -- workers --------------------------------------------------------------------------------
-    def _launch(self, slot: SlotInfo, sync: bool) -> int:
+    def _launch(self, slot: SlotInfo, sync: bool, hold: bool = False) -> int:
+        """Starts a worker for `slot`; its place is written at once, or with `hold` kept in
+        `_held` until `_check_held` releases it."""
         wid = self._next_id
         self._next_id += 1
-        w = _Worker(wid, slot.hostname, slot.rank, answered_seq=0, round=self._round)
+        w = _Worker(wid, slot.hostname, slot.rank, answered_seq=-1, round=self._round)
         self._workers[wid] = w
-        self._answer(w, 0, self._assignment(slot, sync))
+        if hold:
+            self._held[wid] = (0, self._assignment(slot, sync))
+        else:
+            self._answer(w, 0, self._assignment(slot, sync))
         env = dict(self.env_for(slot))
         env["HOROVOD_ELASTIC"] = "1"
         env[WORKER_ID_ENV] = str(wid)
@@ -505,8 +512,8 @@ class ElasticDriver:
                           "--elastic-timeout)")
 
     def _check_held(self) -> None:
-        """Answers the survivors of a round with new workers once every new worker has asked
-        for its place (its first `init()`), or exited. The new workers' rendezvous then waits
+        """Answers the survivors of a round with new workers (and, at start, every worker)
+        once every new worker has asked for its place (its first `init()`), or exited. The new workers' rendezvous then waits
         for survivors that are ready, instead of survivors waiting in theirs, which gives up
         after HOROVOD_GLOO_TIMEOUT_SECONDS, for a worker still starting up (slow imports, CUDA
         or data set set-up before `hvd.init()`): that failed the new worker and blacklisted its

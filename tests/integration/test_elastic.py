@@ -50,6 +50,22 @@ def test_sigkill_rolls_back_to_last_commit(tmp_path: Path) -> None:
     no_orphans(job)
 
 
+def test_worker_slower_to_start_than_the_gloo_timeout_at_start(tmp_path: Path) -> None:
+    """At start, one worker takes longer to reach init() than HOROVOD_GLOO_TIMEOUT_SECONDS
+    (a slower host): every worker is answered once all have asked, so the others' first
+    rendezvous does not give up on it (which failed every worker, and the job)."""
+    steps = 12
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1"],
+              {"ET_STEPS": str(steps), "ET_SLOW_START": "1:8",
+               "HOROVOD_GLOO_TIMEOUT_SECONDS": "4"}, 60)
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [(r["rank"], r["size"], r["step"]) for r in res] == [(0, 2, steps), (1, 2, steps)]
+    assert "0 failed" in out and "0 reset(s)" in out, out
+    no_orphans(job)
+
+
 def test_new_worker_slower_to_start_than_the_gloo_timeout(tmp_path: Path) -> None:
     """A host appears; its worker takes longer to reach init() than
     HOROVOD_GLOO_TIMEOUT_SECONDS (slow imports, CUDA or data set-up). The survivors are

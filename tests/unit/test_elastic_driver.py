@@ -88,12 +88,20 @@ class _FakeStore:
         self.data.pop(key, None)
 
 
+def _begin(d: ElasticDriver) -> None:
+    """Starts the job; every worker then asks for its place (its first init())."""
+    d._start()
+    for wid in list(d._workers):
+        d.ready(wid, 0)
+        d._step()
+
+
 def _driver(hosts: dict[str, int], num_proc: int, max_np: int | None):
     spawner, store = _FakeSpawner(), _FakeStore()
     d = ElasticDriver(lambda: hosts, spawner, lambda slot: {}, store, num_proc=num_proc,
                       min_np=1, max_np=max_np)
     d.hosts.update(hosts)
-    d._start()
+    _begin(d)
     return d, spawner, store
 
 
@@ -179,7 +187,7 @@ def test_survivors_on_blacklisted_hosts_only(cooldown) -> None:
     d = ElasticDriver(lambda: {"a": 2}, spawner, lambda slot: {}, store, num_proc=2,
                       min_np=1, max_np=None, cooldown_range=cooldown)
     d.hosts.update({"a": 2})
-    d._start()
+    _begin(d)
     d._on_exit(1, 3, None)
     d._step()
     d.ready(0, 1)  # the survivor's collective failed: it asks for a new round
@@ -234,7 +242,7 @@ def test_a_worker_that_keeps_the_others_waiting(beating) -> None:
                       message=messages.append)
     spawner.driver = d
     d.hosts.update({"a": 2, "b": 1})
-    d._start()
+    _begin(d)
     d._on_exit(2, 137, "SIGKILL")  # worker 2 on b dies
     d._step()
     d.ready(1, 1)  # worker 1's collective failed
@@ -264,7 +272,7 @@ def test_a_busy_worker_is_stopped_after_the_elastic_timeout() -> None:
                       message=messages.append)
     spawner.driver = d
     d.hosts.update({"a": 1, "b": 1})
-    d._start()
+    _begin(d)
     d.ready(1, 1)
     d._step()
     deadline = time.monotonic() + 4.0
@@ -310,7 +318,7 @@ def test_fixed_hosts_too_few_slots_for_min_np(cooldown) -> None:
     d = ElasticDriver(FixedHosts({"a": 1, "b": 1}), spawner, lambda slot: {}, store,
                       num_proc=2, min_np=2, max_np=None, cooldown_range=cooldown)
     d.hosts.update({"a": 1, "b": 1})
-    d._start()
+    _begin(d)
     d._on_exit(1, 1, None)
     d._step()
     d.ready(0, 1)
@@ -336,7 +344,7 @@ def test_discovery_failures_are_reported_once_not_every_second() -> None:
     d = ElasticDriver(lambda: {"a": 1}, _FakeSpawner(), lambda slot: {}, _FakeStore(),
                       num_proc=1, min_np=1, max_np=None, message=messages.append)
     d.hosts.update({"a": 1})
-    d._start()
+    _begin(d)
     messages.clear()
     for _ in range(5):
         d._events.put(("discovery_error", "script exited with status 2", None))
@@ -377,7 +385,7 @@ def test_survivors_wait_for_the_new_workers_of_their_round(how) -> None:
                       min_np=1, max_np=None, elastic_timeout=1.0, message=messages.append)
     spawner.driver = d
     d.hosts.update({"a": 1})
-    d._start()
+    _begin(d)
     d._events.put(("hosts", None, {"a": 1, "b": 1}))
     d._step()
     d.ready(0, 1)  # the survivor's check_host_updates() raised: it asks for its place
@@ -446,6 +454,25 @@ def test_job_end_kills_a_discovery_run_in_progress(tmp_path) -> None:
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(pid), "the discovery run outlived the job"
+
+
+@pytest.mark.timeout(30)
+def test_workers_at_start_are_answered_once_all_have_asked() -> None:
+    """At start every worker is answered once all have called init(): a worker slower to
+    start than HOROVOD_GLOO_TIMEOUT_SECONDS (imports, CUDA, data set-up on a slow host) made
+    the others' first rendezvous fail, and with it the whole job."""
+    store = _FakeStore()
+    d = ElasticDriver(lambda: {"a": 1, "b": 1}, _FakeSpawner(), lambda slot: {}, store,
+                      num_proc=2, min_np=1, max_np=None)
+    d.hosts.update({"a": 1, "b": 1})
+    d._start()
+    d.ready(0, 0)
+    d._step()
+    assert "assign.0.0" not in store.data and "assign.1.0" not in store.data
+    d.ready(1, 0)
+    d._step()
+    assert store.data["assign.0.0"]["rank"] == 0 and store.data["assign.1.0"]["rank"] == 1
+    assert store.data["assign.0.0"]["size"] == store.data["assign.1.0"]["size"] == 2
 
 
 def test_host_manager_order_and_cooldown() -> None:
