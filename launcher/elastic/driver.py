@@ -513,11 +513,12 @@ class ElasticDriver:
 
     def _check_held(self) -> None:
         """Answers the survivors of a round with new workers (and, at start, every worker)
-        once every new worker has asked for its place (its first `init()`), or exited. The new workers' rendezvous then waits
-        for survivors that are ready, instead of survivors waiting in theirs, which gives up
-        after HOROVOD_GLOO_TIMEOUT_SECONDS, for a worker still starting up (slow imports, CUDA
-        or data set set-up before `hvd.init()`): that failed the new worker and blacklisted its
-        host. A new worker that has not asked within the elastic timeout is killed."""
+        once every new worker has asked for its place (its first `init()`), or exited. The
+        new workers' rendezvous then waits for survivors that are ready, instead of survivors
+        waiting in theirs, which gives up after HOROVOD_GLOO_TIMEOUT_SECONDS, for a worker
+        still starting up (slow imports, CUDA or data set-up before `hvd.init()`): that failed
+        the new worker and blacklisted its host. A new worker that has not asked within the
+        elastic timeout is killed. At start, a worker gone before it asked is planned out."""
         now = time.monotonic()
         late = [self._workers[i] for i in self._held_new
                 if self._workers[i].ready_seq < 0 and self._workers[i].exit is None]
@@ -534,6 +535,17 @@ class ElasticDriver:
                           f"not call hvd.init() within {self.elastic_timeout:g} s "
                           "(--elastic-timeout); stopping it")
             self.spawner.stop(w.id, signal.SIGKILL)
+        late_ids = {w.id for w in late}
+        if self._round == 0 and any(self._workers[i].exit is not None or i in late_ids
+                                    for i in self._held_new):
+            # At start nobody has been answered yet: rather than send every worker into a
+            # rendezvous that waits in vain for one that is gone, plan the start again
+            # without it (the others have all asked: they form round 1).
+            self._held, self._held_new = {}, []
+            if any(w.live for w in self._workers.values()):
+                self._forming_since = time.monotonic()
+                self._last_wait_msg = 0.0
+            return
         held, self._held, self._held_new = self._held, {}, []
         for wid, (seq, msg) in held.items():
             w = self._workers[wid]

@@ -66,6 +66,21 @@ def test_worker_slower_to_start_than_the_gloo_timeout_at_start(tmp_path: Path) -
     no_orphans(job)
 
 
+def test_worker_failing_before_init_at_start_is_left_out(tmp_path: Path) -> None:
+    """At start the worker of one host exits before init() (a broken host): the others
+    start without it (the job went down with it: their first rendezvous waited for it in
+    vain and failed), and --min-np 1 is kept."""
+    steps = 12
+    job = Job(tmp_path, ["-np", "3", "--min-np", "1", "-H", "localhost:2,127.0.0.1:1"],
+              {"ET_STEPS": str(steps), "ET_FAIL_START": "127.0.0.1"}, 60)
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [(r["rank"], r["size"], r["step"]) for r in res] == [(0, 2, steps), (1, 2, steps)]
+    assert "blacklisting host 127.0.0.1" in out and "0 reset(s)" in out, out
+    no_orphans(job)
+
+
 def test_new_worker_slower_to_start_than_the_gloo_timeout(tmp_path: Path) -> None:
     """A host appears; its worker takes longer to reach init() than
     HOROVOD_GLOO_TIMEOUT_SECONDS (slow imports, CUDA or data set-up). The survivors are

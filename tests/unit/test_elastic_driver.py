@@ -475,6 +475,36 @@ def test_workers_at_start_are_answered_once_all_have_asked() -> None:
     assert store.data["assign.0.0"]["size"] == store.data["assign.1.0"]["size"] == 2
 
 
+@pytest.mark.timeout(30)
+def test_a_worker_that_fails_before_init_at_start_is_planned_out() -> None:
+    """At start worker 2 exits before init() (a broken host); 0 and 1 have asked. Nobody has
+    been answered yet, so the start is planned again without it (round 1, size 2): answered
+    with the first plan, the others waited in a rendezvous for it, timed out in hvd.init()
+    and failed, and the whole job with them."""
+    store = _FakeStore()
+    d = ElasticDriver(lambda: {"a": 2, "b": 1}, _FakeSpawner(), lambda slot: {}, store,
+                      num_proc=3, min_np=1, max_np=None)
+    d.hosts.update({"a": 2, "b": 1})
+    d._start()
+    for wid in (0, 1):
+        d.ready(wid, 0)
+        d._step()
+    d._on_exit(2, 1, None)
+    d._step()
+    d._step()
+    answers = [store.data.get(f"assign.{wid}.0") for wid in range(3)]
+    assert answers[2] is None, answers
+    assert [(a["rank"], a["size"], a["scope"]) for a in answers[:2]] == [
+        (0, 2, "ringvod/elastic/1"), (1, 2, "ringvod/elastic/1")], answers
+    assert d.resets == 0
+    d._on_exit(0, 0, None)
+    d._on_exit(1, 0, None)
+    d._step()
+    d._step()
+    res = d._result()
+    assert res.exit_code == 0 and res.final_size == 2, res.summary
+
+
 def test_host_manager_order_and_cooldown() -> None:
     now = [100.0]
     hm = HostManager((2, 10), clock=lambda: now[0])
