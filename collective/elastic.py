@@ -27,11 +27,14 @@ Driver protocol (over the job's authenticated key-value store, scope `elastic`):
 | `ready.<worker>.<n>` | the worker, at its n-th `init()` | empty |
 | `assign.<worker>.<n>` | the driver, once every live worker is ready | JSON: rank, size, local/cross ranks, the round's key prefix, the update count, `sync` (the round has a new worker); or `removed` / `stop` with a reason |
 | `update.<k>` | the driver, when hosts change | JSON `[timestamp, flags]` (1 removed, 2 added) |
+| `alive.<worker>` | the worker, every 5 s from its first `init()` on | empty (the driver keeps only the time) |
 
 `<worker>` is `HOROVOD_ELASTIC_WORKER_ID`, which the driver gives each process it starts. Every
 worker follows the `update.<k>` keys with one waiting get on a background thread
 (`hvd-elastic-updates`), so `check_host_updates()` costs one small broadcast and no network
-round trip to the driver.
+round trip to the driver. The `alive.<worker>` heartbeat (thread `hvd-elastic-heartbeat`) tells
+the driver that a worker which keeps the others waiting for a new round is busy outside
+collectives (a rank-0 checkpoint or evaluation), not stopped or cut off.
 """
 from __future__ import annotations
 
@@ -59,6 +62,8 @@ WORKER_ID_ENV = "HOROVOD_ELASTIC_WORKER_ID"
 
 # How many times one reset retries its rendezvous when a peer fails during it.
 _RESET_ATTEMPTS = 20
+# Seconds between two `alive.<worker>` heartbeats.
+HEARTBEAT_INTERVAL_S = 5.0
 
 
 class HostUpdateResult:
@@ -127,6 +132,49 @@ class _Updates:
 
 
 _updates = _Updates()
+
+
+class _Heartbeat:
+    """Puts `alive.<worker>` every `HEARTBEAT_INTERVAL_S` on a daemon thread (one per process,
+    started by the first rendezvous), so that the driver can tell a worker that is busy
+    outside collectives from one that is stopped, frozen or cut off."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._target: tuple[str, int, bytes, str] | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, addr: str, port: int, secret: bytes, worker: str) -> None:
+        with self._lock:
+            self._target = (addr, int(port), secret, worker)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat, name="hvd-elastic-heartbeat",
+                                                daemon=True)
+                self._thread.start()
+
+    def _beat(self) -> None:
+        from .rendezvous import KVClient  # noqa: PLC0415
+
+        client, where = None, None
+        while True:
+            with self._lock:
+                target = self._target
+            assert target is not None
+            if client is None or where != target[:3]:
+                if client is not None:
+                    client.close()
+                where = target[:3]
+                client = KVClient(target[0], target[1], target[2],
+                                  timeout=HEARTBEAT_INTERVAL_S)
+            try:
+                client.put(SCOPE, f"alive.{target[3]}", b"")
+            except Exception:  # noqa: BLE001 - the driver is busy or gone: try again later
+                client.close()
+                client = None
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+
+_heartbeat = _Heartbeat()
 _inits = 0  # this process's rendezvous requests (the <n> of ready.<worker>.<n>)
 # Set by `rendezvous` when the driver's round has a worker that was not in the previous one;
 # the retry loop clears it before each reset and then syncs the state if it is set.
@@ -156,11 +204,14 @@ def rendezvous(config: Any) -> tuple[Any, str]:
     _inits += 1
     secret = bytes.fromhex(config.secret_key) if config.secret_key else b""
     timeout = config.gloo_timeout if config.gloo_timeout > 0 else 30.0
+    _heartbeat.start(config.rendezvous_addr, config.rendezvous_port, secret, wid)
     kv = KVClient(config.rendezvous_addr, config.rendezvous_port, secret, timeout)
     try:
         kv.put(SCOPE, f"ready.{wid}.{n}", b"")
+        # The driver may wait up to the elastic timeout for a busy peer to ask too, as long
+        # again for --min-np slots, and as long again for the round's new workers to start.
         raw = kv.get(SCOPE, f"assign.{wid}.{n}",
-                     timeout=config.elastic_timeout + 2 * timeout + 30.0)
+                     timeout=3 * config.elastic_timeout + 2 * timeout + 30.0)
         kv.delete(SCOPE, f"assign.{wid}.{n}")
     finally:
         kv.close()

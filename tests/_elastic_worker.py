@@ -14,6 +14,8 @@ ET_KILL     "host:step[,host:step]": the worker on that host SIGKILLs itself onc
 ET_KILL_AT_SIZE  "size:host,host": the workers on those hosts SIGKILL themselves at their first
             step at that world size (torch)
 ET_FAIL     "host:step": the worker on that host exits 3 at that step (every time)
+ET_SLOW_START  "worker:seconds": workers with an id >= worker sleep that long before `init()`
+ET_FAIL_START  a host: its workers exit 3 before `init()` (a broken host)
 ET_UPDATE_FAILS  a rank: the first HostsUpdatedInterrupt of `check_host_updates()` becomes a
             HorovodInternalError on that rank only, as when a peer dies during its broadcast
 ET_TORCH    1: torch instead (TorchState: model, optimizer, ElasticSampler; see main_torch)
@@ -46,6 +48,12 @@ KERAS = os.environ.get("ET_KERAS") == "1"
 
 with open(os.path.join(OUT, f"pid.{WID}"), "w") as _f:
     _f.write(str(os.getpid()))
+if HOST and HOST == os.environ.get("ET_FAIL_START"):
+    sys.exit(3)
+if os.environ.get("ET_SLOW_START"):  # a new worker that is slow to start (imports, CUDA, data)
+    _first, _secs = os.environ["ET_SLOW_START"].split(":")
+    if WID.isdigit() and int(WID) >= int(_first):
+        time.sleep(float(_secs))
 
 
 def base(s: int) -> float:

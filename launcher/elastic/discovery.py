@@ -18,6 +18,7 @@ import random
 import re
 import secrets
 import subprocess
+import threading
 import time
 from typing import Any, Callable, Mapping
 
@@ -81,6 +82,18 @@ class HostDiscoveryScript(HostDiscovery):
     def __init__(self, script: str, default_slots: int | None = None,
                  timeout: float = 30.0) -> None:
         self.script, self.default_slots, self.timeout = script, default_slots, timeout
+        self._lock = threading.Lock()
+        self._running: tuple[subprocess.Popen, str] | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """Kills the run in progress, if any (with everything it started), and refuses new
+        runs: the job is over, and a hung run must not outlive hvdrun."""
+        with self._lock:
+            self._closed = True
+            running, self._running = self._running, None
+        if running is not None:
+            kill_process_tree(running[0].pid, running[1])
 
     def find_available_hosts_and_slots(self) -> dict[str, int]:
         # The script runs in a session of its own, with a variable of this run in its
@@ -89,13 +102,18 @@ class HostDiscoveryScript(HostDiscovery):
         # (`setsid`) or was orphaned, found by its ancestry or by the inherited variable.
         token = secrets.token_hex(8)
         marker = f"{RUN_MARKER_ENV}={token}"
-        try:
-            proc = subprocess.Popen(self.script, shell=True, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                    env={**os.environ, RUN_MARKER_ENV: token})
-        except OSError as exc:
-            raise DiscoveryError(f"cannot run host discovery script {self.script!r}: "
-                                 f"{exc}") from None
+        with self._lock:
+            if self._closed:
+                raise DiscoveryError(f"host discovery script {self.script!r}: the job is over")
+            try:
+                proc = subprocess.Popen(self.script, shell=True, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True,
+                                        env={**os.environ, RUN_MARKER_ENV: token})
+            except OSError as exc:
+                raise DiscoveryError(f"cannot run host discovery script {self.script!r}: "
+                                     f"{exc}") from None
+            self._running = (proc, marker)
         try:
             stdout, stderr = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
@@ -105,6 +123,10 @@ class HostDiscoveryScript(HostDiscovery):
         except BaseException:
             _kill_all(proc, marker)
             raise
+        finally:
+            with self._lock:
+                if self._running is not None and self._running[0] is proc:
+                    self._running = None
         if proc.returncode != 0:
             err = stderr.strip().splitlines()
             raise DiscoveryError(f"host discovery script {self.script!r} exited with status "

@@ -32,13 +32,15 @@ from collective.rendezvous import KVServer
 
 from .._proc import describe_exit
 from ..hosts import HostInfo, SlotInfo, get_host_assignments
-from .discovery import DiscoveryError, HostDiscovery, HostManager, as_discovery
+from .discovery import DiscoveryError, FixedHosts, HostDiscovery, HostManager, as_discovery
 from .spawn import WorkerSpawner
 
 __all__ = ["ElasticDriver", "ElasticKVServer", "ElasticResult", "assign_slots",
            "host_update_flags", "RESET_LIMIT_MESSAGE", "DISCOVERY_INTERVAL_S"]
 
 DISCOVERY_INTERVAL_S = 1.0
+# The workers' `alive.<worker>` heartbeat period (collective.elastic.HEARTBEAT_INTERVAL_S).
+HEARTBEAT_INTERVAL_S = 5.0
 
 # The worker side of the protocol is collective/elastic.py (which the launcher does not import:
 # it needs numpy); tests/unit/test_elastic_driver.py checks that both agree.
@@ -59,8 +61,18 @@ class ElasticKVServer(KVServer):
     def __init__(self, *args: Any, on_ready: Callable[[int, int], None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._on_ready = on_ready
+        self._beats: dict[int, float] = {}
+
+    def heartbeats(self) -> dict[int, float]:
+        """Worker id -> time.monotonic() of its latest `alive.<worker>` heartbeat."""
+        return dict(self._beats)
 
     def put(self, scope: str, key: str, value: bytes) -> None:
+        if scope == SCOPE and key.startswith("alive."):
+            wid = key[len("alive."):]
+            if wid.isdigit():
+                self._beats[int(wid)] = time.monotonic()
+            return  # only the time matters: nothing to store
         super().put(scope, key, value)
         if scope == SCOPE and key.startswith("ready."):
             parts = key.split(".")
@@ -176,9 +188,11 @@ class ElasticDriver:
         reset_limit: the most resets (None: no limit).
         cooldown_range: (lo, hi) seconds of blacklist cooldown, or None (permanent).
         message: where driver messages go (stderr lines).
-        straggler_timeout: seconds a live worker may keep the others waiting for a new round
-            (it should fail its next collective within the tcp timeout); after that it is
-            killed and counted as failed.
+        straggler_timeout: seconds a live worker that sends no heartbeat (`alive.<worker>`,
+            every 5 s) may keep the others waiting for a new round (it should fail its next
+            collective within the tcp timeout); after that it is killed and counted as failed.
+            A worker whose heartbeats go on is busy outside collectives (a rank-0 checkpoint
+            or evaluation): it is waited for up to the elastic timeout.
     """
 
     def __init__(self, discovery: Any, spawner: WorkerSpawner,
@@ -205,6 +219,15 @@ class ElasticDriver:
         self._interval = discovery_interval
         self._straggler_timeout = straggler_timeout
         self._waiting_since: float | None = None
+        self._straggler_msg = 0.0
+        self._discovery_failures = 0
+        # Survivors' answers of the latest round, held until its new workers have asked.
+        self._held: dict[int, tuple[int, dict[str, Any]]] = {}
+        self._held_new: list[int] = []
+        self._held_since = self._held_msg = 0.0
+        self._discovery_error: str | None = None
+        self._discovery_msg = 0.0
+        self._stopped_stragglers: set[int] = set()
         self._grace = grace_period
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._workers: dict[int, _Worker] = {}
@@ -235,13 +258,19 @@ class ElasticDriver:
         self._events.put(("exit", worker_id, (code, sig_name)))
 
     # -- main loop ------------------------------------------------------------------------------
-    def run(self) -> ElasticResult:
+    def run(self, first_hosts: Mapping[str, int] | None = None) -> ElasticResult:
         """Starts the job and returns when every worker has exited.
+
+        Args:
+            first_hosts: the result of a discovery run the caller just made (hvdrun's, to
+                choose the server address): the job starts from it instead of running the
+                discovery script again, whose failure would then fail the start.
 
         Raises:
             DiscoveryError: the first host discovery failed.
         """
-        self.hosts.update(self.discovery.find_available_hosts_and_slots())
+        self.hosts.update(first_hosts if first_hosts is not None
+                          else self.discovery.find_available_hosts_and_slots())
         old = self._install_signal_handlers()
         poller = threading.Thread(target=self._poll_hosts, name="hvdrun-discovery",
                                   daemon=True)
@@ -253,6 +282,10 @@ class ElasticDriver:
                 self._step()
         finally:
             self._closed.set()
+            close = getattr(self.discovery, "close", None)
+            if close is not None:  # a discovery run in progress must not outlive the job
+                close()
+            poller.join(timeout=5.0)
             for w in self._workers.values():
                 if w.exit is None:
                     self.spawner.stop(w.id, signal.SIGKILL)
@@ -280,9 +313,13 @@ class ElasticDriver:
         elif kind == "exit":
             self._worker_exited(a, *b)
         elif kind == "hosts":
+            if self._discovery_failures:
+                self._message(f"hvdrun: host discovery works again (after "
+                              f"{self._discovery_failures} failed run(s))")
+                self._discovery_failures, self._discovery_error = 0, None
             self.hosts.update(b)
         elif kind == "discovery_error":
-            self._message(f"hvdrun: host discovery failed (will retry): {a}")
+            self._discovery_failed(a)
         elif kind == "signal":
             name = signal.Signals(a).name
             if self._stopping_since is None:
@@ -293,6 +330,9 @@ class ElasticDriver:
         if self._stopping_since is not None:
             if not self._killed and time.monotonic() >= self._stopping_since + self._grace:
                 self._kill_all()
+            return
+        if self._held:
+            self._check_held()
             return
         self._check_barrier()
         if self._forming_since is not None:
@@ -322,21 +362,29 @@ class ElasticDriver:
         self._notified = self._signature()
         self._message(f"hvdrun: elastic job starting {len(slots)} worker(s) on "
                       f"{self._describe(slots)}")
-        for s in new:
-            self._launch(s, sync=True)
+        # Every worker is answered once all have asked (called hvd.init()): a worker slower to
+        # start than HOROVOD_GLOO_TIMEOUT_SECONDS does not make the others' rendezvous fail.
+        self._held_new = [self._launch(s, sync=True, hold=True) for s in new]
+        self._held_since = self._held_msg = time.monotonic()
 
     # -- workers --------------------------------------------------------------------------------
-    def _launch(self, slot: SlotInfo, sync: bool) -> None:
+    def _launch(self, slot: SlotInfo, sync: bool, hold: bool = False) -> int:
+        """Starts a worker for `slot`; its place is written at once, or with `hold` kept in
+        `_held` until `_check_held` releases it."""
         wid = self._next_id
         self._next_id += 1
-        w = _Worker(wid, slot.hostname, slot.rank, answered_seq=0, round=self._round)
+        w = _Worker(wid, slot.hostname, slot.rank, answered_seq=-1, round=self._round)
         self._workers[wid] = w
-        self._answer(w, 0, self._assignment(slot, sync))
+        if hold:
+            self._held[wid] = (0, self._assignment(slot, sync))
+        else:
+            self._answer(w, 0, self._assignment(slot, sync))
         env = dict(self.env_for(slot))
         env["HOROVOD_ELASTIC"] = "1"
         env[WORKER_ID_ENV] = str(wid)
         self._started += 1
         self.spawner.spawn(wid, slot.hostname, env, self._on_exit)
+        return wid
 
     def _assignment(self, slot: SlotInfo, sync: bool) -> dict[str, Any]:
         """A worker's place in this round; `sync`: the round has a worker that was not in the
@@ -404,19 +452,10 @@ class ElasticDriver:
             self._waiting_since = None
             return
         if not all(w.waiting for w in live):
-            now = time.monotonic()
-            if self._waiting_since is None:
-                self._waiting_since = now
-            elif now - self._waiting_since > self._straggler_timeout:
-                for w in live:
-                    if not w.waiting:
-                        self._message(f"hvdrun: worker {w.id} (rank {w.rank} on host {w.host}) "
-                                      f"did not rejoin within {self._straggler_timeout:g} s of "
-                                      "the others asking for a new round; stopping it")
-                        self.spawner.stop(w.id, signal.SIGKILL)
-                self._waiting_since = now  # its exit (a failure) completes the barrier
+            self._check_stragglers([w for w in live if not w.waiting])
             return
         self._waiting_since = None
+        self._stopped_stragglers.clear()
         self.timings["barrier"] = time.time()
         finished = [w for w in self._workers.values()
                     if w.exit is not None and w.exit[0] == 0 and not w.removed]
@@ -433,6 +472,86 @@ class ElasticDriver:
         self._forming_since = time.monotonic()
         self._last_wait_msg = 0.0
 
+    def _check_stragglers(self, stragglers: list[_Worker]) -> None:
+        """Some workers asked for a new round, `stragglers` not yet. One that sent no heartbeat
+        for the straggler timeout is stopped, frozen or cut off: it is killed (a failure, which
+        completes the barrier). One whose heartbeats go on is busy outside collectives: it is
+        waited for (Horovod waits for every worker) up to the elastic timeout."""
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = self._straggler_msg = now
+            return
+        beats = self.server.heartbeats() if hasattr(self.server, "heartbeats") else {}
+        waited = now - self._waiting_since
+        busy_limit = max(self.elastic_timeout, self._straggler_timeout)
+        busy = []
+        for w in stragglers:
+            if w.id in self._stopped_stragglers:
+                continue
+            what = f"worker {w.id} (rank {w.rank} on host {w.host})"
+            silent = now - max(self._waiting_since, beats.get(w.id, float("-inf")))
+            if silent > self._straggler_timeout:
+                why = (f"did not rejoin within {waited:.0f} s of the others asking for a new "
+                       f"round, and sent no heartbeat for {silent:.0f} s (stopped, hung or cut "
+                       "off); stopping it")
+            elif waited > busy_limit:
+                why = (f"is alive but did not rejoin within {busy_limit:g} s (--elastic-timeout)"
+                       " of the others asking for a new round; stopping it")
+            else:
+                if now - beats.get(w.id, float("-inf")) <= 3 * HEARTBEAT_INTERVAL_S:
+                    busy.append(what)  # heard from lately (else: silent, maybe stopped)
+                continue
+            self._message(f"hvdrun: {what} {why}")
+            self._stopped_stragglers.add(w.id)
+            self.spawner.stop(w.id, signal.SIGKILL)  # its exit (a failure) completes the barrier
+        if busy and now - self._straggler_msg >= 30.0:
+            self._straggler_msg = now
+            self._message(f"hvdrun: waiting for {', '.join(busy)} to ask for a new round too: "
+                          "alive, but busy outside collectives for "
+                          f"{waited:.0f} s (given up on after {busy_limit:g} s, "
+                          "--elastic-timeout)")
+
+    def _check_held(self) -> None:
+        """Answers the survivors of a round with new workers (and, at start, every worker)
+        once every new worker has asked for its place (its first `init()`), or exited. The
+        new workers' rendezvous then waits for survivors that are ready, instead of survivors
+        waiting in theirs, which gives up after HOROVOD_GLOO_TIMEOUT_SECONDS, for a worker
+        still starting up (slow imports, CUDA or data set-up before `hvd.init()`): that failed
+        the new worker and blacklisted its host. A new worker that has not asked within the
+        elastic timeout is killed. At start, a worker gone before it asked is planned out."""
+        now = time.monotonic()
+        late = [self._workers[i] for i in self._held_new
+                if self._workers[i].ready_seq < 0 and self._workers[i].exit is None]
+        if late and now - self._held_since <= self.elastic_timeout:
+            if now - self._held_msg >= 30.0:
+                self._held_msg = now
+                self._message(f"hvdrun: round {self._round} waits for new worker(s) "
+                              f"{', '.join(str(w.id) for w in late)} to start (to call "
+                              f"hvd.init()) for {now - self._held_since:.0f} s (given up on "
+                              f"after {self.elastic_timeout:g} s, --elastic-timeout)")
+            return
+        for w in late:
+            self._message(f"hvdrun: new worker {w.id} (rank {w.rank} on host {w.host}) did "
+                          f"not call hvd.init() within {self.elastic_timeout:g} s "
+                          "(--elastic-timeout); stopping it")
+            self.spawner.stop(w.id, signal.SIGKILL)
+        late_ids = {w.id for w in late}
+        if self._round == 0 and any(self._workers[i].exit is not None or i in late_ids
+                                    for i in self._held_new):
+            # At start nobody has been answered yet: rather than send every worker into a
+            # rendezvous that waits in vain for one that is gone, plan the start again
+            # without it (the others have all asked: they form round 1).
+            self._held, self._held_new = {}, []
+            if any(w.live for w in self._workers.values()):
+                self._forming_since = time.monotonic()
+                self._last_wait_msg = 0.0
+            return
+        held, self._held, self._held_new = self._held, {}, []
+        for wid, (seq, msg) in held.items():
+            w = self._workers[wid]
+            if w.exit is None:
+                self._answer(w, seq, msg)
+
     def _stop_if_survivors_blacklisted(self, live: list[_Worker]) -> bool:
         """Stops the job when every live worker's host is blacklisted for good: none of them
         can keep a place, whatever hosts come (Horovod: every recorded host is blacklisted),
@@ -444,6 +563,25 @@ class ElasticDriver:
         self._stop("No hosts from previous set remaining, unable to broadcast state: the "
                    f"surviving workers' host{'s' if many else ''} {', '.join(hosts)} "
                    f"{'are' if many else 'is'} blacklisted")
+        return True
+
+    def _stop_if_slots_cannot_come(self, need: int) -> bool:
+        """Stops the job when fewer than `need` slots are left and no more can come: the hosts
+        are a fixed list (-H/--hostfile) and the missing ones are blacklisted for good, so
+        waiting --elastic-timeout (600 s by default) would change nothing."""
+        if not isinstance(self.discovery, FixedHosts) or self.hosts.cooldown_range is not None:
+            return False
+        fixed = self.discovery.find_available_hosts_and_slots()
+        possible = sum(n for h, n in fixed.items() if not self.hosts.blacklisted_for_good(h))
+        if possible >= need:
+            return False
+        black = [h for h in fixed if self.hosts.blacklisted_for_good(h)]
+        many = len(black) > 1
+        self._stop(f"Only {possible} slot(s) left for --min-np {need}, and no more can come: "
+                   f"the hosts are the fixed list {self._describe_hosts(fixed)} (-H/--hostfile)"
+                   f" and {', '.join(black)} {'are' if many else 'is'} blacklisted for good. "
+                   "Lower --min-np, give more hosts, or let failed hosts come back "
+                   "(--blacklist-cooldown-range) or be replaced (--host-discovery-script).")
         return True
 
     def _try_assign(self) -> None:
@@ -459,6 +597,8 @@ class ElasticDriver:
         have = self.hosts.total_slots()
         need = self.min_np
         if have < need:
+            if self._stop_if_slots_cannot_come(need):
+                return
             deadline = self._forming_since + self.elastic_timeout
             self._say_waiting(need, deadline)
             if time.monotonic() >= deadline:
@@ -482,9 +622,13 @@ class ElasticDriver:
         for wid, slot in placed.items():
             w = self._workers[wid]
             w.rank, w.round = slot.rank, self._round
-            self._answer(w, w.ready_seq, self._assignment(slot, sync=bool(new)))
-        for s in new:
-            self._launch(s, sync=True)
+            msg = self._assignment(slot, sync=bool(new))
+            if new:  # answered once the new workers have asked for their place
+                self._held[wid] = (w.ready_seq, msg)
+            else:
+                self._answer(w, w.ready_seq, msg)
+        self._held_new = [self._launch(s, sync=True) for s in new]
+        self._held_since = self._held_msg = time.monotonic()
         self.timings["assigned"] = time.time()
         self._message(f"hvdrun: elastic round {self._round} (reset {self.resets}): "
                       f"{len(slots)} worker(s) on {self._describe(slots)}"
@@ -523,6 +667,19 @@ class ElasticDriver:
                 self._events.put(("discovery_error", str(exc), None))
 
     # -- messages -------------------------------------------------------------------------------
+    def _discovery_failed(self, text: str) -> None:
+        """Reports a failed discovery run (polled every second): the first failure, a new
+        error text, and then once a minute with the count, not once a second."""
+        self._discovery_failures += 1
+        now = time.monotonic()
+        if text == self._discovery_error and now - self._discovery_msg < 60.0:
+            return
+        self._discovery_error, self._discovery_msg = text, now
+        again = (f" ({self._discovery_failures} failed runs so far)"
+                 if self._discovery_failures > 1 else "")
+        self._message(f"hvdrun: host discovery failed{again}; keeping the hosts found last "
+                      f"and retrying every {self._interval:g} s: {text}")
+
     def _say_waiting(self, need: int, deadline: float) -> None:
         now = time.monotonic()
         if now - self._last_wait_msg < 10.0:
@@ -565,7 +722,8 @@ class ElasticDriver:
               and all(w.exit is not None and w.exit[0] == 0 for w in last))
         final = [w for w in last if w.exit is not None and w.exit[0] == 0]
         status = "finished" if ok else "failed"
-        lines = [f"hvdrun: elastic job {status}" + (f": {reason}" if reason else "") + "."]
+        lines = [f"hvdrun: elastic job {status}"
+                 + (f": {reason.rstrip('.')}" if reason else "") + "."]
         lines.append(f"  {self._round + 1} round(s), {self.resets} reset(s); {self._started} "
                      f"worker(s) started, {len(self._failures)} failed, {self._removed} "
                      f"removed; final size {len(final) if ok else 0}")

@@ -119,7 +119,7 @@ def run_elastic(settings: LaunchSettings, elastic: ElasticSettings, *,
                       f"{elastic.min_np}, --max-np {elastic.max_np or 'unlimited'}, hosts "
                       f"{','.join(f'{h}:{n}' for h, n in first.items())}, rendezvous server "
                       f"{rendezvous[0]}:{rendezvous[1]}, command {' '.join(spawner.command)}\n")
-        result = driver.run()
+        result = driver.run(first)
         err.write(result.summary + "\n")
         err.flush()
         return result

@@ -50,6 +50,62 @@ def test_sigkill_rolls_back_to_last_commit(tmp_path: Path) -> None:
     no_orphans(job)
 
 
+def test_worker_slower_to_start_than_the_gloo_timeout_at_start(tmp_path: Path) -> None:
+    """At start, one worker takes longer to reach init() than HOROVOD_GLOO_TIMEOUT_SECONDS
+    (a slower host): every worker is answered once all have asked, so the others' first
+    rendezvous does not give up on it (which failed every worker, and the job)."""
+    steps = 12
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1"],
+              {"ET_STEPS": str(steps), "ET_SLOW_START": "1:8",
+               "HOROVOD_GLOO_TIMEOUT_SECONDS": "4"}, 60)
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [(r["rank"], r["size"], r["step"]) for r in res] == [(0, 2, steps), (1, 2, steps)]
+    assert "0 failed" in out and "0 reset(s)" in out, out
+    no_orphans(job)
+
+
+def test_worker_failing_before_init_at_start_is_left_out(tmp_path: Path) -> None:
+    """At start the worker of one host exits before init() (a broken host): the others
+    start without it (the job went down with it: their first rendezvous waited for it in
+    vain and failed), and --min-np 1 is kept."""
+    steps = 12
+    job = Job(tmp_path, ["-np", "3", "--min-np", "1", "-H", "localhost:2,127.0.0.1:1"],
+              {"ET_STEPS": str(steps), "ET_FAIL_START": "127.0.0.1"}, 60)
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [(r["rank"], r["size"], r["step"]) for r in res] == [(0, 2, steps), (1, 2, steps)]
+    assert "blacklisting host 127.0.0.1" in out and "0 reset(s)" in out, out
+    no_orphans(job)
+
+
+def test_new_worker_slower_to_start_than_the_gloo_timeout(tmp_path: Path) -> None:
+    """A host appears; its worker takes longer to reach init() than
+    HOROVOD_GLOO_TIMEOUT_SECONDS (slow imports, CUDA or data set-up). The survivors are
+    answered once it has asked, so nobody's rendezvous gives up on it: it joins, no host is
+    blacklisted, and the job finishes at the larger size."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    steps = 80
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3",
+                         "--host-discovery-script", f"cat {hosts}"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.1",
+               "ET_SLOW_START": "2:8", "HOROVOD_GLOO_TIMEOUT_SECONDS": "4"}, 90)
+    job.wait_progress(4)
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [r["rank"] for r in res] == [0, 1, 2], out
+    for r in res:
+        assert r["size"] == 3 and r["step"] == steps and r["log"] == list(range(steps))
+        assert r["w"] == [_expected_w(steps)] * 4
+    assert "blacklisting" not in out and "0 failed" in out, out
+    no_orphans(job)
+
+
 @pytest.mark.parametrize("process_sets", ["", "dynamic"], ids=["static-sets", "dynamic-sets"])
 def test_host_added_by_discovery(tmp_path: Path, process_sets: str) -> None:
     """Test 2: a host appears in the discovery output; the new worker gets the state and the
@@ -179,10 +235,11 @@ def test_reset_limit_fails_cleanly(tmp_path: Path) -> None:
 
 def test_fewer_than_min_np_times_out(tmp_path: Path) -> None:
     """Test 5: after a failure fewer than --min-np slots remain; the driver waits
-    --elastic-timeout, then fails with a clear error and leaves no process behind."""
+    --elastic-timeout (the discovery could find more), then fails with a clear error and
+    leaves no process behind."""
     t0 = time.monotonic()
-    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "2", "-H",
-                         "localhost:1,127.0.0.1:1"],
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "2",
+                         "--host-discovery-script", "printf 'localhost:1\\n127.0.0.1:1\\n'"],
               {"ET_STEPS": "200", "ET_KILL": "127.0.0.1:3"}, 60)
     code, out = job.finish()
     assert code == 1, out
@@ -190,6 +247,24 @@ def test_fewer_than_min_np_times_out(tmp_path: Path) -> None:
     assert "Timed out after 2 s waiting for 2 slots; have 1 (localhost:1; blacklisted: " \
            "127.0.0.1)" in out, out
     assert "hvdrun stopped the elastic job" in out  # what the waiting survivor was told
+    assert time.monotonic() - t0 < 30
+    no_orphans(job)
+
+
+def test_fixed_hosts_fewer_than_min_np_stops_at_once(tmp_path: Path) -> None:
+    """The same with a fixed -H list: no slot can come back (the failed host is blacklisted
+    for good), so the job stops at once instead of waiting --elastic-timeout (600 s)."""
+    t0 = time.monotonic()
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "-H", "localhost:1,127.0.0.1:1"],
+              {"ET_STEPS": "200", "ET_KILL": "127.0.0.1:3"}, 60)
+    code, out = job.finish()
+    assert code == 1, out
+    assert "waiting for 2 slots" not in out, out
+    reason = ("Only 1 slot(s) left for --min-np 2, and no more can come: the hosts are the "
+              "fixed list localhost:1,127.0.0.1:1 (-H/--hostfile) and 127.0.0.1 is "
+              "blacklisted for good.")
+    assert f"hvdrun stopped the elastic job: {reason}" in out, out
+    assert f"hvdrun: elastic job failed: {reason}" in out, out
     assert time.monotonic() - t0 < 30
     no_orphans(job)
 

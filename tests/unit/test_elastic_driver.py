@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -15,7 +16,8 @@ import pytest
 from launcher import network
 from launcher.cli import build_parser
 from launcher.elastic.cli import elastic_settings_from_args
-from launcher.elastic.discovery import (DiscoveryError, HostDiscoveryScript, HostManager,
+from launcher.elastic.discovery import (DiscoveryError, FixedHosts, HostDiscoveryScript,
+                                        HostManager,
                                         as_discovery, parse_discovery_output)
 from launcher.elastic.driver import (ElasticDriver, ElasticResult, HostUpdateResult,
                                      assign_slots, host_update_flags)
@@ -86,12 +88,20 @@ class _FakeStore:
         self.data.pop(key, None)
 
 
+def _begin(d: ElasticDriver) -> None:
+    """Starts the job; every worker then asks for its place (its first init())."""
+    d._start()
+    for wid in list(d._workers):
+        d.ready(wid, 0)
+        d._step()
+
+
 def _driver(hosts: dict[str, int], num_proc: int, max_np: int | None):
     spawner, store = _FakeSpawner(), _FakeStore()
     d = ElasticDriver(lambda: hosts, spawner, lambda slot: {}, store, num_proc=num_proc,
                       min_np=1, max_np=max_np)
     d.hosts.update(hosts)
-    d._start()
+    _begin(d)
     return d, spawner, store
 
 
@@ -126,6 +136,9 @@ def test_round_with_a_new_worker_tells_every_survivor_to_sync(
     _next_round(d, after, meanwhile)
     assert store.data["update.0"] == [1, flags] and "update.1" not in store.data
     assert [host for _, host in spawner.spawned[num_proc:]] == new
+    for wid, _ in spawner.spawned[num_proc:]:  # the new workers ask: the survivors are answered
+        d.ready(wid, 0)
+        d._step()
     answers = [store.data[f"assign.{wid}.1"] for wid in range(num_proc)]
     assert sum("removed" in a for a in answers) == 1, answers
     assert [a["sync"] for a in answers if "rank" in a] == [bool(new)] * (num_proc - 1), answers
@@ -174,7 +187,7 @@ def test_survivors_on_blacklisted_hosts_only(cooldown) -> None:
     d = ElasticDriver(lambda: {"a": 2}, spawner, lambda slot: {}, store, num_proc=2,
                       min_np=1, max_np=None, cooldown_range=cooldown)
     d.hosts.update({"a": 2})
-    d._start()
+    _begin(d)
     d._on_exit(1, 3, None)
     d._step()
     d.ready(0, 1)  # the survivor's collective failed: it asks for a new round
@@ -189,6 +202,307 @@ def test_survivors_on_blacklisted_hosts_only(cooldown) -> None:
     else:
         assert d._stop_reason is None and "assign.0.1" not in store.data, store.data
         assert d._forming_since is not None  # waiting for the host's cooldown to end
+
+
+class _KillingSpawner(_FakeSpawner):
+    """Reports a SIGKILLed worker's exit to the driver, as hvdrun's spawner does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.killed: list[int] = []
+        self.driver = None
+
+    def stop(self, worker_id, sig) -> None:
+        if sig == signal.SIGKILL:
+            self.killed.append(worker_id)
+            self.driver._on_exit(worker_id, 137, "SIGKILL")
+
+
+class _BeatingStore(_FakeStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.beats: dict[int, float] = {}
+
+    def heartbeats(self) -> dict[int, float]:
+        return dict(self.beats)
+
+
+@pytest.mark.parametrize("beating", [True, False], ids=["busy", "silent"])
+@pytest.mark.timeout(30)
+def test_a_worker_that_keeps_the_others_waiting(beating) -> None:
+    """Worker 1 dies; worker 2 asks for a new round; worker 0 does not (yet). Silent (no
+    heartbeat: stopped, frozen, cut off), it is killed after the straggler timeout. Busy
+    outside collectives (a rank-0 checkpoint or evaluation; its heartbeats go on), it is
+    waited for up to the elastic timeout, and then joins the round: it was killed after the
+    straggler timeout, its host blacklisted for good, and with it the job."""
+    spawner, store = _KillingSpawner(), _BeatingStore()
+    messages: list[str] = []
+    d = ElasticDriver(lambda: {"a": 2, "b": 1}, spawner, lambda slot: {}, store, num_proc=3,
+                      min_np=1, max_np=None, elastic_timeout=5.0, straggler_timeout=1.0,
+                      message=messages.append)
+    spawner.driver = d
+    d.hosts.update({"a": 2, "b": 1})
+    _begin(d)
+    d._on_exit(2, 137, "SIGKILL")  # worker 2 on b dies
+    d._step()
+    d.ready(1, 1)  # worker 1's collective failed
+    d._step()
+    deadline = time.monotonic() + 2.5  # each step waits up to 0.5 s for an event
+    while time.monotonic() < deadline:
+        if beating:
+            store.beats[0] = time.monotonic()
+        d._step()
+    if not beating:
+        assert spawner.killed == [0], messages
+        assert "sent no heartbeat" in "\n".join(messages), messages
+        assert d._stop_reason.startswith("No hosts from previous set remaining"), d._stop_reason
+        return
+    assert spawner.killed == [] and d._stop_reason is None, messages
+    d.ready(0, 1)  # done with its checkpoint, worker 0 fails its next collective
+    d._step()
+    assert store.data["assign.0.1"]["size"] == 2 and store.data["assign.1.1"]["size"] == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_busy_worker_is_stopped_after_the_elastic_timeout() -> None:
+    spawner, store = _KillingSpawner(), _BeatingStore()
+    messages: list[str] = []
+    d = ElasticDriver(lambda: {"a": 1, "b": 1}, spawner, lambda slot: {}, store, num_proc=2,
+                      min_np=1, max_np=None, elastic_timeout=1.2, straggler_timeout=0.8,
+                      message=messages.append)
+    spawner.driver = d
+    d.hosts.update({"a": 1, "b": 1})
+    _begin(d)
+    d.ready(1, 1)
+    d._step()
+    deadline = time.monotonic() + 4.0
+    while time.monotonic() < deadline and not spawner.killed:
+        store.beats[0] = time.monotonic()
+        d._step()
+    assert spawner.killed == [0], messages
+    assert any("is alive but did not rejoin within 1.2 s (--elastic-timeout)" in m
+               for m in messages), messages
+
+
+@pytest.mark.timeout(30)
+def test_worker_heartbeat_reaches_the_server(monkeypatch) -> None:
+    import collective.elastic as worker
+    from launcher.elastic.driver import ElasticKVServer
+
+    monkeypatch.setattr(worker, "HEARTBEAT_INTERVAL_S", 0.05)
+    secret = b"s" * 32
+    server = ElasticKVServer("127.0.0.1", 0, secret, on_ready=lambda wid, seq: None)
+    addr, port = server.start()
+    try:
+        beat = worker._Heartbeat()
+        beat.start(addr, port, secret, "7")
+        deadline = time.monotonic() + 10
+        while 7 not in server.heartbeats() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = server.heartbeats()[7]
+        while server.heartbeats()[7] == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.heartbeats()[7] > first  # it goes on
+        assert server.get("elastic", "alive.7") is None  # nothing stored
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("cooldown", [None, (5.0, 10.0)], ids=["for-good", "cooldown"])
+@pytest.mark.timeout(30)
+def test_fixed_hosts_too_few_slots_for_min_np(cooldown) -> None:
+    """-H a:1,b:1 --min-np 2: the worker on b fails and b is blacklisted for good. The fixed
+    list cannot grow, so the job stops at once with the reason (it waited --elastic-timeout,
+    600 s by default, for slots that could not come). With a cooldown b comes back: wait."""
+    spawner, store = _FakeSpawner(), _FakeStore()
+    d = ElasticDriver(FixedHosts({"a": 1, "b": 1}), spawner, lambda slot: {}, store,
+                      num_proc=2, min_np=2, max_np=None, cooldown_range=cooldown)
+    d.hosts.update({"a": 1, "b": 1})
+    _begin(d)
+    d._on_exit(1, 1, None)
+    d._step()
+    d.ready(0, 1)
+    d._step()
+    d._step()
+    if cooldown is not None:
+        assert d._stop_reason is None and d._forming_since is not None
+        return
+    assert d._stop_reason == (
+        "Only 1 slot(s) left for --min-np 2, and no more can come: the hosts are the fixed "
+        "list a:1,b:1 (-H/--hostfile) and b is blacklisted for good. Lower --min-np, give "
+        "more hosts, or let failed hosts come back (--blacklist-cooldown-range) or be "
+        "replaced (--host-discovery-script)."), d._stop_reason
+    assert store.data["assign.0.1"] == {"stop": d._stop_reason}
+    d._on_exit(0, 1, None)
+    res = d._result()
+    assert res.exit_code == 1
+    assert res.summary.startswith(f"hvdrun: elastic job failed: {d._stop_reason}\n"), res.summary
+
+
+def test_discovery_failures_are_reported_once_not_every_second() -> None:
+    messages: list[str] = []
+    d = ElasticDriver(lambda: {"a": 1}, _FakeSpawner(), lambda slot: {}, _FakeStore(),
+                      num_proc=1, min_np=1, max_np=None, message=messages.append)
+    d.hosts.update({"a": 1})
+    _begin(d)
+    messages.clear()
+    for _ in range(5):
+        d._events.put(("discovery_error", "script exited with status 2", None))
+        d._step()
+    d._events.put(("discovery_error", "script did not finish within 30 s", None))
+    d._step()
+    d._events.put(("hosts", None, {"a": 1}))
+    d._step()
+    assert messages == [
+        "hvdrun: host discovery failed; keeping the hosts found last and retrying every 1 s: "
+        "script exited with status 2",
+        "hvdrun: host discovery failed (6 failed runs so far); keeping the hosts found last "
+        "and retrying every 1 s: script did not finish within 30 s",
+        "hvdrun: host discovery works again (after 6 failed run(s))"], messages
+
+
+def test_summary_ends_with_one_period() -> None:
+    d, _, _ = _driver({"a": 1}, 1, None)
+    d._stop("No hosts from previous set remaining, unable to broadcast state.")
+    assert d._result().summary.splitlines()[0] == (
+        "hvdrun: elastic job failed: No hosts from previous set remaining, unable to "
+        "broadcast state.")
+
+
+@pytest.mark.parametrize("how", ["asks", "dies", "never"])
+@pytest.mark.timeout(30)
+def test_survivors_wait_for_the_new_workers_of_their_round(how) -> None:
+    """A host appears; the round starts a worker there. The survivor's answer is held until
+    the new worker has asked for its place (its first init()): written at once, the
+    survivor's rendezvous gave up after HOROVOD_GLOO_TIMEOUT_SECONDS when the new worker
+    took longer to start (slow imports, CUDA or data set-up), which failed the new worker
+    and blacklisted its host. A new worker that dies first releases the survivor (whose
+    rendezvous then fails and asks again); one that never asks is killed after the elastic
+    timeout."""
+    spawner, store = _KillingSpawner(), _FakeStore()
+    messages: list[str] = []
+    d = ElasticDriver(lambda: {"a": 1}, spawner, lambda slot: {}, store, num_proc=1,
+                      min_np=1, max_np=None, elastic_timeout=1.0, message=messages.append)
+    spawner.driver = d
+    d.hosts.update({"a": 1})
+    _begin(d)
+    d._events.put(("hosts", None, {"a": 1, "b": 1}))
+    d._step()
+    d.ready(0, 1)  # the survivor's check_host_updates() raised: it asks for its place
+    d._step()
+    assert spawner.spawned == [(0, "a"), (1, "b")]
+    assert store.data["assign.1.0"]["size"] == 2  # the new worker's place: written at start
+    for _ in range(3):  # the new worker is still starting
+        d._events.put(("tick", None, None))
+        d._step()
+    assert "assign.0.1" not in store.data, store.data
+    if how == "asks":
+        d.ready(1, 0)
+        d._step()
+    elif how == "dies":
+        d._on_exit(1, 1, None)
+        d._step()
+    else:
+        deadline = time.monotonic() + 3.0
+        while "assign.0.1" not in store.data and time.monotonic() < deadline:
+            d._step()
+        assert spawner.killed == [1], messages
+        assert any("new worker 1 (rank 1 on host b) did not call hvd.init() within 1 s"
+                   in m for m in messages), messages
+    assert store.data["assign.0.1"] == {**store.data["assign.1.0"], "rank": 0, "local_rank": 0,
+                                        "cross_rank": 0}, store.data
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(30)
+def test_job_end_kills_a_discovery_run_in_progress(tmp_path) -> None:
+    """The job ends while a discovery run hangs (the poller runs the script every second):
+    hvdrun kills it with what it started, instead of leaving it behind. The job starts from
+    the hosts the caller found (hvdrun's first run), without running the script again."""
+    count, pidfile = tmp_path / "count", tmp_path / "pid"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho x >> {count}\necho $$ > {pidfile}.tmp\n"
+                      f"mv {pidfile}.tmp {pidfile}\nexec sleep 300\n")
+    script.chmod(0o755)
+
+    class ExitsLater(_FakeSpawner):
+        def spawn(self, worker_id, hostname, env, on_exit) -> None:
+            super().spawn(worker_id, hostname, env, on_exit)
+            def finish():
+                deadline = time.monotonic() + 10
+                while not pidfile.exists() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                on_exit(worker_id, 0, None)
+            threading.Thread(target=finish, daemon=True).start()
+
+    d = ElasticDriver(HostDiscoveryScript(str(script), timeout=60), ExitsLater(),
+                      lambda slot: {}, _FakeStore(), num_proc=1, min_np=1, max_np=None,
+                      discovery_interval=0.05)
+    t0 = time.monotonic()
+    res = d.run({"a": 1})
+    assert res.exit_code == 0, res.summary
+    assert time.monotonic() - t0 < 10
+    assert count.read_text() == "x\n"  # only the poller's run: none at start
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), "the discovery run outlived the job"
+
+
+@pytest.mark.timeout(30)
+def test_workers_at_start_are_answered_once_all_have_asked() -> None:
+    """At start every worker is answered once all have called init(): a worker slower to
+    start than HOROVOD_GLOO_TIMEOUT_SECONDS (imports, CUDA, data set-up on a slow host) made
+    the others' first rendezvous fail, and with it the whole job."""
+    store = _FakeStore()
+    d = ElasticDriver(lambda: {"a": 1, "b": 1}, _FakeSpawner(), lambda slot: {}, store,
+                      num_proc=2, min_np=1, max_np=None)
+    d.hosts.update({"a": 1, "b": 1})
+    d._start()
+    d.ready(0, 0)
+    d._step()
+    assert "assign.0.0" not in store.data and "assign.1.0" not in store.data
+    d.ready(1, 0)
+    d._step()
+    assert store.data["assign.0.0"]["rank"] == 0 and store.data["assign.1.0"]["rank"] == 1
+    assert store.data["assign.0.0"]["size"] == store.data["assign.1.0"]["size"] == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_that_fails_before_init_at_start_is_planned_out() -> None:
+    """At start worker 2 exits before init() (a broken host); 0 and 1 have asked. Nobody has
+    been answered yet, so the start is planned again without it (round 1, size 2): answered
+    with the first plan, the others waited in a rendezvous for it, timed out in hvd.init()
+    and failed, and the whole job with them."""
+    store = _FakeStore()
+    d = ElasticDriver(lambda: {"a": 2, "b": 1}, _FakeSpawner(), lambda slot: {}, store,
+                      num_proc=3, min_np=1, max_np=None)
+    d.hosts.update({"a": 2, "b": 1})
+    d._start()
+    for wid in (0, 1):
+        d.ready(wid, 0)
+        d._step()
+    d._on_exit(2, 1, None)
+    d._step()
+    d._step()
+    answers = [store.data.get(f"assign.{wid}.0") for wid in range(3)]
+    assert answers[2] is None, answers
+    assert [(a["rank"], a["size"], a["scope"]) for a in answers[:2]] == [
+        (0, 2, "ringvod/elastic/1"), (1, 2, "ringvod/elastic/1")], answers
+    assert d.resets == 0
+    d._on_exit(0, 0, None)
+    d._on_exit(1, 0, None)
+    d._step()
+    d._step()
+    res = d._result()
+    assert res.exit_code == 0 and res.final_size == 2, res.summary
 
 
 def test_host_manager_order_and_cooldown() -> None:
@@ -361,6 +675,7 @@ def test_protocol_constants_match_the_worker_side() -> None:
     from launcher.elastic import driver
 
     assert (driver.SCOPE, driver.WORKER_ID_ENV) == (worker.SCOPE, worker.WORKER_ID_ENV)
+    assert driver.HEARTBEAT_INTERVAL_S == worker.HEARTBEAT_INTERVAL_S
     for name in ("no_update", "removed", "added", "mixed"):
         assert getattr(driver.HostUpdateResult, name) == getattr(worker.HostUpdateResult, name)
 
@@ -414,7 +729,7 @@ class _ScriptedDriver:
     def __init__(self, discovery, spawner, env_for, server, **kwargs) -> None:
         self.env_for = env_for
 
-    def run(self) -> ElasticResult:
+    def run(self, first_hosts=None) -> ElasticResult:
         for rank, host in enumerate(self.HOSTS):
             self.env_for(SlotInfo(host, rank, 0, rank, len(self.HOSTS), 1, len(self.HOSTS)))
         return ElasticResult(0, "hvdrun: elastic job finished.", final_size=len(self.HOSTS))

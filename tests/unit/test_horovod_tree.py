@@ -1,5 +1,5 @@
-"""Horovod's module tree beyond the API: `horovod.common.exceptions` and
-`horovod.runner.util.threads`, which scripts and test helpers import."""
+"""Horovod's module tree beyond the API: `horovod.common.exceptions`, `horovod.common.elastic`
+and `horovod.runner.util.threads`, which scripts and test helpers import."""
 from __future__ import annotations
 
 import threading
@@ -121,3 +121,23 @@ def test_device_error_types_are_what_horovod_users_catch():
 
     assert issubclass(DeviceOpError, RuntimeError) and issubclass(DeviceOpError, ValueError)
     assert not issubclass(DeviceOpError, HorovodInternalError)  # a local usage error
+
+
+def test_common_elastic_is_collective_elastic():
+    """`from horovod.common.elastic import ObjectState, State, run_fn` (custom states and
+    wrappers) gives ringvod's classes, those of `hvd.elastic`."""
+    from horovod.common.elastic import ObjectState, State, run_fn
+
+    from collective import elastic
+
+    assert (State, ObjectState, run_fn) == (elastic.State, elastic.ObjectState, elastic.run_fn)
+
+    class Counter(ObjectState):  # a custom state, as with Horovod's
+        pass
+
+    state = Counter(bcast_object=lambda obj: obj, get_rank=lambda: 0, n=1)
+    state.n = 5
+    state.save()
+    state.n = 9
+    state.restore()
+    assert state.n == 5
