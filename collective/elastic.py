@@ -143,6 +143,16 @@ class _Heartbeat:
         self._lock = threading.Lock()
         self._target: tuple[str, int, bytes, str] | None = None
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Ends the thread (it closes its connection); `start` begins a new one."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not None:
+            thread.join()
+        self._stop.clear()
 
     def start(self, addr: str, port: int, secret: bytes, worker: str) -> None:
         with self._lock:
@@ -171,7 +181,10 @@ class _Heartbeat:
             except Exception:  # noqa: BLE001 - the driver is busy or gone: try again later
                 client.close()
                 client = None
-            time.sleep(HEARTBEAT_INTERVAL_S)
+            if self._stop.wait(HEARTBEAT_INTERVAL_S):
+                if client is not None:
+                    client.close()
+                return
 
 
 _heartbeat = _Heartbeat()

@@ -304,7 +304,10 @@ def test_worker_heartbeat_reaches_the_server(monkeypatch) -> None:
             time.sleep(0.05)
         assert server.heartbeats()[7] > first  # it goes on
         assert server.get("elastic", "alive.7") is None  # nothing stored
+        beat.stop()
+        assert not any(t.name == "hvd-elastic-heartbeat" for t in threading.enumerate())
     finally:
+        beat.stop()
         server.stop()
 
 
