@@ -14,6 +14,9 @@ ET_KILL     "host:step[,host:step]": the worker on that host SIGKILLs itself onc
 ET_KILL_AT_SIZE  "size:host,host": the workers on those hosts SIGKILL themselves at their first
             step at that world size (torch)
 ET_FAIL     "host:step": the worker on that host exits 3 at that step (every time)
+ET_KILL_ON_RESET  "size:host,host" (numpy): the workers on those hosts SIGKILL themselves once,
+            1 s into the reset callbacks of their first reset to that world size, i.e. after
+            the new world's init() and before the state sync (a new worker's first sync fails)
 ET_SLOW_START  "worker:seconds": workers with an id >= worker sleep that long before `init()`
 ET_FAIL_START  a host: its workers exit 3 before `init()` (a broken host)
 ET_UPDATE_FAILS  a rank: the first HostsUpdatedInterrupt of `check_host_updates()` becomes a
@@ -71,6 +74,8 @@ def _triggers(var: str) -> dict[str, list[int]]:
 KILL, FAIL = _triggers("ET_KILL"), _triggers("ET_FAIL")
 KILL_AT_SIZE = (lambda v: (v[0], v[1].split(",")) if len(v) == 2 else None)(
     os.environ.get("ET_KILL_AT_SIZE", "").split(":", 1))
+KILL_ON_RESET = (lambda v: (v[0], v[1].split(",")) if len(v) == 2 else None)(
+    os.environ.get("ET_KILL_ON_RESET", "").split(":", 1))
 
 
 def maybe_die(step: int) -> None:
@@ -102,6 +107,12 @@ def main_numpy() -> None:
 
     def on_reset() -> None:
         resets.append((hvd.size(), dict(elastic.last_reset_timings)))
+        if KILL_ON_RESET and hvd.size() == int(KILL_ON_RESET[0]) and HOST in KILL_ON_RESET[1]:
+            marker = os.path.join(OUT, f"killed_on_reset.{HOST}")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                time.sleep(1.0)  # every rank's init() is done: the sync is what fails
+                os.kill(os.getpid(), signal.SIGKILL)
 
     state.register_reset_callbacks([on_reset])
 
