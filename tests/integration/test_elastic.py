@@ -264,6 +264,35 @@ def test_new_worker_whose_first_sync_fails_is_not_rank_0(tmp_path: Path) -> None
     no_orphans(job)
 
 
+def test_new_worker_retries_a_first_init_that_fails(tmp_path: Path) -> None:
+    """Test 3d: a host appears, and a survivor dies once placed in the round with the new
+    worker, before the world forms: the new worker's first init() fails. It asks the driver
+    for a place again, as the survivors' reset does (it exited 1 and its host was
+    blacklisted), and joins the next round, below the survivor that holds the state."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    steps = 80
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "--max-np", "3",
+                         "--host-discovery-script", f"cat {hosts}"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.1",
+               "ET_KILL_IN_RENDEZVOUS": "3:127.0.0.1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "5"},
+              120)
+    job.wait_progress(4)
+    hosts.write_text(f"localhost:1\n127.0.0.1:1\n{HOSTNAME}:1\n")
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [(r["rank"], r["host"]) for r in res] == [(0, "localhost"), (1, HOSTNAME)], out
+    for r in res:
+        assert r["size"] == 2 and r["step"] == steps and r["log"] == list(range(steps)), r
+        assert r["w"] == [_expected_w(steps)] * 4, r["w"]
+    assert (tmp_path / "killed_in_rendezvous.127.0.0.1").exists(), out
+    assert "the first rendezvous failed" in out, out
+    assert "blacklisting host 127.0.0.1" in out and f"blacklisting host {HOSTNAME}" not in out
+    assert "1 failed" in out, out
+    no_orphans(job)
+
+
 def test_reset_limit_fails_cleanly(tmp_path: Path) -> None:
     """Test 4: failures beyond --reset-limit end the job with Horovod's message and a summary."""
     job = Job(tmp_path, ["-np", "3", "--min-np", "1", "--reset-limit", "1", "-H",
