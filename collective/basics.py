@@ -1,11 +1,13 @@
 """Lifecycle and topology queries: `init`, `shutdown`, `rank`, `size`, ... and process sets."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 from . import _current as _rt
+from ._log import get_logger
 from .config import update_environ, warn_no_effect
-from .errors import NotInitializedError
+from .errors import HorovodInternalError, NotInitializedError
 from .handle import Handle
 from .process_sets import ProcessSet, global_process_set
 from .runtime import Runtime
@@ -36,16 +38,35 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     threads, process set ids) is released and `is_initialized()` is False. When it raised on
     every rank alike (different or duplicate process sets), `init()` may be called again.
 
+    In an elastic job, the process's first `init()` asks the driver for its place again when
+    the world it was placed in fails to form (a peer died meanwhile), as a reset does, instead
+    of failing the worker (and blacklisting its host).
+
     Raises:
         ValueError: duplicate or invalid process sets, or process sets that differ across
             ranks (raised on every rank).
         EngineUnavailableError: the detected mode needs a package that is not installed.
+        HorovodInternalError: the world failed to form (elastic: 20 times in a row).
     """
     if _rt.current_or_none() is not None:
         return
     if process_sets == "dynamic":
         update_environ({"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
-    rt = Runtime.create(comm=comm, process_sets=process_sets)
+    first = _elastic_inits() == 0
+    attempt = 0
+    while True:
+        try:
+            rt = Runtime.create(comm=comm, process_sets=process_sets)
+            break
+        except HorovodInternalError as exc:
+            attempt += 1
+            # Only the first elastic rendezvous of this process (later ones are resets, which
+            # retry themselves). Safe: the driver never makes a worker that has not received
+            # the job's state rank 0 while one that holds it is left.
+            if not first or _elastic_inits() == 0 or attempt >= _ELASTIC_FIRST_INIT_ATTEMPTS:
+                raise
+            get_logger().warning("elastic: the first rendezvous failed (%s); asking the "
+                                 "driver for a place again", str(exc).strip().split("\n")[0])
     try:
         if rt.rank == 0:
             warn_no_effect(rt.config, rt.mode)
@@ -55,6 +76,16 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         _rt.set_current(None)
         rt.abandon(f"init() failed on rank {rt.rank}: {type(exc).__name__}: {exc}")
         raise
+
+
+# How many times an elastic worker's first init() asks the driver for a place (as a reset).
+_ELASTIC_FIRST_INIT_ATTEMPTS = 20
+
+
+def _elastic_inits() -> int:
+    """This process's requests to the elastic driver so far (0 when it never made one)."""
+    mod = sys.modules.get(f"{__package__}.elastic")
+    return int(getattr(mod, "_inits", 0)) if mod is not None else 0
 
 
 def shutdown() -> None:

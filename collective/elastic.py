@@ -9,13 +9,13 @@ Horovod's model, kept as is but for the sync agreement (last point):
   the last commit; a membership change announced by the driver makes rank 0's
   `check_host_updates()` raise `HostsUpdatedInterrupt` on every rank (no restore).
 * Either way the wrapper resets: `shutdown()`, a new rendezvous with the driver, `init()`,
-  the reset callbacks, `state.sync()` (broadcast from the new rank 0, a survivor), and the
-  function runs again. An interrupt for hosts that were only removed skips the sync, but only
-  when every rank of the new world can: before each call of the function the ranks agree
-  (one allreduce) whether any of them needs the sync, and then all sync or none does. A new
-  worker always needs it, and so does a rank whose collective failed (a peer that dies during
-  `check_host_updates()`' broadcast can leave some ranks with the interrupt and others with
-  the failure).
+  the reset callbacks, `state.sync()` (broadcast from the new rank 0, a worker that holds
+  the state: see the protocol below), and the function runs again. An interrupt for hosts
+  that were only removed skips the sync, but only when every rank of the new world can:
+  before each call of the function the ranks agree (one allreduce) whether any of them needs
+  the sync, and then all sync or none does. A new worker always needs it, and so does a
+  rank whose collective failed (a peer that dies during `check_host_updates()`' broadcast
+  can leave some ranks with the interrupt and others with the failure).
 * After a sync every rank saves (the synced state becomes the rollback point everywhere), so
   that a worker that joined has the job's state to roll back to, not its own initial values
   (Horovod's new worker keeps those until the next commit).
@@ -24,10 +24,16 @@ Driver protocol (over the job's authenticated key-value store, scope `elastic`):
 
 | key | who writes | value |
 |---|---|---|
-| `ready.<worker>.<n>` | the worker, at its n-th `init()` | empty |
+| `ready.<worker>.<n>` | the worker, at its n-th `init()` | JSON `{"state": true}` once it holds the job's state (below), else `{"state": false}` |
 | `assign.<worker>.<n>` | the driver, once every live worker is ready | JSON: rank, size, local/cross ranks, the round's key prefix, the update count, `sync` (the round has a new worker); or `removed` / `stop` with a reason |
 | `update.<k>` | the driver, when hosts change | JSON `[timestamp, flags]` (1 removed, 2 added) |
 | `alive.<worker>` | the worker, every 5 s from its first `init()` on | empty (the driver keeps only the time) |
+
+A worker holds the job's state once it has entered the training function (`run`): after a
+sync, or from the start. A worker that joined and whose first sync failed (a peer died during
+it) restored its own initial state; the driver makes a worker that holds the state rank 0 of
+the next round, so that the sync never broadcasts a new worker's initial model (and stops the
+job when no such worker is left).
 
 `<worker>` is `HOROVOD_ELASTIC_WORKER_ID`, which the driver gives each process it starts. Every
 worker follows the `update.<k>` keys with one waiting get on a background thread
@@ -189,6 +195,10 @@ class _Heartbeat:
 
 _heartbeat = _Heartbeat()
 _inits = 0  # this process's rendezvous requests (the <n> of ready.<worker>.<n>)
+# Set by the retry loop when this process first enters the training function: it holds the
+# job's state from then on (its rendezvous requests say so, and the driver makes such a worker
+# rank 0 of the next round).
+_holds_state = False
 # Set by `rendezvous` when the driver's round has a worker that was not in the previous one;
 # the retry loop clears it before each reset and then syncs the state if it is set.
 _round_has_new_worker = False
@@ -220,7 +230,7 @@ def rendezvous(config: Any) -> tuple[Any, str]:
     _heartbeat.start(config.rendezvous_addr, config.rendezvous_port, secret, wid)
     kv = KVClient(config.rendezvous_addr, config.rendezvous_port, secret, timeout)
     try:
-        kv.put(SCOPE, f"ready.{wid}.{n}", b"")
+        kv.put(SCOPE, f"ready.{wid}.{n}", json.dumps({"state": _holds_state}).encode())
         # The driver may wait up to the elastic timeout for a busy peer to ask too, as long
         # again for --min-np slots, and as long again for the round's new workers to start.
         raw = kv.get(SCOPE, f"assign.{wid}.{n}",
@@ -415,7 +425,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-        global _round_has_new_worker
+        global _round_has_new_worker, _holds_state
         skip_sync = False
         synced_once = False
         while True:
@@ -431,6 +441,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 if synced_once:
                     last_reset_timings["synced"] = time.time()
                 synced_once = True
+                # Synced (every first entry syncs): this rank holds the job's state now.
+                _holds_state = True
                 return func(state, *args, **kwargs)
             except HorovodInternalError as exc:
                 last_reset_timings.clear()

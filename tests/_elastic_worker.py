@@ -14,6 +14,12 @@ ET_KILL     "host:step[,host:step]": the worker on that host SIGKILLs itself onc
 ET_KILL_AT_SIZE  "size:host,host": the workers on those hosts SIGKILL themselves at their first
             step at that world size (torch)
 ET_FAIL     "host:step": the worker on that host exits 3 at that step (every time)
+ET_KILL_ON_RESET  "size:host,host" (numpy): the workers on those hosts SIGKILL themselves once,
+            1 s into the reset callbacks of their first reset to that world size, i.e. after
+            the new world's init() and before the state sync (a new worker's first sync fails)
+ET_KILL_IN_RENDEZVOUS  "size:host,host" (numpy): the workers on those hosts SIGKILL themselves
+            once, when the driver has placed them in a world of that size, before they connect
+            to it (the world fails to form: a new worker's first init() fails)
 ET_SLOW_START  "worker:seconds": workers with an id >= worker sleep that long before `init()`
 ET_FAIL_START  a host: its workers exit 3 before `init()` (a broken host)
 ET_UPDATE_FAILS  a rank: the first HostsUpdatedInterrupt of `check_host_updates()` becomes a
@@ -71,6 +77,29 @@ def _triggers(var: str) -> dict[str, list[int]]:
 KILL, FAIL = _triggers("ET_KILL"), _triggers("ET_FAIL")
 KILL_AT_SIZE = (lambda v: (v[0], v[1].split(",")) if len(v) == 2 else None)(
     os.environ.get("ET_KILL_AT_SIZE", "").split(":", 1))
+KILL_ON_RESET = (lambda v: (v[0], v[1].split(",")) if len(v) == 2 else None)(
+    os.environ.get("ET_KILL_ON_RESET", "").split(":", 1))
+KILL_IN_RENDEZVOUS = (lambda v: (v[0], v[1].split(",")) if len(v) == 2 else None)(
+    os.environ.get("ET_KILL_IN_RENDEZVOUS", "").split(":", 1))
+
+
+def _kill_in_rendezvous() -> None:
+    """ET_KILL_IN_RENDEZVOUS: wraps the rendezvous with the driver (init() looks it up at
+    every call)."""
+    from collective import elastic
+
+    placed = elastic.rendezvous
+
+    def rendezvous(config):
+        config, scope = placed(config)
+        if config.size == int(KILL_IN_RENDEZVOUS[0]) and HOST in KILL_IN_RENDEZVOUS[1]:
+            marker = os.path.join(OUT, f"killed_in_rendezvous.{HOST}")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return config, scope
+
+    elastic.rendezvous = rendezvous
 
 
 def maybe_die(step: int) -> None:
@@ -94,6 +123,8 @@ def main_numpy() -> None:
     import collective as hvd
     from collective import elastic
 
+    if KILL_IN_RENDEZVOUS:
+        _kill_in_rendezvous()
     hvd.init(process_sets=os.environ.get("ET_PROCESS_SETS") or None)  # "dynamic"
     state = elastic.ObjectState(step=0, w=np.zeros(4), log=[], sizes=[])
     if os.environ.get("ET_UPDATE_FAILS") == str(hvd.rank()):
@@ -102,6 +133,12 @@ def main_numpy() -> None:
 
     def on_reset() -> None:
         resets.append((hvd.size(), dict(elastic.last_reset_timings)))
+        if KILL_ON_RESET and hvd.size() == int(KILL_ON_RESET[0]) and HOST in KILL_ON_RESET[1]:
+            marker = os.path.join(OUT, f"killed_on_reset.{HOST}")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                time.sleep(1.0)  # every rank's init() is done: the sync is what fails
+                os.kill(os.getpid(), signal.SIGKILL)
 
     state.register_reset_callbacks([on_reset])
 

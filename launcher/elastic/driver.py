@@ -11,12 +11,15 @@ One thread (the caller of `ElasticDriver.run`) owns all state and handles events
 
 Forming a round (Horovod's `_on_workers_recorded` + `resume`): count the reset (and stop past
 `--reset-limit`), wait for at least `--min-np` slots (up to `--elastic-timeout`), then assign
-ranks with the surviving workers first (so rank 0, whose state is broadcast, is a survivor),
-answer every waiting worker with its place and the round's rendezvous key prefix, and start
-workers for new slots. A new worker syncs the state from rank 0 before it trains, so when a
-round starts one, every answer says `sync` and the survivors sync too, whatever the update
-flags said (the assignment can change between the announcement and the round). Every answer
-goes through the job's authenticated key-value store.
+ranks with the surviving workers first and a worker that holds the job's state (its
+`ready.<worker>.<n>` says so: it has entered the training function) at rank 0, whose state is
+broadcast: a worker that joined and whose first sync failed holds its initial state only (and
+with no holder left, the job stops), answer every waiting worker with its place and the
+round's rendezvous key prefix, and start workers for new slots. A new worker syncs the state
+from rank 0 before it trains, so when a round starts one, every answer says `sync` and the
+survivors sync too, whatever the update flags said (the assignment can change between the
+announcement and the round). Every answer goes through the job's authenticated key-value
+store.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from collective.rendezvous import KVServer
 
@@ -36,7 +39,8 @@ from .discovery import DiscoveryError, FixedHosts, HostDiscovery, HostManager, a
 from .spawn import WorkerSpawner
 
 __all__ = ["ElasticDriver", "ElasticKVServer", "ElasticResult", "assign_slots",
-           "host_update_flags", "RESET_LIMIT_MESSAGE", "DISCOVERY_INTERVAL_S"]
+           "host_update_flags", "ready_holds_state", "RESET_LIMIT_MESSAGE",
+           "DISCOVERY_INTERVAL_S"]
 
 DISCOVERY_INTERVAL_S = 1.0
 # The workers' `alive.<worker>` heartbeat period (collective.elastic.HEARTBEAT_INTERVAL_S).
@@ -91,6 +95,7 @@ class _Worker:
     removed: bool = False
     failed: bool = False
     round: int = 0          # the last round it was placed in
+    holds_state: bool = False  # its ready said so: it has entered the training function
 
     @property
     def live(self) -> bool:
@@ -114,34 +119,47 @@ class ElasticResult:
 
 
 def assign_slots(hosts: list[HostInfo], survivors: list[tuple[int, str, int]],
-                 max_np: int | None) -> tuple[list[SlotInfo], dict[int, SlotInfo],
-                                              list[SlotInfo], list[int]]:
+                 max_np: int | None, holders: Collection[int] = ()
+                 ) -> tuple[list[SlotInfo], dict[int, SlotInfo], list[SlotInfo], list[int]]:
     """Places survivors first, then new workers, on the available hosts (pure).
 
     Args:
         hosts: available hosts, oldest first.
         survivors: (worker id, host, previous rank) of the workers that stay if they can.
         max_np: the most workers (None: as many as there are slots).
+        holders: ids of the survivors that hold the job's state (they have entered the
+            training function: synced it, or trained from the start). The others joined in
+            the previous round and their first sync failed: they hold their initial state
+            only, and must not be rank 0, whose state every rank receives.
 
     Returns:
         (all slots by rank, survivor id -> slot, slots for new workers, ids of survivors that
-        have no place any more). Hosts with survivors come first, and on each host the
-        survivors take the lowest local ranks in their previous order, so rank 0 is the
-        lowest-ranked survivor of the oldest host that has one.
+        have no place any more). Hosts with a holder come first, then hosts with other
+        survivors, then the rest, each group in host order; on each host the holders take
+        the lowest local ranks, then the other survivors, each in their previous order. So
+        rank 0 is the lowest-ranked holder of the oldest host that has one, whenever a
+        holder has a place (holders are kept before other survivors); without holders (none
+        reported, as at the start), the lowest-ranked survivor of the oldest host with one.
     """
     slots_of = {h.hostname: h.slots for h in hosts}
     cap = sum(slots_of.values()) if max_np is None else min(max_np, sum(slots_of.values()))
+    holding = set(holders)
     staying: dict[str, list[tuple[int, int]]] = {}
     removed: list[int] = []
     kept = 0
-    for wid, host, prev in sorted(survivors, key=lambda s: s[2]):
+    for wid, host, prev in sorted(survivors, key=lambda s: (s[0] not in holding, s[2])):
         if host in slots_of and len(staying.get(host, [])) < slots_of[host] and kept < cap:
             staying.setdefault(host, []).append((prev, wid))
             kept += 1
         else:
             removed.append(wid)
-    order = ([h.hostname for h in hosts if h.hostname in staying]
-             + [h.hostname for h in hosts if h.hostname not in staying])
+
+    def group(host: str) -> int:
+        if any(wid in holding for _, wid in staying.get(host, ())):
+            return 0
+        return 1 if host in staying else 2
+
+    order = sorted((h.hostname for h in hosts), key=group)  # stable: host order within groups
     counts = {h: len(staying.get(h, [])) for h in order}
     free = cap - kept
     for h in order:
@@ -160,6 +178,18 @@ def assign_slots(hosts: list[HostInfo], survivors: list[tuple[int, str, int]],
         else:
             new.append(s)
     return slots, placed, new, removed
+
+
+def ready_holds_state(value: bytes | None) -> bool:
+    """Whether a worker's `ready.<worker>.<n>` value says it holds the job's state (pure):
+    JSON `{"state": true}` (collective.elastic.rendezvous). Empty or absent: no."""
+    if not value:
+        return False
+    try:
+        msg = json.loads(value)
+    except ValueError:
+        return False
+    return isinstance(msg, dict) and msg.get("state") is True
 
 
 def host_update_flags(prev: Mapping[str, int], cur: Mapping[str, int]) -> int:
@@ -233,6 +263,9 @@ class ElasticDriver:
         self._workers: dict[int, _Worker] = {}
         self._next_id = 0
         self._round = 0
+        # Whether some worker has said it holds the job's state (once it has, a round whose
+        # workers all lack it would broadcast a new worker's initial state: it stops instead).
+        self._state_seen = False
         self.resets = 0
         self._updates = 0
         self._notified: tuple | None = None
@@ -309,6 +342,8 @@ class ElasticDriver:
                 if not any(x.live and x.waiting for x in self._workers.values()):
                     self.timings = {"first_ready": time.time()}
                 w.ready_seq = max(w.ready_seq, b)
+                if ready_holds_state(self.server.get(SCOPE, f"ready.{a}.{b}")):
+                    w.holds_state = self._state_seen = True
                 self.server.delete(SCOPE, f"ready.{a}.{b}")
         elif kind == "exit":
             self._worker_exited(a, *b)
@@ -605,10 +640,22 @@ class ElasticDriver:
                 self._stop(self._timeout_message(need))
             return
         survivors = [(w.id, w.host, w.rank) for w in live]
+        holders = {w.id for w in live if w.holds_state}
         slots, placed, new, removed = assign_slots(self.hosts.available(), survivors,
-                                                   self.max_np)
+                                                   self.max_np, holders)
         if not placed:
             self._stop("No hosts from previous set remaining, unable to broadcast state.")
+            return
+        if self._state_seen and not holders & placed.keys():
+            # Every worker that holds the state is gone (or has no slot left): rank 0 would
+            # broadcast a new worker's initial model and state, silently losing the job's
+            # progress.
+            gone = [w for w in live if w.holds_state and w.id not in placed]
+            self._stop("No worker that holds the job's state remains, unable to broadcast "
+                       "state: the workers left have never received it (they joined, and "
+                       "their first state sync failed)"
+                       + (f"; {len(gone)} that hold it have no slot left" if gone else "")
+                       + ".")
             return
         self._round += 1
         self._forming_since = None
@@ -647,7 +694,8 @@ class ElasticDriver:
         avail = dict(sig)
         flags = host_update_flags(prev, avail)
         live = [(w.id, w.host, w.rank) for w in self._workers.values() if w.live]
-        _, _, new, removed = assign_slots(self.hosts.available(), live, self.max_np)
+        holders = {w.id for w in self._workers.values() if w.live and w.holds_state}
+        _, _, new, removed = assign_slots(self.hosts.available(), live, self.max_np, holders)
         if flags == HostUpdateResult.no_update or not (new or removed):
             return  # no slot changed, or none that changes the assignment
         self._updates += 1

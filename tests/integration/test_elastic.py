@@ -217,6 +217,82 @@ def test_round_with_new_worker_syncs_survivors(tmp_path: Path, np_args, after, w
     no_orphans(job)
 
 
+def _wait_size(job: Job, size: int) -> None:
+    """Waits until some worker has finished a step at world size `size`."""
+    while time.monotonic() < job.deadline:
+        for p in job.out.glob("progress.*"):
+            if any(len(line.split()) == 4 and line.split()[2] == str(size)
+                   for line in p.read_text().split("\n")[:-1]):
+                return
+        if job.proc.poll() is not None:
+            pytest.fail("hvdrun ended early:\n" + job.proc.communicate()[0])
+        time.sleep(0.05)
+    pytest.fail(f"no step at size {size}:\n{job._dump_and_kill()}")
+
+
+def test_new_worker_whose_first_sync_fails_is_not_rank_0(tmp_path: Path) -> None:
+    """Test 3c: host localhost (found first) leaves and comes back; the new worker there joins
+    the survivors (on 127.0.0.1 and this machine's name) at rank 2, and a survivor dies
+    before the state sync, so the new worker's first sync fails and it restores its initial
+    state. It sits on the oldest host, and the next round made it rank 0: its sync broadcast
+    step 0 and zero weights, and the job silently trained again from the start. The worker
+    that holds the state (127.0.0.1) is rank 0 now: nothing committed is lost."""
+    hosts = tmp_path / "hosts"
+    every = f"localhost:1\n127.0.0.1:1\n{HOSTNAME}:1\n"
+    hosts.write_text(every)
+    steps = 100
+    job = Job(tmp_path, ["-np", "3", "--min-np", "1", "--max-np", "3",
+                         "--host-discovery-script", f"cat {hosts}"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.1",
+               "ET_KILL_ON_RESET": f"3:{HOSTNAME}"}, 120)
+    job.wait_progress(4)
+    hosts.write_text(f"127.0.0.1:1\n{HOSTNAME}:1\n")
+    _wait_size(job, 2)
+    hosts.write_text(every)
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [(r["rank"], r["host"]) for r in res] == [(0, "127.0.0.1"), (1, "localhost")], out
+    for r in res:
+        assert r["size"] == 2 and r["step"] == steps and r["log"] == list(range(steps)), r
+        assert r["w"] == [_expected_w(steps)] * 4, r["w"]
+        # The steps logged from the start on: at size 3, then 2 (none at 3 again: the kill).
+        assert r["sizes"][0] == 3 and 2 in r["sizes"], r["sizes"]
+    assert (tmp_path / f"killed_on_reset.{HOSTNAME}").exists(), out
+    assert f"blacklisting host {HOSTNAME}" in out and "restoring the last commit" in out, out
+    assert "has been removed from elastic job" in out and "3 reset(s)" in out, out
+    no_orphans(job)
+
+
+def test_new_worker_retries_a_first_init_that_fails(tmp_path: Path) -> None:
+    """Test 3d: a host appears, and a survivor dies once placed in the round with the new
+    worker, before the world forms: the new worker's first init() fails. It asks the driver
+    for a place again, as the survivors' reset does (it exited 1 and its host was
+    blacklisted), and joins the next round, below the survivor that holds the state."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    steps = 80
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "--max-np", "3",
+                         "--host-discovery-script", f"cat {hosts}"],
+              {"ET_STEPS": str(steps), "ET_COMMIT": "2", "ET_SLEEP": "0.1",
+               "ET_KILL_IN_RENDEZVOUS": "3:127.0.0.1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "5"},
+              120)
+    job.wait_progress(4)
+    hosts.write_text(f"localhost:1\n127.0.0.1:1\n{HOSTNAME}:1\n")
+    code, out = job.finish()
+    assert code == 0, out
+    res = job.results()
+    assert [(r["rank"], r["host"]) for r in res] == [(0, "localhost"), (1, HOSTNAME)], out
+    for r in res:
+        assert r["size"] == 2 and r["step"] == steps and r["log"] == list(range(steps)), r
+        assert r["w"] == [_expected_w(steps)] * 4, r["w"]
+    assert (tmp_path / "killed_in_rendezvous.127.0.0.1").exists(), out
+    assert "the first rendezvous failed" in out, out
+    assert "blacklisting host 127.0.0.1" in out and f"blacklisting host {HOSTNAME}" not in out
+    assert "1 failed" in out, out
+    no_orphans(job)
+
+
 def test_reset_limit_fails_cleanly(tmp_path: Path) -> None:
     """Test 4: failures beyond --reset-limit end the job with Horovod's message and a summary."""
     job = Job(tmp_path, ["-np", "3", "--min-np", "1", "--reset-limit", "1", "-H",

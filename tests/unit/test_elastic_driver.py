@@ -19,8 +19,8 @@ from launcher.elastic.cli import elastic_settings_from_args
 from launcher.elastic.discovery import (DiscoveryError, FixedHosts, HostDiscoveryScript,
                                         HostManager,
                                         as_discovery, parse_discovery_output)
-from launcher.elastic.driver import (ElasticDriver, ElasticResult, HostUpdateResult,
-                                     assign_slots, host_update_flags)
+from launcher.elastic.driver import (SCOPE, ElasticDriver, ElasticResult, HostUpdateResult,
+                                     assign_slots, host_update_flags, ready_holds_state)
 from launcher.elastic.launch import run_elastic, unreachable_server_warning
 from launcher.hosts import HostInfo, SlotInfo
 
@@ -49,6 +49,43 @@ def test_assign_cross_ranks() -> None:
     slots, _, new, _ = assign_slots([HostInfo("a", 2), HostInfo("b", 2)], [], 3)
     assert [(s.hostname, s.rank, s.local_rank, s.cross_rank, s.cross_size) for s in new] == [
         ("a", 0, 0, 0, 2), ("a", 1, 1, 0, 1), ("b", 2, 0, 1, 2)]
+
+
+def test_assign_puts_a_worker_that_holds_the_state_at_rank_0() -> None:
+    """Worker 9 joined on host a (the oldest) and its first sync failed: it holds only its
+    initial state. Rank 0 (whose state the sync broadcasts) is worker 5, which holds the
+    job's; the ranks stay grouped by host (holders' hosts first, then host order)."""
+    hosts = [HostInfo("a", 2), HostInfo("b", 2), HostInfo("c", 1)]
+    survivors = [(9, "a", 2), (5, "b", 0), (6, "b", 1)]
+    slots, placed, new, removed = assign_slots(hosts, survivors, None, holders={5, 6})
+    assert [s.hostname for s in slots] == ["b", "b", "a", "a", "c"]
+    assert (placed[5].rank, placed[6].rank, placed[9].rank) == (0, 1, 2)
+    assert (placed[9].local_rank, placed[9].cross_rank) == (0, 1)
+    assert [(s.hostname, s.local_rank) for s in new] == [("a", 1), ("c", 0)] and not removed
+    # The old order (no holder known): host a first, the new worker is rank 0.
+    _, placed, _, _ = assign_slots(hosts, survivors, None)
+    assert placed[9].rank == 0
+
+
+def test_assign_holders_first_on_their_host_and_kept_first() -> None:
+    """On one host the holder takes local rank 0 even with a higher previous rank; when
+    slots run short, holders keep theirs before the others."""
+    hosts = [HostInfo("a", 2), HostInfo("b", 1)]
+    _, placed, _, _ = assign_slots(hosts, [(3, "a", 0), (4, "a", 1)], None, holders={4})
+    assert (placed[4].rank, placed[3].rank) == (0, 1)
+    _, placed, new, removed = assign_slots(hosts, [(3, "a", 0), (4, "a", 1)], 1, holders={4})
+    assert list(placed) == [4] and placed[4].rank == 0 and removed == [3] and not new
+    # Everyone a holder, or nobody: the previous order, as before.
+    for holders in ({3, 4, 7}, set()):
+        _, placed, _, _ = assign_slots(hosts, [(7, "b", 0), (3, "a", 1), (4, "a", 2)], None,
+                                       holders=holders)
+        assert (placed[3].rank, placed[4].rank, placed[7].rank) == (0, 1, 2)
+
+
+def test_ready_value_says_whether_the_worker_holds_the_state() -> None:
+    assert ready_holds_state(b'{"state": true}')
+    for value in (None, b"", b'{"state": false}', b"junk", b"[1]", b'{"state": 1}'):
+        assert not ready_holds_state(value), value
 
 
 def test_host_update_flags_compare_slots_per_host() -> None:
@@ -83,6 +120,9 @@ class _FakeStore:
 
     def put(self, scope, key, value) -> None:
         self.data[key] = json.loads(value)
+
+    def get(self, scope, key):
+        return json.dumps(self.data[key]).encode() if key in self.data else None
 
     def delete(self, scope, key) -> None:
         self.data.pop(key, None)
@@ -143,6 +183,57 @@ def test_round_with_a_new_worker_tells_every_survivor_to_sync(
     assert sum("removed" in a for a in answers) == 1, answers
     assert [a["sync"] for a in answers if "rank" in a] == [bool(new)] * (num_proc - 1), answers
 
+
+
+def _ask(d: ElasticDriver, store: _FakeStore, wid: int, seq: int, state: bool) -> None:
+    """Worker `wid` asks for its place (its init() number `seq`), saying whether it holds
+    the job's state, as collective.elastic.rendezvous does."""
+    store.put(SCOPE, f"ready.{wid}.{seq}", json.dumps({"state": state}).encode())
+    d.ready(wid, seq)
+    d._step()
+
+
+@pytest.mark.parametrize("holder_dies", [False, True], ids=["holder-left", "no-holder-left"])
+@pytest.mark.timeout(30)
+def test_new_worker_whose_first_sync_failed_is_not_rank_0(holder_dies) -> None:
+    """Host a (found first) leaves and comes back; the worker started there (3) joins the
+    survivors 1 (b) and 2 (c) at rank 2, and its first sync fails: worker 2 dies. In the next
+    round worker 3, holding only its initial state, sits on the oldest host; the old order
+    made it rank 0, and the sync broadcast its initial model and state to worker 1 (the
+    job's progress silently lost). Worker 1 holds the state: it is rank 0. When worker 1 is
+    gone too, no worker holds the state: the job stops instead."""
+    d, spawner, store = _driver({"a": 1, "b": 1, "c": 1}, 3, 3)
+    d._events.put(("hosts", None, {"b": 1, "c": 1}))  # a leaves: worker 0 is removed
+    d._step()
+    for wid in (0, 1, 2):
+        _ask(d, store, wid, 1, True)
+    assert "removed" in store.data["assign.0.1"]
+    assert (store.data["assign.1.1"]["rank"], store.data["assign.2.1"]["rank"]) == (0, 1)
+    d._events.put(("hosts", None, {"a": 1, "b": 1, "c": 1}))  # a is back (still found first)
+    d._step()
+    for wid in (1, 2):
+        _ask(d, store, wid, 2, True)
+    assert spawner.spawned[-1] == (3, "a")
+    _ask(d, store, 3, 0, False)  # its first init()
+    assert [store.data[f"assign.{w}.{n}"]["rank"] for w, n in ((1, 2), (2, 2), (3, 0))] == [
+        0, 1, 2]
+    d._on_exit(2, 137, "SIGKILL")  # during worker 3's first sync
+    d._step()
+    if holder_dies:
+        d._on_exit(1, 137, "SIGKILL")
+        d._step()
+    else:
+        _ask(d, store, 1, 3, True)
+    _ask(d, store, 3, 1, False)  # its first sync failed: it restored its initial state
+    if holder_dies:
+        assert store.data["assign.3.1"] == {"stop": d._stop_reason}, store.data
+        assert d._stop_reason.startswith(
+            "No worker that holds the job's state remains, unable to broadcast state"), \
+            d._stop_reason
+        return
+    one, three = store.data["assign.1.3"], store.data["assign.3.1"]
+    assert (one["rank"], three["rank"], one["size"]) == (0, 1, 2), (one, three)
+    assert (three["local_rank"], three["cross_rank"], three["cross_size"]) == (0, 1, 2)
 
 
 @pytest.mark.parametrize("order", [(1, 0), (0, 1)], ids=["fails-first", "fails-last"])

@@ -98,3 +98,51 @@ def test_sync_sends_rank_0s_snapshot_and_values() -> None:
         return synced, state.step, rank
 
     assert [r[:2] for r in run_loopback(3, body, timeout=20.0)] == [(10, 0)] * 3
+
+
+class _FakeRuntime:
+    rank, mode, config = 1, "tcp", None
+
+    def start(self) -> "_FakeRuntime":
+        return self
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("inits_before, asks, fails, attempts", [
+    (0, True, 2, 3),     # the first elastic init(): it asks the driver again, and joins
+    (0, True, 25, 20),   # ... up to 20 times
+    (0, False, 1, 1),    # not elastic (no request to the driver): no retry
+    (1, True, 1, 1),     # a later init() (a reset's, which retries itself): no retry
+])
+def test_first_elastic_init_asks_again_when_the_world_fails_to_form(
+        monkeypatch, inits_before, asks, fails, attempts) -> None:
+    """A peer dies while the world of a worker's first init() forms: that init() asks the
+    elastic driver for a place again (as a reset does) instead of failing the worker."""
+    import collective.basics as basics
+    import collective.elastic as elastic
+
+    monkeypatch.setattr(elastic, "_inits", inits_before)
+    calls = []
+
+    def create(**kwargs):
+        calls.append(1)
+        if asks:
+            elastic._inits += 1  # what the rendezvous with the driver counts
+        if len(calls) <= fails:
+            raise HorovodInternalError("test: a peer died while the world formed")
+        return _FakeRuntime()
+
+    monkeypatch.setattr(basics.Runtime, "create", staticmethod(create))
+    try:
+        if attempts > fails:
+            basics.init()
+            assert basics.is_initialized()
+        else:
+            with pytest.raises(HorovodInternalError, match="a peer died"):
+                basics.init()
+            assert not basics.is_initialized()
+    finally:
+        basics.shutdown()
+    assert len(calls) == attempts
