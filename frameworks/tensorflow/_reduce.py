@@ -17,6 +17,7 @@ tracing, so None stays None there (every rank traces the same program).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import tensorflow as tf
@@ -72,8 +73,11 @@ class GradientReducer:
                                       "or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
-        if num_groups and groups is None:
-            groups = num_groups
+        if num_groups:
+            warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
+                          "removed in v0.23.0.", DeprecationWarning, stacklevel=4)
+            if groups is None:
+                groups = num_groups
         if groups is not None and not (isinstance(groups, int) and groups > 0) and not (
                 isinstance(groups, (list, tuple))
                 and all(isinstance(g, (list, tuple)) for g in groups)):

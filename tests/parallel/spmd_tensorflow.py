@@ -688,6 +688,13 @@ def test_error_paths():
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Sum,
                                        gradient_predivide_factor=2.0)
+    for op in (hvd.Max, hvd.Min, hvd.Product, hvd.Adasum):  # Horovod's Keras refuses them
+        with pytest.raises(ValueError, match="^op currently only supports Average and Sum$"):
+            hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), op=op)
+    for make in (lambda: hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), num_groups=2),
+                 lambda: hvd.DistributedGradientTape(tf.GradientTape(), num_groups=2)):
+        with pytest.warns(DeprecationWarning, match="`num_groups` has been replaced by `groups`"):
+            make()
     with pytest.raises(RuntimeError, match="eager"):
         hvd.broadcast_global_variables(0)
     with pytest.raises(ValueError, match="jit_compile"):

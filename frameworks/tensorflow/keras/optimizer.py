@@ -195,8 +195,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
 
     Raises:
         ValueError: not a Keras optimizer, already wrapped, `backward_passes_per_step` < 1 or
-            combined with the optimizer's own `gradient_accumulation_steps`, or bad groups.
-        NotImplementedError: Adasum.
+            combined with the optimizer's own `gradient_accumulation_steps`, an `op` other
+            than Average or Sum (Horovod's text; Adasum included), or bad groups.
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError("DistributedOptimizer wraps a keras.optimizers.Optimizer (Keras 3), "
@@ -214,6 +214,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be > 0")
+    if ReduceOp(int(op)) not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError("op currently only supports Average and Sum")
     reducer = GradientReducer("DistributedOptimizer", compression, sparse_as_dense, op,
                               gradient_predivide_factor, num_groups, groups, process_set,
                               scale_local_gradients, device_dense, device_sparse)
