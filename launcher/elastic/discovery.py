@@ -186,8 +186,8 @@ class HostManager:
         if cooldown_range is not None:
             lo, hi = cooldown_range
             if not 1 <= lo <= hi <= 3600:
-                raise ValueError(f"--blacklist-cooldown-range {lo} {hi}: need 1 <= MIN <= MAX "
-                                 "<= 3600 (seconds)")
+                raise ValueError(f"--blacklist-cooldown-range {lo:g} {hi:g}: need 1 <= MIN <= "
+                                 "MAX <= 3600 (seconds)")
         self.cooldown_range = cooldown_range
         self._clock = clock
         self._order: list[str] = []

@@ -757,7 +757,7 @@ def test_cli_discovery_job_does_not_look_for_the_command_here() -> None:
     (("-np", "2", "--min-np", "1", "-H", "a:2"), "fewer than 2 hosts"),
     (("-np", "2", "--min-np", "1", "--mpi", "-H", "a:1,b:1"), "tcp mode"),
     (("-np", "2", "--host-discovery-script", "d", "--blacklist-cooldown-range", "0", "5"),
-     "MIN <= MAX"),
+     r"^--blacklist-cooldown-range 0 5: need 1 <= MIN <= MAX"),  # as given, not 0.0 5.0
 ])
 def test_cli_elastic_errors(argv, match) -> None:
     with pytest.raises(ValueError, match=match):
