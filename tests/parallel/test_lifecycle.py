@@ -13,6 +13,7 @@ import pytest
 
 import collective as hvd
 from collective.errors import NOT_INITIALIZED_MESSAGE, SHUT_DOWN_MESSAGE
+from tests._faults import coordinator_thread_refused
 from tests._spmd import run_spmd, spmd_driver, spmd_rank
 from tests.parallel._util import env_size
 
@@ -51,10 +52,10 @@ def _assert_uninitialised_and_nothing_running():
     assert alive == [], f"threads left by the failed init(): {alive}"
 
 
-def _init_works_again():
+def _init_works_again(name: str = "after_failed_init"):
     hvd.init()
     try:
-        got = hvd.allreduce(np.ones(2), op=hvd.Sum, name="after_failed_init")
+        got = hvd.allreduce(np.ones(2), op=hvd.Sum, name=name)
         np.testing.assert_allclose(got, np.full(2, hvd.size()))
     finally:
         hvd.shutdown()
@@ -62,15 +63,7 @@ def _init_works_again():
 
 def test_failed_init_after_the_ranks_connected_leaves_nothing(monkeypatch):
     """Every rank's coordinator refuses to start (the last step of init())."""
-    original_start = threading.Thread.start
-
-    def refuse(self):  # the coordinator's thread cannot start (other threads can)
-        if self.name == "hvd-coordinator":
-            raise RuntimeError("can't start new thread")
-        original_start(self)
-
-    with monkeypatch.context() as m:
-        m.setattr(threading.Thread, "start", refuse)
+    with coordinator_thread_refused(monkeypatch):
         with pytest.raises(RuntimeError, match="can't start new thread"):
             hvd.init()
     _assert_uninitialised_and_nothing_running()
@@ -140,10 +133,4 @@ def test_one_rank_shutdown_fails_pending_ops_everywhere():
                 hvd.allreduce(np.ones(1), name="after_shutdown")
     finally:
         hvd.shutdown()
-    # Everyone restarts together.
-    hvd.init()
-    try:
-        got = hvd.allreduce(np.ones(2), op=hvd.Sum, name="after_restart")
-        np.testing.assert_allclose(got, np.full(2, hvd.size()))
-    finally:
-        hvd.shutdown()
+    _init_works_again("after_restart")  # everyone restarts together

@@ -13,6 +13,7 @@ import collective as hvd
 from collective.engines.loopback import LoopbackControlPlane
 from collective.errors import NOT_INITIALIZED_MESSAGE
 from collective.runtime import Runtime
+from tests._faults import coordinator_thread_refused
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,15 +57,7 @@ def _works_again():
 def test_a_coordinator_that_cannot_start_leaves_ringvod_uninitialised(made, monkeypatch):
     runtimes, closed = made
 
-    original_start = threading.Thread.start
-
-    def refuse(self):  # the coordinator's thread cannot start (other threads can)
-        if self.name == "hvd-coordinator":
-            raise RuntimeError("can't start new thread")
-        original_start(self)
-
-    with monkeypatch.context() as m:
-        m.setattr(threading.Thread, "start", refuse)
+    with coordinator_thread_refused(monkeypatch):
         with pytest.raises(RuntimeError, match="can't start new thread"):
             hvd.init()
     _assert_uninitialised()
