@@ -15,7 +15,7 @@ from .config import SHARED_OPTIONS, Config
 from .process_sets import ProcessSet
 from .wire import MAX_STR_BYTES, WireError
 
-__all__ = ["agree", "ranks_here", "common_sets", "static_sets", "change_of"]
+__all__ = ["agree", "ranks_here", "common_set", "static_sets", "change_of"]
 
 _log_ = _log.get_logger()
 
@@ -104,35 +104,28 @@ def ranks_here(ps: ProcessSet, control: Any) -> list[int] | None:
         world.Free()
 
 
-def common_sets(views: list[str | list[list[int] | None]]) -> list[list[int]] | None:
-    """The static sets that every rank's entry (`_ranks_here` of each, or "dynamic") names
-    alike, each COMM_NULL taking the members' ranks; None where the ranks disagree: "dynamic"
-    on some only, other sets, counts or order, or a COMM_NULL on a rank that the set includes."""
-    if any(isinstance(v, str) for v in views):
-        return [] if all(v == "dynamic" for v in views) else None
-    if len({len(v) for v in views}) != 1:
+def common_set(entries: list[list[int] | None]) -> list[int] | None:
+    """The static set that every rank's entry (`ranks_here`) at one place names alike, COMM_NULL
+    (None) taking the members' ranks; None where the ranks disagree: other sets, or a COMM_NULL
+    on a rank that the set includes."""
+    known = {tuple(e) for e in entries if e is not None}
+    if len(known) > 1:
         return None
-    agreed: list[list[int]] = []
-    for i in range(len(views[0])):
-        known = {tuple(v[i]) for v in views if v[i] is not None}
-        if len(known) > 1:
-            return None
-        ranks = list(known.pop()) if known else []
-        if any(v[i] is None and r in ranks for r, v in enumerate(views)):
-            return None
-        agreed.append(ranks)
-    return agreed
+    ranks = list(known.pop()) if known else []
+    if any(e is None and r in ranks for r, e in enumerate(entries)):
+        return None
+    return ranks
 
 
 def static_sets(views: list[str | list[list[int] | None]],
                 comms: list[list[bool]]) -> list[list[list[int]]] | None:
     """Per place of init()'s static sets, the sets to register there, from every rank's
     entries (`ranks_here` of each, or "dynamic") and whether each was a communicator; None
-    where the ranks disagree. Where no rank passed a communicator, every rank must name the
-    same set (`common_sets`). Where one did, each distinct set named there is registered, as
-    Horovod registers every communicator of a split, provided each of its members named it
-    (not another set, not COMM_NULL); a rank outside all of them passes COMM_NULL or one of
-    their rank lists."""
+    where the ranks disagree ("dynamic" on some only, other counts). Where no rank passed a
+    communicator, every rank must name the same set (`common_set`). Where one did, each
+    distinct set named there is registered, as Horovod registers every communicator of a
+    split, provided each of its members named it (not another set, not COMM_NULL); a rank
+    outside all of them passes COMM_NULL or one of their rank lists."""
     if any(isinstance(v, str) for v in views):
         return [] if all(v == "dynamic" for v in views) else None
     if len({len(v) for v in views}) != 1:
@@ -148,10 +141,10 @@ def static_sets(views: list[str | list[list[int] | None]],
                 return None
             out.append([list(s) for s in named])
         else:
-            one = common_sets([[e] for e in entries])
+            one = common_set(entries)
             if one is None:
                 return None
-            out.append([one[0]] if one[0] else [])
+            out.append([one] if one else [])
     return out
 
 

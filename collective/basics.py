@@ -83,9 +83,9 @@ _ELASTIC_FIRST_INIT_ATTEMPTS = 20
 
 
 def _elastic_inits() -> int:
-    """This process's requests to the elastic driver so far (0 when it never made one)."""
-    mod = sys.modules.get(f"{__package__}.elastic")
-    return int(getattr(mod, "_inits", 0)) if mod is not None else 0
+    """`elastic.rendezvous_count()`, 0 while `elastic` is unloaded (as in jobs not elastic)."""
+    elastic = sys.modules.get(f"{__package__}.elastic")
+    return elastic.rendezvous_count() if elastic is not None else 0
 
 
 def shutdown() -> None:

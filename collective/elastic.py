@@ -61,7 +61,8 @@ from .config import update_environ
 from .errors import CollectiveTimeoutError, HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["State", "ObjectState", "run", "run_fn", "reset", "broadcast_object",
-           "HostUpdateResult", "rendezvous", "last_reset_timings", "SCOPE", "WORKER_ID_ENV"]
+           "HostUpdateResult", "rendezvous", "rendezvous_count", "last_reset_timings", "SCOPE",
+           "WORKER_ID_ENV"]
 
 SCOPE = "elastic"
 WORKER_ID_ENV = "HOROVOD_ELASTIC_WORKER_ID"
@@ -202,6 +203,11 @@ _holds_state = False
 # Set by `rendezvous` when the driver's round has a worker that was not in the previous one;
 # the retry loop clears it before each reset and then syncs the state if it is set.
 _round_has_new_worker = False
+
+
+def rendezvous_count() -> int:
+    """This process's requests to the elastic driver so far (`init()` retries only its first)."""
+    return _inits
 
 
 def rendezvous(config: Any) -> tuple[Any, str]:

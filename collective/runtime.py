@@ -12,7 +12,7 @@ import threading
 from typing import Any, Sequence
 
 from . import _current, _log
-from .agreement import agree, change_of, common_sets, ranks_here
+from .agreement import agree, change_of, common_set, ranks_here
 from .config import Config, read_env
 from .coordinator import HELD, Coordinator, ProcessSetState, shutdown_error
 from .engines import create_backend, create_engine
@@ -314,8 +314,7 @@ class Runtime:
             self._ps_changes.pop(0)
         assert head is not None
         kind, arg, handle = head
-        added = (common_sets([[v[1]] for v in views])
-                 if all(v[0] == "add" for v in views) else None)
+        added = common_set([v[1] for v in views]) if all(v[0] == "add" for v in views) else None
         if added is None and any(v != views[0] for v in views):
             by: dict[str, list[int]] = {}
             for r, v in enumerate(views):
@@ -330,7 +329,7 @@ class Runtime:
             return
         try:
             if kind == "add":
-                self._add_static(arg, added[0])
+                self._add_static(arg, added)
                 handle._set_result(arg)
             else:
                 handle._set_result(self._remove(arg))

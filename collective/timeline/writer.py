@@ -2,8 +2,8 @@
 
 The coordinator thread (rank 0 of the global process set) calls the event methods of
 `Timeline` for the global set's ops, and of the `SetTimeline` that `Timeline.for_set` gives
-for any other set's (its rows carry the set). A call only reads a clock and puts a tuple on
-a `queue.SimpleQueue`. A named writer thread
+for any other set's (its rows carry the set); both classes take them from `_Events`. A call
+only reads a clock and puts a tuple on a `queue.SimpleQueue`. A named writer thread
 (`hvd-timeline-writer`) drains the queue in batches, runs the per-tensor state machine, formats
 the records and writes them with one `os.pwrite` per chunk, so no Python-side buffer holds
 data that a crash could lose.
@@ -72,7 +72,109 @@ class _Reply:
                                    "see the log above for its error")
 
 
-class Timeline:
+class _State:
+    """What a `Timeline`'s event methods read, shared with its per-set views."""
+
+    __slots__ = ("on", "live", "mark", "path")
+
+    def __init__(self, mark: bool) -> None:
+        self.on = False  # a file is open (the `enabled` property)
+        self.live = False  # events are accepted: `on` and the queue is not overfull
+        self.mark = bool(mark)
+        self.path = ""
+
+
+class _Events:
+    """The event methods (the coordinator's hot path), of a `Timeline` and of its per-set views.
+
+    Each reads the shared `_State` (`_st`), puts on the timeline's queue (`_q`) and adds the
+    object's suffix (`_sfx`: "" for the global set, whose names are passed on untouched, be they
+    str or not) to every tensor name.
+    """
+
+    __slots__ = ()
+    _st: _State
+    _q: queue.SimpleQueue
+    _sfx: str
+
+    @property
+    def enabled(self) -> bool:
+        """True while a file is being written."""
+        return self._st.on
+
+    @property
+    def path(self) -> str:
+        """The file being written, or "" when stopped."""
+        return self._st.path
+
+    @property
+    def mark_cycles(self) -> bool:
+        return self._st.mark
+
+    def negotiate_start(self, name: str, request_type: Any) -> None:
+        """`B NEGOTIATE_<TYPE>` on the tensor's first request (`request_type` 'ALLREDUCE')."""
+        if self._st.live:
+            sfx = self._sfx
+            self._q.put((_NEG_START, name + sfx if sfx else name, _now(), request_type))
+
+    def negotiate_rank_ready(self, name: str, rank: int) -> None:
+        """An `X` event named after the rank whose request for `name` just arrived."""
+        if self._st.live:
+            sfx = self._sfx
+            self._q.put((_RANK_READY, name + sfx if sfx else name, _now(), rank))
+
+    def negotiate_end(self, name: str) -> None:
+        """`E` closing the negotiation of `name`."""
+        if self._st.live:
+            sfx = self._sfx
+            self._q.put((_NEG_END, name + sfx if sfx else name, _now()))
+
+    def start(self, name: str, response_type: Any) -> None:
+        """`B <TYPE>` (top level, e.g. 'ALLREDUCE') when the operation on `name` begins."""
+        if self._st.live:
+            sfx = self._sfx
+            self._q.put((_START, name + sfx if sfx else name, _now(), response_type))
+
+    def activity_start_all(self, names: Sequence[str], activity: str) -> None:
+        """A nested `B <activity>` for every tensor of a (fused) response."""
+        if self._st.live:
+            sfx = self._sfx
+            self._q.put((_ACT_START, tuple([n + sfx for n in names]) if sfx else tuple(names),
+                         _now(), activity))
+
+    def activity_end_all(self, names: Sequence[str]) -> None:
+        """`E` for the current activity of every tensor in `names`."""
+        if self._st.live:
+            sfx = self._sfx
+            self._q.put((_ACT_END, tuple([n + sfx for n in names]) if sfx else tuple(names),
+                         _now()))
+
+    def activity_start(self, name: str, activity: str) -> None:
+        """`activity_start_all` for one tensor."""
+        if self._st.live:
+            sfx = self._sfx
+            self._q.put((_ACT_START, (name + sfx if sfx else name,), _now(), activity))
+
+    def activity_end(self, name: str) -> None:
+        """`activity_end_all` for one tensor."""
+        if self._st.live:
+            sfx = self._sfx
+            self._q.put((_ACT_END, (name + sfx if sfx else name,), _now()))
+
+    def end(self, name: str, dtype: Any, shape: Iterable[int]) -> None:
+        """`E` of the top-level span with args dtype ('float32') and shape ('[3, 4]')."""
+        if self._st.live:
+            sfx = self._sfx
+            self._q.put((_END, name + sfx if sfx else name, _now(), dtype, shape))
+
+    def end_error(self, name: str) -> None:
+        """Closes whatever is open for `name` (the op failed), without args."""
+        if self._st.live:
+            sfx = self._sfx
+            self._q.put((_END_ERROR, name + sfx if sfx else name, _now()))
+
+
+class Timeline(_Events):
     """Rank 0's timeline; `tracefile` describes the file it writes.
 
     The event methods may be called from one thread (the coordinator); `start_file`,
@@ -84,14 +186,11 @@ class Timeline:
     """
 
     def __init__(self, path: str, mark_cycles: bool = False) -> None:
+        self._st, self._sfx = _State(mark_cycles), ""  # no suffix: Horovod's names
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()  # set with every command so the writer skips its pause
         self._lock = threading.Lock()  # serialises start/stop/flush/close
         self._thread: threading.Thread | None = None
-        self._on = False  # a file is open (the `enabled` property)
-        self._live = False  # events are accepted: `_on` and the queue is not overfull
-        self._mark = bool(mark_cycles)
-        self._path = ""
         self._dropping = False
         self._views: dict[int, SetTimeline] = {}
         if path and path != "DYNAMIC":
@@ -102,21 +201,7 @@ class Timeline:
                 _log.error("Error opening the Horovod Timeline file %s, will not write a "
                            "timeline: %s", path, exc)
 
-    # --- event methods (the coordinator's hot path) -----------------------------------------
-    @property
-    def enabled(self) -> bool:
-        """True while a file is being written."""
-        return self._on
-
-    @property
-    def path(self) -> str:
-        """The file being written, or "" when stopped."""
-        return self._path
-
-    @property
-    def mark_cycles(self) -> bool:
-        return self._mark
-
+    # --- per-set views and cycle marks (the other event methods are `_Events`') -----------
     def for_set(self, process_set_id: int) -> "Timeline | SetTimeline":
         """The event methods for the ops of one process set: this timeline itself for the
         global set (id 0), whose rows are named as Horovod names them, else a `SetTimeline`
@@ -129,59 +214,9 @@ class Timeline:
             view = self._views[process_set_id] = SetTimeline(self, process_set_id)
         return view
 
-    def negotiate_start(self, name: str, request_type: Any) -> None:
-        """`B NEGOTIATE_<TYPE>` on the tensor's first request (`request_type` 'ALLREDUCE')."""
-        if self._live:
-            self._q.put((_NEG_START, name, _now(), request_type))
-
-    def negotiate_rank_ready(self, name: str, rank: int) -> None:
-        """An `X` event named after the rank whose request for `name` just arrived."""
-        if self._live:
-            self._q.put((_RANK_READY, name, _now(), rank))
-
-    def negotiate_end(self, name: str) -> None:
-        """`E` closing the negotiation of `name`."""
-        if self._live:
-            self._q.put((_NEG_END, name, _now()))
-
-    def start(self, name: str, response_type: Any) -> None:
-        """`B <TYPE>` (top level, e.g. 'ALLREDUCE') when the operation on `name` begins."""
-        if self._live:
-            self._q.put((_START, name, _now(), response_type))
-
-    def activity_start_all(self, names: Sequence[str], activity: str) -> None:
-        """A nested `B <activity>` for every tensor of a (fused) response."""
-        if self._live:
-            self._q.put((_ACT_START, tuple(names), _now(), activity))
-
-    def activity_end_all(self, names: Sequence[str]) -> None:
-        """`E` for the current activity of every tensor in `names`."""
-        if self._live:
-            self._q.put((_ACT_END, tuple(names), _now()))
-
-    def activity_start(self, name: str, activity: str) -> None:
-        """`activity_start_all` for one tensor."""
-        if self._live:
-            self._q.put((_ACT_START, (name,), _now(), activity))
-
-    def activity_end(self, name: str) -> None:
-        """`activity_end_all` for one tensor."""
-        if self._live:
-            self._q.put((_ACT_END, (name,), _now()))
-
-    def end(self, name: str, dtype: Any, shape: Iterable[int]) -> None:
-        """`E` of the top-level span with args dtype ('float32') and shape ('[3, 4]')."""
-        if self._live:
-            self._q.put((_END, name, _now(), dtype, shape))
-
-    def end_error(self, name: str) -> None:
-        """Closes whatever is open for `name` (the op failed), without args."""
-        if self._live:
-            self._q.put((_END_ERROR, name, _now()))
-
     def mark_cycle(self) -> None:
         """A global instant event `CYCLE_START`, when marking cycles."""
-        if self._live and self._mark:
+        if self._st.live and self._st.mark:
             self._q.put((_MARK, _now()))
 
     # --- control ----------------------------------------------------------------------------
@@ -201,8 +236,8 @@ class Timeline:
             raise ValueError("start_timeline needs a file path, e.g. "
                              "hvd.start_timeline('/tmp/timeline.json')")
         with self._lock:
-            self._mark = bool(mark_cycles)
-            if self._on and path == self._path:
+            self._st.mark = bool(mark_cycles)
+            if self._st.on and path == self._st.path:
                 _log.info("Current filename for timeline is same as new filename %s. "
                           "Returning.", path)
                 return
@@ -214,13 +249,13 @@ class Timeline:
             self._wake.set()
             reply.wait(self._thread)
             if reply.error is not None:
-                self._on = self._live = False
-                self._path = ""
+                self._st.on = self._st.live = False
+                self._st.path = ""
                 err = reply.error
                 raise OSError(getattr(err, "errno", None),
                               f"cannot write the timeline file {path!r}: {err}; check that its "
                               "directory exists and is writable") from err
-            self._path, self._on, self._live, self._dropping = path, True, True, False
+            self._st.path, self._st.on, self._st.live, self._dropping = path, True, True, False
 
     def stop_file(self) -> None:
         """Stops writing; blocks until every queued event is in the file and it is closed.
@@ -229,12 +264,12 @@ class Timeline:
             RuntimeError: the writer thread has died.
         """
         with self._lock:
-            if not self._on:
+            if not self._st.on:
                 _log.info("Timeline is already stopped; ignoring the stop request.")
                 return
-            self._on = self._live = False
+            self._st.on = self._st.live = False
             self._command(_C_STOP)
-            self._path = ""
+            self._st.path = ""
 
     def flush(self) -> None:
         """Blocks until every event queued so far is written (a no-op when stopped).
@@ -249,8 +284,8 @@ class Timeline:
     def close(self) -> None:
         """Flushes and closes the file and joins the writer thread (idempotent)."""
         with self._lock:
-            self._on = self._live = False
-            self._path = ""
+            self._st.on = self._st.live = False
+            self._st.path = ""
             thread, self._thread = self._thread, None
             if thread is not None and thread.is_alive():
                 reply = _Reply()
@@ -288,23 +323,23 @@ class Timeline:
     # Called on the writer thread after each batch.
     def _check_backlog(self, q: queue.SimpleQueue) -> None:
         pending = q.qsize()
-        if pending > QUEUE_CAPACITY and self._live:
-            self._live = False
+        if pending > QUEUE_CAPACITY and self._st.live:
+            self._st.live = False
             if not self._dropping:
                 self._dropping = True
                 _log.warning("Timeline writer is more than %d events behind; dropping timeline "
                              "events until it catches up (the file may show unclosed spans).",
                              QUEUE_CAPACITY)
-        elif not self._live and pending < QUEUE_CAPACITY // 2 and self._on:
+        elif not self._st.live and pending < QUEUE_CAPACITY // 2 and self._st.on:
             if self._lock.acquire(blocking=False):  # start/stop own the flags while they run
                 try:
-                    if self._on:
-                        self._live = True
+                    if self._st.on:
+                        self._st.live = True
                 finally:
                     self._lock.release()
 
 
-class SetTimeline:
+class SetTimeline(_Events):
     """`Timeline`'s event methods for a process set other than the global one.
 
     Every name gets the set's suffix (' [set 2]', worked out once per set), so the set's
@@ -312,67 +347,13 @@ class SetTimeline:
     with the `Timeline`; cycle marks are the global set's.
     """
 
-    __slots__ = ("_tl", "_q", "_sfx", "process_set_id")
+    __slots__ = ("_st", "_q", "_sfx", "process_set_id")
 
     def __init__(self, timeline: Timeline, process_set_id: int) -> None:
-        self._tl = timeline
+        self._st = timeline._st
         self._q = timeline._q
         self._sfx = f" [set {int(process_set_id)}]"
         self.process_set_id = process_set_id
-
-    @property
-    def enabled(self) -> bool:
-        return self._tl._on
-
-    @property
-    def path(self) -> str:
-        return self._tl._path
-
-    @property
-    def mark_cycles(self) -> bool:
-        return self._tl._mark
-
-    def negotiate_start(self, name: str, request_type: Any) -> None:
-        if self._tl._live:
-            self._q.put((_NEG_START, name + self._sfx, _now(), request_type))
-
-    def negotiate_rank_ready(self, name: str, rank: int) -> None:
-        if self._tl._live:
-            self._q.put((_RANK_READY, name + self._sfx, _now(), rank))
-
-    def negotiate_end(self, name: str) -> None:
-        if self._tl._live:
-            self._q.put((_NEG_END, name + self._sfx, _now()))
-
-    def start(self, name: str, response_type: Any) -> None:
-        if self._tl._live:
-            self._q.put((_START, name + self._sfx, _now(), response_type))
-
-    def activity_start_all(self, names: Sequence[str], activity: str) -> None:
-        if self._tl._live:
-            sfx = self._sfx
-            self._q.put((_ACT_START, tuple([n + sfx for n in names]), _now(), activity))
-
-    def activity_end_all(self, names: Sequence[str]) -> None:
-        if self._tl._live:
-            sfx = self._sfx
-            self._q.put((_ACT_END, tuple([n + sfx for n in names]), _now()))
-
-    def activity_start(self, name: str, activity: str) -> None:
-        if self._tl._live:
-            self._q.put((_ACT_START, (name + self._sfx,), _now(), activity))
-
-    def activity_end(self, name: str) -> None:
-        if self._tl._live:
-            self._q.put((_ACT_END, (name + self._sfx,), _now()))
-
-    def end(self, name: str, dtype: Any, shape: Iterable[int]) -> None:
-        if self._tl._live:
-            self._q.put((_END, name + self._sfx, _now(), dtype, shape))
-
-    def end_error(self, name: str) -> None:
-        if self._tl._live:
-            self._q.put((_END_ERROR, name + self._sfx, _now()))
 
     def mark_cycle(self) -> None:
         """Cycle marks are global: the coordinator marks them through the `Timeline`."""
