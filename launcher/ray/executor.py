@@ -384,8 +384,12 @@ class RayExecutor:
         actor_cls = ray.remote(BaseHorovodWorker)
         actors = []
         for i in range(self.num_workers):
+            # Tasks the workers start are not captured into the group (Horovod's choice too):
+            # inside a Tune trial they would otherwise inherit the trial's capture and wait
+            # for room in a group the workers already fill.
             strategy = PlacementGroupSchedulingStrategy(
-                self._pg, placement_group_bundle_index=bundle_of(i))
+                self._pg, placement_group_bundle_index=bundle_of(i),
+                placement_group_capture_child_tasks=False)
             actors.append(actor_cls.options(num_cpus=self.cpus_per_worker, num_gpus=gpus,
                                             scheduling_strategy=strategy)
                           .remote(world_rank=i, world_size=self.num_workers))

@@ -269,6 +269,54 @@ def test_worker_lost_error_reaches_the_caller_of_a_task_that_drives_the_executor
     assert _all_cpus_free()
 
 
+def _start_a_ray_task():
+    import ray
+
+    from ray.util.placement_group import get_current_placement_group
+
+    @ray.remote(num_cpus=1)
+    def child():
+        return "child ran"
+
+    # A task the user's function starts (Ray Data, a helper task) needs a CPU; the trial's
+    # placement group has none left, the rest of the cluster has.
+    return get_current_placement_group().id.hex(), ray.get(child.remote(), timeout=30)
+
+
+@needs_ray
+@pytest.mark.timeout(180)
+def test_tasks_started_by_workers_in_a_trial_placement_group_are_not_captured(cluster):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    # A Ray Tune trial: a task in a placement group that captures its child tasks drives an
+    # executor, whose workers go into that group (use_current_placement_group). As in
+    # Horovod, the workers must not capture their own child tasks: they inherited the
+    # trial's capture, so a task started in the user's function waited for room in the full
+    # group and timed out, though the cluster had free CPUs.
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+
+    @ray.remote(num_cpus=0)
+    def trial():
+        from horovod.ray import RayExecutor
+        ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+        ex.start()
+        try:
+            return ex.run(_start_a_ray_task)
+        finally:
+            ex.shutdown()
+
+    try:
+        out = ray.get(trial.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_capture_child_tasks=True)).remote(), timeout=150)
+    finally:
+        remove_placement_group(pg)
+    assert out == [(pg.id.hex(), "child ran")] * 2, out
+    assert _all_cpus_free()
+
+
 @needs_ray
 @pytest.mark.timeout(180)
 def test_shutdown_after_ray_shutdown_starts_no_new_ray_instance():
