@@ -368,6 +368,15 @@ def test_executor_argument_errors(cluster):
         elastic.execute(lambda w: 1)
     with pytest.warns(DeprecationWarning, match="RayExecutor"):
         ElasticRayExecutor(ElasticRayExecutor.create_settings(min_num_proc=1))
+    # Horovod's deprecated spellings warn (they were taken silently), and the elastic
+    # executor's errors name its own arguments (gpus_per_slot, not gpus_per_worker).
+    with pytest.warns(DeprecationWarning, match="min_np is deprecated, use min_num_proc"):
+        es = ElasticRayExecutor.create_settings(min_np=2)
+    with pytest.warns(DeprecationWarning, match="max_np is deprecated, use max_num_proc"):
+        es = ElasticRayExecutor.create_settings(min_num_proc=2, max_np=3)
+    assert (es.min_np, es.max_np) == (2, 3)
+    with pytest.raises(ValueError, match="gpus_per_slot is set, but use_gpu is False"):
+        ElasticRayExecutor(es, gpus_per_slot=1)
     ex = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_workers=64)
     with pytest.raises(TimeoutError, match="Placement group"):
         ex.start()
