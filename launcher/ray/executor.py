@@ -26,6 +26,7 @@ and address, then kills every actor and removes the placement group. A lost work
 """
 from __future__ import annotations
 
+import numbers
 import secrets
 import time
 import warnings
@@ -126,6 +127,19 @@ def _call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     return fn(*args, **kwargs)
 
 
+def _count(name: str, value: Any) -> int | None:
+    """A worker or host count as an int (NumPy integers too), or None.
+
+    Raises:
+        ValueError: not a positive integer (bools and floats are refused).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return int(value)
+
+
 def _is_fallout(exc: BaseException) -> bool:
     """A peer's failure seen through a collective: not the root cause."""
     return isinstance(exc, HorovodInternalError)
@@ -189,6 +203,11 @@ class RayExecutor:
             raise ValueError("min_workers and num_workers are mutually exclusive: give "
                              "num_workers for a static job, min_workers/max_workers for an "
                              "elastic one")
+        num_workers, num_hosts, num_workers_per_host, min_workers, max_workers = (
+            _count(name, value) for name, value in (
+                ("num_workers", num_workers), ("num_hosts", num_hosts),
+                ("num_workers_per_host", num_workers_per_host), ("min_workers", min_workers),
+                ("max_workers", max_workers)))
         self._elastic: dict[str, Any] | None = None
         if min_workers is not None:
             if max_workers is not None and max_workers < min_workers:
@@ -213,11 +232,6 @@ class RayExecutor:
             raise ValueError(f"num_workers={num_workers} and num_hosts={num_hosts} are "
                              f"mutually exclusive; give num_hosts with num_workers_per_host "
                              f"to place a fixed number of workers on each node")
-        for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts),
-                            ("num_workers_per_host", num_workers_per_host)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
         if cpus_per_worker < 0:
             raise ValueError(f"cpus_per_worker={cpus_per_worker} must be >= 0")
         if gpus_per_worker is not None and not use_gpu:

@@ -361,6 +361,16 @@ def test_executor_argument_errors(cluster):
         RayExecutor(s, min_workers=3, max_workers=2)
     with pytest.raises(ValueError, match="must be a positive integer"):
         RayExecutor(s, num_workers=True)
+    # NumPy integers (a config or a Tune search space) are integers; they were refused with
+    # "num_workers=np.int64(2) must be a positive integer", and min_workers as num_workers.
+    import numpy as np
+    assert RayExecutor(s, num_workers=np.int64(2)).num_workers == 2
+    assert RayExecutor(s, num_hosts=np.int32(2), num_workers_per_host=np.int64(2)).num_workers == 4
+    assert RayExecutor(s, min_workers=np.int64(1), max_workers=np.int64(2)).num_workers == 1
+    with pytest.raises(ValueError, match="min_workers=1.5 must be a positive integer"):
+        RayExecutor(s, min_workers=1.5)
+    with pytest.raises(ValueError, match="max_workers=2.5 must be a positive integer"):
+        RayExecutor(s, min_workers=1, max_workers=2.5)
     with pytest.raises(ValueError, match="reserve nothing"):
         RayExecutor(s, num_workers=1, cpus_per_worker=0).start()
     elastic = RayExecutor(s, min_workers=1, max_workers=2)
