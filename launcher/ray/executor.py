@@ -45,7 +45,7 @@ from collective.errors import HorovodInternalError
 from collective.rendezvous import KVServer
 
 from .. import network
-from .plan import group_by_node, rank_env, slots_for_nodes, visible_gpus
+from .plan import group_by_node, interface_env, rank_env, slots_for_nodes, visible_gpus
 from .worker import BaseHorovodWorker
 
 __all__ = ["RayExecutor", "MiniSettings", "WorkerLostError", "FAILURE_GRACE_S"]
@@ -422,7 +422,7 @@ class RayExecutor:
         slots = slots_for_nodes([p[0] for p in placements])
         self._info = [_WorkerInfo(r, p[0], p[1], p[2], p[3]) for r, p in enumerate(placements)]
 
-        host, iface = self._server_host()
+        host, _ = self._server_host()
         self._server = KVServer(host, 0, s.key)
         rendezvous = self._server.start()
 
@@ -430,8 +430,7 @@ class RayExecutor:
         envs = []
         for slot in slots:
             env = rank_env(slot, rendezvous, s.key.hex(), extra_env_vars)
-            if iface is not None:
-                env["HOROVOD_GLOO_IFACE"] = iface
+            interface_env(s.nics, env)
             if self.use_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = visible[slot.rank]
             envs.append(env)
@@ -495,10 +494,9 @@ class RayExecutor:
             raise RuntimeError("the RayExecutor is not started; call start() first")
         e = self._elastic
         assert e is not None
-        host, iface = self._server_host()
+        host, _ = self._server_host()
         env = dict(self._elastic_start["env"])
-        if iface is not None:
-            env["HOROVOD_GLOO_IFACE"] = iface
+        interface_env(self.settings.nics, env)
         return run_elastic(fn, tuple(args or ()), dict(kwargs or {}), secret=self.settings.key,
                            server_host=host, min_workers=e["min_workers"],
                            max_workers=e["max_workers"], cpus_per_worker=self.cpus_per_worker,

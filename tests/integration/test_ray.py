@@ -317,6 +317,77 @@ def test_tasks_started_by_workers_in_a_trial_placement_group_are_not_captured(cl
     assert _all_cpus_free()
 
 
+def _interface_vars():
+    import collective as hvd
+    hvd.init()  # the job forms over the named interface
+    return [os.environ.get("HOROVOD_GLOO_IFACE"), os.environ.get("NCCL_SOCKET_IFNAME")]
+
+
+def _elastic_interface_vars():
+    import collective as hvd
+    from collective import elastic
+    hvd.init()
+    return elastic.run(lambda state: _interface_vars())(elastic.ObjectState(epoch=0))
+
+
+@needs_ray
+@pytest.mark.timeout(240)
+def test_nics_name_the_interface_for_gloo_and_nccl(cluster):
+    from horovod.ray import RayExecutor
+
+    # As in Horovod (and hvdrun --network-interface), `nics` also pins NCCL's sockets
+    # (NCCL_SOCKET_IFNAME): only HOROVOD_GLOO_IFACE was set, so GPU jobs let NCCL pick an
+    # interface of its own. A value given in extra_env_vars wins.
+    settings = RayExecutor.create_settings(timeout_s=60, nics={"lo"})
+    ex = RayExecutor(settings, num_workers=2)
+    ex.start()
+    try:
+        assert ex.run(_interface_vars) == [["lo", "lo"]] * 2
+    finally:
+        ex.shutdown()
+    ex.start(extra_env_vars={"NCCL_SOCKET_IFNAME": "=eth0"})
+    try:
+        assert ex.run(_interface_vars) == [["lo", "=eth0"]] * 2
+    finally:
+        ex.shutdown()
+    elastic = RayExecutor(settings, min_workers=2, max_workers=2, cpus_per_worker=1,
+                          elastic_timeout=60)
+    elastic.start()
+    try:
+        assert elastic.run(_elastic_interface_vars) == [["lo", "lo"]] * 2
+    finally:
+        elastic.shutdown()
+    assert _all_cpus_free()
+
+
+class _FakeWorkerGroup:
+    """What the HorovodTrainer backend uses of Ray Train's worker group."""
+
+    def __init__(self, nodes):
+        self.nodes, self.envs = nodes, {}
+
+    def execute(self, fn):
+        return list(self.nodes)
+
+    def execute_single_async(self, rank, fn, env):
+        import ray
+        self.envs[rank] = dict(env)
+        return ray.put(None)
+
+
+@needs_ray
+@pytest.mark.timeout(120)
+def test_horovod_config_nics_name_the_interface_for_gloo_and_nccl(cluster):
+    from horovod.ray import HorovodConfig
+    config = HorovodConfig(nics={"lo"}, timeout_s=60)
+    backend = config.backend_cls()
+    group = _FakeWorkerGroup(["node-a", "node-a"])
+    backend.on_start(group, config)
+    backend.on_shutdown(group, config)
+    assert [(e["HOROVOD_GLOO_IFACE"], e["NCCL_SOCKET_IFNAME"], e["HOROVOD_LOCAL_RANK"])
+            for _, e in sorted(group.envs.items())] == [("lo", "lo", "0"), ("lo", "lo", "1")]
+
+
 @needs_ray
 @pytest.mark.timeout(180)
 def test_shutdown_after_ray_shutdown_starts_no_new_ray_instance():
