@@ -260,6 +260,11 @@ class ElasticRayExecutor:
         if kwargs:
             warnings.warn(f"ElasticRayExecutor.create_settings: {sorted(kwargs)} have no "
                           f"effect", UserWarning, stacklevel=2)
+        for old, new, value in (("min_np", "min_num_proc", min_np),
+                                ("max_np", "max_num_proc", max_np)):
+            if value is not None:
+                warnings.warn(f"{old} is deprecated, use {new} instead", DeprecationWarning,
+                              stacklevel=2)
         return ElasticSettings(min_np=min_np if min_np is not None else min_num_proc,
                                max_np=max_np if max_np is not None else max_num_proc,
                                reset_limit=reset_limit, elastic_timeout=elastic_timeout,
@@ -270,6 +275,9 @@ class ElasticRayExecutor:
                  cpus_per_slot: float = 1, gpus_per_slot: float | None = None,
                  env_vars: dict[str, Any] | None = None,
                  override_discovery: bool = True) -> None:
+        if gpus_per_slot is not None and not use_gpu:  # in its own words, not RayExecutor's
+            raise ValueError("gpus_per_slot is set, but use_gpu is False. use_gpu must be True "
+                             "if gpus_per_slot is set.")
         warnings.warn("ElasticRayExecutor is deprecated (as in Horovod 0.25); use "
                       "RayExecutor(settings, min_workers=..., max_workers=...)",
                       DeprecationWarning, stacklevel=2)

@@ -26,6 +26,7 @@ and address, then kills every actor and removes the placement group. A lost work
 """
 from __future__ import annotations
 
+import numbers
 import secrets
 import time
 import warnings
@@ -44,7 +45,7 @@ from collective.errors import HorovodInternalError
 from collective.rendezvous import KVServer
 
 from .. import network
-from .plan import group_by_node, rank_env, slots_for_nodes, visible_gpus
+from .plan import group_by_node, interface_env, rank_env, slots_for_nodes, visible_gpus
 from .worker import BaseHorovodWorker
 
 __all__ = ["RayExecutor", "MiniSettings", "WorkerLostError", "FAILURE_GRACE_S"]
@@ -126,6 +127,19 @@ def _call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     return fn(*args, **kwargs)
 
 
+def _count(name: str, value: Any) -> int | None:
+    """A worker or host count as an int (NumPy integers too), or None.
+
+    Raises:
+        ValueError: not a positive integer (bools and floats are refused).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return int(value)
+
+
 def _is_fallout(exc: BaseException) -> bool:
     """A peer's failure seen through a collective: not the root cause."""
     return isinstance(exc, HorovodInternalError)
@@ -189,6 +203,11 @@ class RayExecutor:
             raise ValueError("min_workers and num_workers are mutually exclusive: give "
                              "num_workers for a static job, min_workers/max_workers for an "
                              "elastic one")
+        num_workers, num_hosts, num_workers_per_host, min_workers, max_workers = (
+            _count(name, value) for name, value in (
+                ("num_workers", num_workers), ("num_hosts", num_hosts),
+                ("num_workers_per_host", num_workers_per_host), ("min_workers", min_workers),
+                ("max_workers", max_workers)))
         self._elastic: dict[str, Any] | None = None
         if min_workers is not None:
             if max_workers is not None and max_workers < min_workers:
@@ -213,11 +232,6 @@ class RayExecutor:
             raise ValueError(f"num_workers={num_workers} and num_hosts={num_hosts} are "
                              f"mutually exclusive; give num_hosts with num_workers_per_host "
                              f"to place a fixed number of workers on each node")
-        for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts),
-                            ("num_workers_per_host", num_workers_per_host)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
         if cpus_per_worker < 0:
             raise ValueError(f"cpus_per_worker={cpus_per_worker} must be >= 0")
         if gpus_per_worker is not None and not use_gpu:
@@ -384,8 +398,12 @@ class RayExecutor:
         actor_cls = ray.remote(BaseHorovodWorker)
         actors = []
         for i in range(self.num_workers):
+            # Tasks the workers start are not captured into the group (Horovod's choice too):
+            # inside a Tune trial they would otherwise inherit the trial's capture and wait
+            # for room in a group the workers already fill.
             strategy = PlacementGroupSchedulingStrategy(
-                self._pg, placement_group_bundle_index=bundle_of(i))
+                self._pg, placement_group_bundle_index=bundle_of(i),
+                placement_group_capture_child_tasks=False)
             actors.append(actor_cls.options(num_cpus=self.cpus_per_worker, num_gpus=gpus,
                                             scheduling_strategy=strategy)
                           .remote(world_rank=i, world_size=self.num_workers))
@@ -404,7 +422,7 @@ class RayExecutor:
         slots = slots_for_nodes([p[0] for p in placements])
         self._info = [_WorkerInfo(r, p[0], p[1], p[2], p[3]) for r, p in enumerate(placements)]
 
-        host, iface = self._server_host()
+        host, _ = self._server_host()
         self._server = KVServer(host, 0, s.key)
         rendezvous = self._server.start()
 
@@ -412,8 +430,7 @@ class RayExecutor:
         envs = []
         for slot in slots:
             env = rank_env(slot, rendezvous, s.key.hex(), extra_env_vars)
-            if iface is not None:
-                env["HOROVOD_GLOO_IFACE"] = iface
+            interface_env(s.nics, env)
             if self.use_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = visible[slot.rank]
             envs.append(env)
@@ -477,10 +494,9 @@ class RayExecutor:
             raise RuntimeError("the RayExecutor is not started; call start() first")
         e = self._elastic
         assert e is not None
-        host, iface = self._server_host()
+        host, _ = self._server_host()
         env = dict(self._elastic_start["env"])
-        if iface is not None:
-            env["HOROVOD_GLOO_IFACE"] = iface
+        interface_env(self.settings.nics, env)
         return run_elastic(fn, tuple(args or ()), dict(kwargs or {}), secret=self.settings.key,
                            server_host=host, min_workers=e["min_workers"],
                            max_workers=e["max_workers"], cpus_per_worker=self.cpus_per_worker,

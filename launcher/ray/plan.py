@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 from ..env import worker_env
 from ..hosts import SlotInfo
 
-__all__ = ["group_by_node", "slots_for_nodes", "rank_env", "visible_gpus"]
+__all__ = ["group_by_node", "slots_for_nodes", "rank_env", "interface_env", "visible_gpus"]
 
 
 def group_by_node(node_ids: Sequence[str]) -> list[int]:
@@ -74,6 +74,17 @@ def rank_env(slot: SlotInfo, rendezvous: tuple[str, int] | None, secret_hex: str
     return worker_env({}, slot, remote=True, overrides={k: str(v) for k, v in
                                                         (extra or {}).items()},
                       rendezvous=rendezvous, secret_hex=secret_hex, oversubscribed=False)
+
+
+def interface_env(nics: Any, env: dict[str, str]) -> None:
+    """Pins the job's traffic to `nics` in a worker's `env`, as Horovod and `hvdrun
+    --network-interface` do: HOROVOD_GLOO_IFACE is the first interface (by name, the one the
+    rendezvous store binds to), NCCL_SOCKET_IFNAME lists them all unless `env` already sets it.
+    Without `nics`, `env` is left as it is."""
+    names = sorted(nics or ())
+    if names:
+        env["HOROVOD_GLOO_IFACE"] = names[0]
+        env.setdefault("NCCL_SOCKET_IFNAME", ",".join(names))
 
 
 def _gpu_order(gpu_id: str) -> tuple[int, int, str]:

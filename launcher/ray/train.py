@@ -30,7 +30,7 @@ from ray.train.v2._internal.constants import is_v2_enabled
 from collective.rendezvous import KVServer
 
 from .. import network
-from .plan import rank_env, slots_for_nodes
+from .plan import interface_env, rank_env, slots_for_nodes
 
 __all__ = ["HorovodConfig", "HorovodTrainer"]
 
@@ -100,8 +100,7 @@ class _HorovodBackend(Backend):
         self._server = KVServer(host, 0, key)
         rendezvous = self._server.start()
         extra = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(backend_config.timeout_s)}
-        if iface:
-            extra["HOROVOD_GLOO_IFACE"] = iface
+        interface_env(backend_config.nics, extra)
         ray.get([worker_group.execute_single_async(
             slot.rank, _set_env, rank_env(slot, rendezvous, key.hex(), extra))
             for slot in slots])

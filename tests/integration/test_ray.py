@@ -269,6 +269,125 @@ def test_worker_lost_error_reaches_the_caller_of_a_task_that_drives_the_executor
     assert _all_cpus_free()
 
 
+def _start_a_ray_task():
+    import ray
+
+    from ray.util.placement_group import get_current_placement_group
+
+    @ray.remote(num_cpus=1)
+    def child():
+        return "child ran"
+
+    # A task the user's function starts (Ray Data, a helper task) needs a CPU; the trial's
+    # placement group has none left, the rest of the cluster has.
+    return get_current_placement_group().id.hex(), ray.get(child.remote(), timeout=30)
+
+
+@needs_ray
+@pytest.mark.timeout(180)
+def test_tasks_started_by_workers_in_a_trial_placement_group_are_not_captured(cluster):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    # A Ray Tune trial: a task in a placement group that captures its child tasks drives an
+    # executor, whose workers go into that group (use_current_placement_group). As in
+    # Horovod, the workers must not capture their own child tasks: they inherited the
+    # trial's capture, so a task started in the user's function waited for room in the full
+    # group and timed out, though the cluster had free CPUs.
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+
+    @ray.remote(num_cpus=0)
+    def trial():
+        from horovod.ray import RayExecutor
+        ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+        ex.start()
+        try:
+            return ex.run(_start_a_ray_task)
+        finally:
+            ex.shutdown()
+
+    try:
+        out = ray.get(trial.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_capture_child_tasks=True)).remote(), timeout=150)
+    finally:
+        remove_placement_group(pg)
+    assert out == [(pg.id.hex(), "child ran")] * 2, out
+    assert _all_cpus_free()
+
+
+def _interface_vars():
+    import collective as hvd
+    hvd.init()  # the job forms over the named interface
+    return [os.environ.get("HOROVOD_GLOO_IFACE"), os.environ.get("NCCL_SOCKET_IFNAME")]
+
+
+def _elastic_interface_vars():
+    import collective as hvd
+    from collective import elastic
+    hvd.init()
+    return elastic.run(lambda state: _interface_vars())(elastic.ObjectState(epoch=0))
+
+
+@needs_ray
+@pytest.mark.timeout(240)
+def test_nics_name_the_interface_for_gloo_and_nccl(cluster):
+    from horovod.ray import RayExecutor
+
+    # As in Horovod (and hvdrun --network-interface), `nics` also pins NCCL's sockets
+    # (NCCL_SOCKET_IFNAME): only HOROVOD_GLOO_IFACE was set, so GPU jobs let NCCL pick an
+    # interface of its own. A value given in extra_env_vars wins.
+    settings = RayExecutor.create_settings(timeout_s=60, nics={"lo"})
+    ex = RayExecutor(settings, num_workers=2)
+    ex.start()
+    try:
+        assert ex.run(_interface_vars) == [["lo", "lo"]] * 2
+    finally:
+        ex.shutdown()
+    ex.start(extra_env_vars={"NCCL_SOCKET_IFNAME": "=eth0"})
+    try:
+        assert ex.run(_interface_vars) == [["lo", "=eth0"]] * 2
+    finally:
+        ex.shutdown()
+    elastic = RayExecutor(settings, min_workers=2, max_workers=2, cpus_per_worker=1,
+                          elastic_timeout=60)
+    elastic.start()
+    try:
+        assert elastic.run(_elastic_interface_vars) == [["lo", "lo"]] * 2
+    finally:
+        elastic.shutdown()
+    assert _all_cpus_free()
+
+
+class _FakeWorkerGroup:
+    """What the HorovodTrainer backend uses of Ray Train's worker group."""
+
+    def __init__(self, nodes):
+        self.nodes, self.envs = nodes, {}
+
+    def execute(self, fn):
+        return list(self.nodes)
+
+    def execute_single_async(self, rank, fn, env):
+        import ray
+        self.envs[rank] = dict(env)
+        return ray.put(None)
+
+
+@needs_ray
+@pytest.mark.timeout(120)
+def test_horovod_config_nics_name_the_interface_for_gloo_and_nccl(cluster):
+    from horovod.ray import HorovodConfig
+    config = HorovodConfig(nics={"lo"}, timeout_s=60)
+    backend = config.backend_cls()
+    group = _FakeWorkerGroup(["node-a", "node-a"])
+    backend.on_start(group, config)
+    backend.on_shutdown(group, config)
+    assert [(e["HOROVOD_GLOO_IFACE"], e["NCCL_SOCKET_IFNAME"], e["HOROVOD_LOCAL_RANK"])
+            for _, e in sorted(group.envs.items())] == [("lo", "lo", "0"), ("lo", "lo", "1")]
+
+
 @needs_ray
 @pytest.mark.timeout(180)
 def test_shutdown_after_ray_shutdown_starts_no_new_ray_instance():
@@ -313,6 +432,16 @@ def test_executor_argument_errors(cluster):
         RayExecutor(s, min_workers=3, max_workers=2)
     with pytest.raises(ValueError, match="must be a positive integer"):
         RayExecutor(s, num_workers=True)
+    # NumPy integers (a config or a Tune search space) are integers; they were refused with
+    # "num_workers=np.int64(2) must be a positive integer", and min_workers as num_workers.
+    import numpy as np
+    assert RayExecutor(s, num_workers=np.int64(2)).num_workers == 2
+    assert RayExecutor(s, num_hosts=np.int32(2), num_workers_per_host=np.int64(2)).num_workers == 4
+    assert RayExecutor(s, min_workers=np.int64(1), max_workers=np.int64(2)).num_workers == 1
+    with pytest.raises(ValueError, match="min_workers=1.5 must be a positive integer"):
+        RayExecutor(s, min_workers=1.5)
+    with pytest.raises(ValueError, match="max_workers=2.5 must be a positive integer"):
+        RayExecutor(s, min_workers=1, max_workers=2.5)
     with pytest.raises(ValueError, match="reserve nothing"):
         RayExecutor(s, num_workers=1, cpus_per_worker=0).start()
     elastic = RayExecutor(s, min_workers=1, max_workers=2)
@@ -320,6 +449,15 @@ def test_executor_argument_errors(cluster):
         elastic.execute(lambda w: 1)
     with pytest.warns(DeprecationWarning, match="RayExecutor"):
         ElasticRayExecutor(ElasticRayExecutor.create_settings(min_num_proc=1))
+    # Horovod's deprecated spellings warn (they were taken silently), and the elastic
+    # executor's errors name its own arguments (gpus_per_slot, not gpus_per_worker).
+    with pytest.warns(DeprecationWarning, match="min_np is deprecated, use min_num_proc"):
+        es = ElasticRayExecutor.create_settings(min_np=2)
+    with pytest.warns(DeprecationWarning, match="max_np is deprecated, use max_num_proc"):
+        es = ElasticRayExecutor.create_settings(min_num_proc=2, max_np=3)
+    assert (es.min_np, es.max_np) == (2, 3)
+    with pytest.raises(ValueError, match="gpus_per_slot is set, but use_gpu is False"):
+        ElasticRayExecutor(es, gpus_per_slot=1)
     ex = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_workers=64)
     with pytest.raises(TimeoutError, match="Placement group"):
         ex.start()
