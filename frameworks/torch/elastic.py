@@ -214,10 +214,10 @@ class TorchState(ObjectState):
         handlers: dict[str, StateHandler] = {}
         plain: dict[str, Any] = {}
         for name, value in kwargs.items():
-            handler = _handler_for(value) if value is not None else None
+            handler = _handler_for(value)
             if handler is not None:
                 handlers[name] = handler
-            elif value is not None or name not in ("model", "optimizer"):
+            else:  # a plain value, `None` included: `state.model` is None without a model
                 plain[name] = value
         object.__setattr__(self, "_handlers", handlers)
         for name, handler in handlers.items():

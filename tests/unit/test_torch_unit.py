@@ -154,6 +154,31 @@ def test_elastic_state_and_sampler_single_process():
         ft.shutdown()
 
 
+def test_torch_state_without_model_or_optimizer():
+    """As in Horovod, a model or optimizer not given is a plain `None` attribute: saved,
+    restored and synced like any other value."""
+    ft.init()
+    try:
+        state = ft.elastic.TorchState(epoch=0)
+        assert state.model is None and state.optimizer is None
+        state.epoch = 2
+        state.restore()
+        assert (state.model, state.optimizer, state.epoch) == (None, None, 0)
+        state.epoch = 1
+        state.commit()
+        state.sync()
+        assert (state.model, state.optimizer, state.epoch) == (None, None, 1)
+        model = torch.nn.Linear(2, 1)
+        only_model = ft.elastic.TorchState(model, batch=0)
+        assert only_model.model is model and only_model.optimizer is None
+        only_model.commit()
+        only_model.sync()
+        only_model.restore()
+        assert only_model.optimizer is None
+    finally:
+        ft.shutdown()
+
+
 def test_single_process_ops_and_optimizer():
     ft.init()
     try:
