@@ -41,6 +41,32 @@ def test_horovod_aliases_are_the_same_modules():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
+def test_horovod_torch_elastic_submodules():
+    """Horovod's split of `horovod.torch.elastic`: `.sampler` and `.state`, imported as user
+    scripts do; `hvd.elastic` keeps every name."""
+    from horovod.torch.elastic import ElasticSampler as Sampler0
+    from horovod.torch.elastic import TorchState as State0
+    from horovod.torch.elastic import run
+    from horovod.torch.elastic.sampler import ElasticSampler
+    from horovod.torch.elastic.state import (ModelStateHandler, OptimizerStateHandler,
+                                             SamplerStateHandler, StateHandler, TorchState,
+                                             get_handler_registry, set_handler_registry)
+
+    import horovod.torch as hvd
+    import horovod.torch.elastic.state as state_mod
+
+    assert ElasticSampler is Sampler0 is hvd.elastic.ElasticSampler
+    assert TorchState is State0 is hvd.elastic.TorchState and run is hvd.elastic.run
+    assert state_mod is importlib.import_module("frameworks.torch.elastic.state")
+    assert get_handler_registry() == [(torch.nn.Module, ModelStateHandler),
+                                      (torch.optim.Optimizer, OptimizerStateHandler),
+                                      (ElasticSampler, SamplerStateHandler)]
+    assert issubclass(ModelStateHandler, StateHandler) and callable(set_handler_registry)
+    for name in ("State", "ObjectState", "HostUpdateResult", "get_handler_registry",
+                 "set_handler_registry", "StateHandler"):
+        assert hasattr(hvd.elastic, name), name
+
+
 def test_exported_names():
     for name in ["init", "shutdown", "allreduce", "allreduce_async_", "grouped_allreduce",
                  "sparse_allreduce_async", "allgather", "broadcast_", "alltoall",
