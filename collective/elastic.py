@@ -144,7 +144,14 @@ _updates = _Updates()
 class _Heartbeat:
     """Puts `alive.<worker>` every `HEARTBEAT_INTERVAL_S` on a daemon thread (one per process,
     started by the first rendezvous), so that the driver can tell a worker that is busy
-    outside collectives from one that is stopped, frozen or cut off."""
+    outside collectives from one that is stopped, frozen or cut off.
+
+    It beats until the process exits, through `shutdown()` and the end of `run`'s function:
+    it tells that the process is alive, not that it trains. A worker that stopped beating
+    while others wait for a new round is killed after the straggler timeout and its host
+    blacklisted, which a finished worker still writing its checkpoint after `shutdown()` must
+    not be; and a later `run` function in the same process gets no new rendezvous to restart
+    it. `stop` is for tests."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,5 +1,6 @@
-"""Horovod's module tree beyond the API: `horovod.common.exceptions`, `horovod.common.elastic`
-and `horovod.runner.util.threads`, which scripts and test helpers import."""
+"""Horovod's module tree beyond the API: `horovod.common.exceptions`, `horovod.common.elastic`,
+`horovod.common.process_sets` and `horovod.runner.util.threads`, which scripts and test helpers
+import."""
 from __future__ import annotations
 
 import threading
@@ -141,3 +142,18 @@ def test_common_elastic_is_collective_elastic():
     state.n = 9
     state.restore()
     assert state.n == 5
+
+
+def test_common_process_sets_are_ringvods():
+    """`from horovod.common.process_sets import ProcessSet, global_process_set, ...` gives the
+    objects of `hvd` (and of `collective`)."""
+    from horovod.common.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                             remove_process_set)
+
+    import collective
+
+    assert ProcessSet is collective.ProcessSet
+    assert global_process_set is collective.global_process_set
+    assert add_process_set is collective.add_process_set
+    assert remove_process_set is collective.remove_process_set
+    assert ProcessSet([2, 0]).ranks == [0, 2]

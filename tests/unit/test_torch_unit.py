@@ -41,6 +41,32 @@ def test_horovod_aliases_are_the_same_modules():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
+def test_horovod_torch_elastic_submodules():
+    """Horovod's split of `horovod.torch.elastic`: `.sampler` and `.state`, imported as user
+    scripts do; `hvd.elastic` keeps every name."""
+    from horovod.torch.elastic import ElasticSampler as Sampler0
+    from horovod.torch.elastic import TorchState as State0
+    from horovod.torch.elastic import run
+    from horovod.torch.elastic.sampler import ElasticSampler
+    from horovod.torch.elastic.state import (ModelStateHandler, OptimizerStateHandler,
+                                             SamplerStateHandler, StateHandler, TorchState,
+                                             get_handler_registry, set_handler_registry)
+
+    import horovod.torch as hvd
+    import horovod.torch.elastic.state as state_mod
+
+    assert ElasticSampler is Sampler0 is hvd.elastic.ElasticSampler
+    assert TorchState is State0 is hvd.elastic.TorchState and run is hvd.elastic.run
+    assert state_mod is importlib.import_module("frameworks.torch.elastic.state")
+    assert get_handler_registry() == [(torch.nn.Module, ModelStateHandler),
+                                      (torch.optim.Optimizer, OptimizerStateHandler),
+                                      (ElasticSampler, SamplerStateHandler)]
+    assert issubclass(ModelStateHandler, StateHandler) and callable(set_handler_registry)
+    for name in ("State", "ObjectState", "HostUpdateResult", "get_handler_registry",
+                 "set_handler_registry", "StateHandler"):
+        assert hasattr(hvd.elastic, name), name
+
+
 def test_exported_names():
     for name in ["init", "shutdown", "allreduce", "allreduce_async_", "grouped_allreduce",
                  "sparse_allreduce_async", "allgather", "broadcast_", "alltoall",
@@ -150,6 +176,31 @@ def test_elastic_state_and_sampler_single_process():
         assert state.epoch == 1 and sampler.state_dict() == {"epoch": 0, "processed_num": 4}
         sampler.set_epoch(1)
         assert sampler.processed_num == 0 and sorted(sampler) == list(range(10))
+    finally:
+        ft.shutdown()
+
+
+def test_torch_state_without_model_or_optimizer():
+    """As in Horovod, a model or optimizer not given is a plain `None` attribute: saved,
+    restored and synced like any other value."""
+    ft.init()
+    try:
+        state = ft.elastic.TorchState(epoch=0)
+        assert state.model is None and state.optimizer is None
+        state.epoch = 2
+        state.restore()
+        assert (state.model, state.optimizer, state.epoch) == (None, None, 0)
+        state.epoch = 1
+        state.commit()
+        state.sync()
+        assert (state.model, state.optimizer, state.epoch) == (None, None, 1)
+        model = torch.nn.Linear(2, 1)
+        only_model = ft.elastic.TorchState(model, batch=0)
+        assert only_model.model is model and only_model.optimizer is None
+        only_model.commit()
+        only_model.sync()
+        only_model.restore()
+        assert only_model.optimizer is None
     finally:
         ft.shutdown()
 

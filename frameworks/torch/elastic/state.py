@@ -1,118 +1,30 @@
-"""`hvd.elastic` for PyTorch (`horovod.torch.elastic`): `run`, `TorchState`, `ElasticSampler`.
-
-The framework-neutral parts (the retry loop, `State`, `ObjectState`, the rendezvous with the
-driver) are in `collective/elastic.py`; this module adds the handlers for models, optimizers and
-samplers:
+"""`horovod.torch.elastic.state`: `TorchState` and the handlers that save, restore and sync its
+models, optimizers and samplers.
 
 | value | save / restore | sync (from rank 0) |
 |---|---|---|
 | `torch.nn.Module` | deep copy of `state_dict()` / `load_state_dict` | `broadcast_parameters(state_dict, 0)` |
 | `torch.optim.Optimizer` | deep copy of `state_dict()` / `load_state_dict` | `broadcast_optimizer_state(opt, 0)` |
 | `ElasticSampler` | its `state_dict()` (epoch, processed_num) | `broadcast_object` of it |
-| anything else | an `ObjectState` attribute | `broadcast_object` |
+| anything else (`None` included) | an `ObjectState` attribute | `broadcast_object` |
 """
 from __future__ import annotations
 
 import copy
-import math
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
-import torch.utils.data
 
 import collective
-from collective.elastic import HostUpdateResult, ObjectState, State, run_fn
-from collective.elastic import reset as _reset
+from collective.elastic import ObjectState
 
-from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from ..functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .sampler import ElasticSampler
 
-__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostUpdateResult",
-           "get_handler_registry", "set_handler_registry", "StateHandler"]
-
-
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator of an elastic training function `func(state, *args, **kwargs)`.
-
-    On a failed collective the state is restored to the last commit; on a host update it is
-    kept. Either way the job resets (`shutdown()`, rendezvous with the driver, `init()`), the
-    state is synced from the new rank 0, the reset callbacks run, and `func` is called again.
-    """
-    return run_fn(func, _reset)
+__all__ = ["TorchState", "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
+           "SamplerStateHandler", "get_handler_registry", "set_handler_registry"]
 
 
-class ElasticSampler(torch.utils.data.Sampler):
-    """A `DistributedSampler` that resumes mid-epoch: after a reset, the samples already
-    processed (as recorded by `record_batch`) are skipped and the rest is split over the new
-    world.
-
-    Args:
-        dataset: the dataset (only its length is used).
-        shuffle: permute the indices with `seed + epoch`.
-        seed: the shuffle seed (the same on every rank).
-
-    Example:
-        >>> sampler = hvd.elastic.ElasticSampler(dataset)
-        >>> loader = DataLoader(dataset, batch_size=32, sampler=sampler)
-        >>> for batch_idx, batch in enumerate(loader):
-        ...     ...
-        ...     sampler.record_batch(batch_idx, 32)
-        >>> sampler.set_epoch(epoch + 1)   # at the end of the epoch
-    """
-
-    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0) -> None:
-        self.dataset = dataset
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
-        self.processed_num = 0
-        self.reset()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Starts epoch `epoch` with nothing processed (call it at the end of an epoch)."""
-        self.epoch = epoch
-        self.processed_num = 0
-        self.reset()
-
-    def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Records that every rank processed one more batch of `batch_size` samples."""
-        del batch_idx
-        self.processed_num += batch_size * self.num_replicas
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "processed_num": self.processed_num}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self.epoch = state_dict["epoch"]
-        self.processed_num = state_dict["processed_num"]
-        self.reset()
-
-    def reset(self) -> None:
-        """Re-reads rank and size and recomputes this rank's share of the unprocessed samples."""
-        self.num_replicas = collective.size() if collective.is_initialized() else 1
-        self.rank = collective.rank() if collective.is_initialized() else 0
-        n = len(self.dataset)
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            indices = torch.randperm(n, generator=g).tolist()
-        else:
-            indices = list(range(n))
-        self.remaining_indices = indices[self.processed_num:]
-        self.num_samples = int(math.ceil(len(self.remaining_indices) / self.num_replicas))
-        self.total_size = self.num_samples * self.num_replicas
-        padded = list(self.remaining_indices)
-        while len(padded) < self.total_size:  # pad with the first ones, as DistributedSampler
-            padded += self.remaining_indices[:self.total_size - len(padded)]
-        self.indices = padded
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices[self.rank:self.total_size:self.num_replicas])
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-
-# -- handlers ------------------------------------------------------------------------------------
 class StateHandler:
     """Saves, restores and syncs one value of a `TorchState`."""
 
@@ -214,10 +126,10 @@ class TorchState(ObjectState):
         handlers: dict[str, StateHandler] = {}
         plain: dict[str, Any] = {}
         for name, value in kwargs.items():
-            handler = _handler_for(value) if value is not None else None
+            handler = _handler_for(value)
             if handler is not None:
                 handlers[name] = handler
-            elif value is not None or name not in ("model", "optimizer"):
+            else:  # a plain value, `None` included: `state.model` is None without a model
                 plain[name] = value
         object.__setattr__(self, "_handlers", handlers)
         for name, handler in handlers.items():
