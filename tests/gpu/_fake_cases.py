@@ -275,6 +275,7 @@ def synchronous_device_ops_take_the_express_lane(n: int) -> None:
         rt = runtime.current()
         coord = rt.coordinator
         made = _fakecuda.calls.get("Event", 0)
+        queried = _fakecuda.calls.get("eventQuery", 0)
         for i in range(30):
             x = np.full(6, float(rank + i), np.float32)
             res = wait_now(
@@ -288,6 +289,9 @@ def synchronous_device_ops_take_the_express_lane(n: int) -> None:
         assert len(eng._inflight) <= engine_mod._REAP_AT, len(eng._inflight)
         made = _fakecuda.calls.get("Event", 0) - made  # by every rank meanwhile
         assert made <= 4 * n, f"{made} completion events made for {30 * n} ops: not reused"
+        # Reaping queries the newest in-flight event once every few ops, not once per op.
+        queried = _fakecuda.calls.get("eventQuery", 0) - queried
+        assert queried <= 30 * n // 2, f"{queried} event queries for {30 * n} lone ops"
     run_loopback(n, body)
 
 

@@ -45,9 +45,10 @@ _NCCL_OP = {ReduceOp.SUM: _SUM, ReduceOp.PRODUCT: _PROD, ReduceOp.MAX: _MAX,
             ReduceOp.MIN: _MIN}
 _D2D = 3  # cudaMemcpyKind
 _FREE_EVENTS = 64  # completion events kept for reuse
-# Finished ops are reaped (entries released, events recycled) once this many are in flight or
-# no event is free: an event query is a noticeable share of a lone op's engine path
-# (`tools/latency_probe.py`), so it is not done per op.
+# Finished ops are reaped (entries released, events recycled) once this many are in flight; an
+# op that finds no free event makes one (a lone op's loop then cycles through this many). An
+# event query is a noticeable share of a lone op's engine path (`tools/latency_probe.py`), so
+# it is not done per op.
 _REAP_AT = 4
 
 _rt = cupy.cuda.runtime
@@ -216,7 +217,7 @@ class NCCLEngine(Engine):
                 # A guest thread, or user code on this thread, made another device current:
                 # events and CuPy work below belong to the engine's device.
                 self._activate()
-            if len(self._inflight) >= _REAP_AT or not self._free_events:
+            if len(self._inflight) >= _REAP_AT:
                 self._reap()
             if self._check is not None:
                 self._check()  # an NCCL error of an earlier op (e.g. a peer died) fails this one
