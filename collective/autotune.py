@@ -35,8 +35,8 @@ far:
 At most `max_samples` parameter sets are scored (`HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`); the
 cycle-time stage is shortened to leave room for the later stages (with the default 20: the
 threshold grid (9 with the default start), 3 cycle times, 3 bucket sizes, 1 cache setting, 3
-confirmations and the starting values). A knob set through the environment or `hvdrun` (a
-value other than its default) is held fixed, as in Horovod; so is the bucket size of an
+confirmations and the starting values). A knob set through the environment or `hvdrun` (to
+any value, its default included) is held fixed, as in Horovod; so is the bucket size of an
 optimizer with `groups=`, in per-gradient mode (`HOROVOD_BUCKET_CAP_MB=0`) or over another
 process set. When the search ends the best values stay in force, are logged and end the CSV
 log.
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, TextIO
 
 from . import _log
-from .config import Config, options_by_field
+from .config import Config
 
 __all__ = ["Autotuner", "Sampler", "Driver", "from_config", "Params", "CSV_HEADER",
            "THRESHOLD_GRID_MB", "CYCLE_GRID_MS", "BUCKET_GRID_MB"]
@@ -533,11 +533,10 @@ def _open_log(path: str) -> TextIO | None:
 
 
 def from_config(config: Config, buckets_ready: Callable[[], bool] = lambda: False) -> Driver:
-    """Rank 0's tuner for a Config. A knob whose value differs from its default was set by the
-    user and is held fixed. `buckets_ready`: see `Autotuner`."""
-    defaults = options_by_field()
+    """Rank 0's tuner for a Config. A knob the user set (its environment variable, even to the
+    default value: `Config.explicit`) is held fixed. `buckets_ready`: see `Autotuner`."""
     fixed = {f for f in ("fusion_threshold", "cycle_time_ms", "bucket_cap_mb", "cache_capacity")
-             if getattr(config, f) != defaults[f].default}
+             if f in config.explicit}
     log = _open_log(config.autotune_log) if config.autotune_log else None
     tuner = Autotuner(config.fusion_threshold, config.cycle_time_ms,
                       warmup_samples=config.autotune_warmup_samples,

@@ -248,16 +248,19 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
 
 def stop_timeline() -> None:
-    """Stops writing the timeline (a no-op with an info log when it is not running).
+    """Stops writing the timeline (a no-op with an info log when it is not running, also when
+    the job has no timeline at all, as in Horovod).
 
     Raises:
-        ValueError: not initialised, or the timeline was not enabled at init.
+        ValueError: not initialised.
     """
     rt = _rt.current_or_none()
     if rt is None:
         raise NotInitializedError()
     if not rt.timeline_enabled:
-        raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")
+        get_logger().info("Timeline is already stopped (HOROVOD_TIMELINE was not set at "
+                          "init); ignoring the stop request.")
+        return
     tl = rt.coordinator.timeline
     if tl is not None:
         tl.stop_file()

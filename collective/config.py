@@ -301,11 +301,13 @@ def read_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> "Con
         raw = env.get(o.env)
         values[o.field] = o.default if raw is None or raw == "" and o.type is not str else (
             _parse(o, raw))
+    explicit = {o.field for o in OPTIONS if env.get(o.env)}
     for k, v in overrides.items():
         if k not in _BY_FIELD:
             raise TypeError(f"unknown config option {k!r}; known: {sorted(_BY_FIELD)}")
         values[k] = v
-    return Config(**values)
+        explicit.add(k)
+    return Config(**values, explicit=frozenset(explicit))
 
 
 def environ_snapshot() -> dict[str, str]:
@@ -383,6 +385,10 @@ class Config:
     pmix_rank: int
     slurm_ntasks: int
     cuda_visible_devices: str
+    # The options given (a non-empty environment variable or a keyword override), whatever
+    # their value: autotune holds these fixed, as Horovod does with every knob set in the
+    # environment, its default value included. Not an option itself.
+    explicit: frozenset = frozenset()
 
     def replace(self, **changes: Any) -> "Config":
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -399,7 +405,8 @@ class Config:
 
     def __repr__(self) -> str:  # never print the secret
         items = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                          if f.name != "secret_key")
+                          if f.name not in ("secret_key", "explicit"))
+        items += f", explicit={sorted(self.explicit - {'secret_key'})!r}"
         return f"Config({items})"
 
 

@@ -30,7 +30,7 @@ CACHEABLE = (ResponseType.ALLREDUCE, ResponseType.ALLGATHER, ResponseType.ADASUM
 EVICTION_WARNING = (
     "A response has been evicted from cache which may indicate reduced performance. Better "
     "performance may be obtained by disabling caching (HOROVOD_CACHE_CAPACITY=0) or increasing "
-    "the cache capacity (HOROVOD_CACHE_CAPACITY>1024).")
+    "the cache capacity (HOROVOD_CACHE_CAPACITY>{capacity}).")  # the capacity in force
 
 
 class CacheState(enum.Enum):

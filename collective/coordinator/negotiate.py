@@ -227,7 +227,7 @@ class Negotiator:
                     if entry is not None and ps.cache.put(single, entry.request) and (
                             not self._warned_eviction):
                         self._warned_eviction = True
-                        _log_.warning(EVICTION_WARNING)
+                        _log_.warning(EVICTION_WARNING.format(capacity=ps.cache.capacity))
             ps.cache.renumber()
             ps.carry.extend(ps.hits.remap(ps.cache))  # bit numbers changed
         return fused, shutdown

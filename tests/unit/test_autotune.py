@@ -107,6 +107,24 @@ def test_fixed_knobs_are_not_tuned():
     assert {k[2] for k in tuner.scores} == {25.0}
 
 
+def test_knobs_set_to_their_default_are_held_fixed_too():
+    """Horovod holds a knob fixed when its variable is set, whatever the value: a job that pins
+    HOROVOD_CYCLE_TIME=1 (the default) next to HOROVOD_AUTOTUNE=1 keeps a 1 ms cycle."""
+    d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CYCLE_TIME": "1",
+                              "HOROVOD_FUSION_THRESHOLD": str(128 * MB),
+                              "HOROVOD_CACHE_CAPACITY": "1024",
+                              "HOROVOD_BUCKET_CAP_MB": "25"}))
+    t = d.tuner
+    assert not (t.tune_cycle_time or t.tune_threshold or t.tune_cache or t.tune_bucket)
+    assert not t.active and t.params == Params(128 * MB, 1.0, False, 25.0, True)
+    # An empty variable counts as unset (ringvod reads it as the default); a keyword
+    # override counts as set.
+    d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CYCLE_TIME": ""}))
+    assert d.tuner.tune_cycle_time and d.tuner.tune_threshold
+    d = from_config(read_env({"HOROVOD_AUTOTUNE": "1"}, cycle_time_ms=1.0))
+    assert not d.tuner.tune_cycle_time and d.tuner.tune_threshold
+
+
 def test_from_config_holds_user_set_knobs_fixed(tmp_path):
     d = from_config(read_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CYCLE_TIME": "5"}))
     assert d.tuner.tune_threshold and not d.tuner.tune_cycle_time

@@ -528,6 +528,8 @@ def test_cache_eviction_warning_logged_once(horovod_log):
     warnings = [r for r in horovod_log.records
                 if "A response has been evicted from cache" in r.getMessage()]
     assert 1 <= len(warnings) <= 2  # once per process (here: per rank runtime at most)
+    # Horovod's text names the capacity in force, not the default.
+    assert all(r.getMessage().endswith("(HOROVOD_CACHE_CAPACITY>2).") for r in warnings)
 
 
 # -- cycles driven by the thread that waits (Coordinator.drive) ---------------------------------

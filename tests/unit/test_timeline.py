@@ -613,3 +613,22 @@ def test_ops_of_two_sets_under_one_name_get_a_row_each(tmp_path):
         assert sorted(e["name"] for e in evs if e["ph"] == "X") == ["0", "1"], (name, evs)
         assert sum(e["ph"] == "B" for e in evs) == sum(e["ph"] == "E" for e in evs)
         assert evs[-1]["args"] == {"dtype": "float32", "shape": "[3]"}, (name, evs)
+
+
+def test_stop_timeline_without_a_timeline_only_logs(monkeypatch, records):
+    """Horovod's `stop_timeline()` in a job started without HOROVOD_TIMELINE logs an info line
+    and returns (only `start_timeline` refuses); a cleanup path calling it must not raise."""
+    import collective as hvd
+    monkeypatch.delenv("HOROVOD_TIMELINE", raising=False)
+    monkeypatch.setenv("HOROVOD_LOG_LEVEL", "info")
+    hvd.init()
+    try:
+        hvd.stop_timeline()
+        assert any(r.levelno == logging.INFO and "already stopped" in r.getMessage()
+                   for r in records)
+        with pytest.raises(ValueError, match="Set HOROVOD_TIMELINE=DYNAMIC"):
+            hvd.start_timeline("/tmp/never.json")
+    finally:
+        hvd.shutdown()
+    with pytest.raises(ValueError, match="has not been initialized"):
+        hvd.stop_timeline()
