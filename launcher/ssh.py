@@ -1,9 +1,11 @@
 """ssh command lines for remote workers, and the pre-launch ssh reachability check.
 
 Remote command (Horovod's form):
-`ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=no [-p port] [-i key] <host>
+`ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=no [-p port] [-i key] -- <host>
 'cd <cwd> > /dev/null 2>&1 ; <cmd>'`, where <cmd> runs `launcher.remote_exec`, which reads the
-worker's environment and the job secret from stdin (never from the command line).
+worker's environment and the job secret from stdin (never from the command line). The `--`
+keeps a host name that starts with `-` (from a hostfile or a discovery script) from being
+read as an ssh option such as `-E<file>` or `-F<config>`.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def timeout_message(activity: str) -> str:
 
 def ssh_base(host: str, port: int | None = None, identity_file: str | None = None,
              connect_timeout: float | None = None) -> list[str]:
-    """`ssh` and its options up to and including the host."""
+    """`ssh` and its options, `--`, then the host (never read as an option)."""
     argv = ["ssh", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no"]
     if connect_timeout is not None:
         argv += ["-o", f"ConnectTimeout={max(1, math.ceil(connect_timeout))}"]
@@ -48,7 +50,7 @@ def ssh_base(host: str, port: int | None = None, identity_file: str | None = Non
         argv += ["-p", str(port)]
     if identity_file is not None:
         argv += ["-i", identity_file]
-    argv.append(host)
+    argv += ["--", host]
     return argv
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from collective.config import OPTIONS
 from launcher import cli
 from launcher.env import exportable_env, is_exportable, redact, worker_env
-from launcher.hosts import HostInfo, SlotInfo
+from launcher.hosts import HostInfo, SlotInfo, parse_hosts
 from launcher.mpirun import (MPIImpl, MPIUnavailableError, build_mpirun_command,
                              parse_mpi_version)
 from launcher.settings import LaunchSettings
@@ -585,9 +586,10 @@ def test_worker_env_not_oversubscribed_and_redact():
 
 def test_ssh_commands():
     assert ssh_base("h", 2222, "/k") == ["ssh", "-o", "PasswordAuthentication=no", "-o",
-                                         "StrictHostKeyChecking=no", "-p", "2222", "-i", "/k", "h"]
+                                         "StrictHostKeyChecking=no", "-p", "2222", "-i", "/k",
+                                         "--", "h"]
     assert ssh_base("h") == ["ssh", "-o", "PasswordAuthentication=no", "-o",
-                             "StrictHostKeyChecking=no", "h"]
+                             "StrictHostKeyChecking=no", "--", "h"]
     text = remote_command(["python", "my script.py", "--x=$HOME"], "/work dir", python="/py",
                           launcher_root="/src")
     assert text.startswith("cd '/work dir' > /dev/null 2>&1 ; exec /py -c ")
@@ -596,6 +598,27 @@ def test_ssh_commands():
     assert words[4:] == ["/src", "--", "python", "my script.py", "--x=$HOME"]
     assert "Timed out waiting for ssh" in timeout_message("ssh")
     assert "--start-timeout" in timeout_message("x")
+
+
+@pytest.mark.timeout(60)
+def test_a_host_name_is_never_an_ssh_option(tmp_path, monkeypatch):
+    """A host such as `-E<file>` (hostfiles, -H and discovery output accept a leading `-`)
+    must reach ssh as a host, not as an option: `-E<file>` would make ssh append its log to
+    that file, `-F<file>` read an ssh config (ProxyCommand) from it. Runs the real ssh."""
+    import shutil
+
+    from launcher import ssh
+
+    if shutil.which("ssh") is None:
+        pytest.skip("ssh is not installed")
+    monkeypatch.chdir(tmp_path)
+    host = "-Einjected.log"
+    assert parse_hosts(f"{host}:1")[0].hostname == host  # the parser lets it through
+    with pytest.raises((ssh.SSHCheckError, ssh.StartTimeoutError)):
+        ssh.check_hosts([host], timeout=20)
+    argv = ssh.ssh_worker_argv(host, ["true"], str(tmp_path))
+    subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    assert not (tmp_path / "injected.log").exists(), "ssh took the host name as -E <file>"
 
 
 def test_ctrl_c_during_the_ssh_check_stops_it_at_once(monkeypatch):
