@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from typing import Any, Hashable, Iterable, Sequence, TypeVar
 
 import collective
-from collective import ProcessSet, global_process_set
+from collective import ProcessSet, ReduceOp, global_process_set
 
 __all__ = ["find_duplicates", "check_named_parameters", "default_parameter_name", "split_list",
-           "dumps", "loads", "process_set_size", "process_set_rank"]
+           "dumps", "loads", "process_set_size", "process_set_rank", "gradient_reduction"]
 
 T = TypeVar("T")
 
@@ -123,3 +124,28 @@ def process_set_rank(process_set: ProcessSet = global_process_set) -> int:
     if r is None:
         raise ValueError(f"rank {collective.rank()} is not a member of {process_set}")
     return r
+
+
+def gradient_reduction(op: Any, gradient_predivide_factor: float, num_groups: int,
+                       groups: Any, stacklevel: int) -> tuple[ReduceOp, Any]:
+    """A distributed optimizer's (or gradient tape's) reduce op and groups, after Horovod's
+    checks: no Adasum, `gradient_predivide_factor` with Average only, and the deprecated
+    `num_groups` standing in for `groups` with Horovod's warning (`stacklevel` as for the
+    caller's own `warnings.warn`).
+
+    Raises:
+        NotImplementedError: op=hvd.Adasum.
+        ValueError: a predivide factor with an op other than Average.
+    """
+    op = ReduceOp(int(op))
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError("op=hvd.Adasum is not supported by ringvod; use "
+                                  "op=hvd.Average (the default) or hvd.Sum")
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
+                      "removed in v0.23.0.", DeprecationWarning, stacklevel=stacklevel + 1)
+        if groups is None:
+            groups = num_groups
+    return op, groups

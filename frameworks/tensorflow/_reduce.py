@@ -17,14 +17,13 @@ tracing, so None stays None there (every rank traces the same program).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Sequence
 
 import tensorflow as tf
 
 from collective import MismatchError, ProcessSet, ReduceOp, RequestType, global_process_set
 
-from .._common import split_list
+from .._common import gradient_reduction, split_list
 from ._buffers import enqueue, finish
 from collective.adapter import wait_now
 from .compression import Compression, check_compressor
@@ -67,17 +66,8 @@ class GradientReducer:
                  scale_local_gradients: bool = True, device_dense: str = "",
                  device_sparse: str = "") -> None:
         _no_effect(device_dense=device_dense, device_sparse=device_sparse)
-        op = ReduceOp(int(op))
-        if op == ReduceOp.ADASUM:
-            raise NotImplementedError("Adasum is not supported by ringvod; use op=hvd.Average "
-                                      "or hvd.Sum")
-        if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-        if num_groups:
-            warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
-                          "removed in v0.23.0.", DeprecationWarning, stacklevel=4)
-            if groups is None:
-                groups = num_groups
+        op, groups = gradient_reduction(op, gradient_predivide_factor, num_groups, groups,
+                                        stacklevel=4)
         if groups is not None and not (isinstance(groups, int) and groups > 0) and not (
                 isinstance(groups, (list, tuple))
                 and all(isinstance(g, (list, tuple)) for g in groups)):

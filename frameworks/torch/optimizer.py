@@ -25,7 +25,7 @@ import torch
 import collective
 from collective import ProcessSet, ReduceOp, adapter, global_process_set
 
-from .._common import check_named_parameters, default_parameter_name
+from .._common import check_named_parameters, default_parameter_name, gradient_reduction
 from ._reducer import GradientReducer
 from .compression import Compression, check_compressor
 
@@ -64,17 +64,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = check_compressor(compression)
         if backward_passes_per_step <= 0:
             raise ValueError("backward_passes_per_step must be > 0")
-        op = ReduceOp(int(op))
-        if op == ReduceOp.ADASUM:
-            raise NotImplementedError("op=hvd.Adasum is not supported by ringvod; use "
-                                      "op=hvd.Average (the default) or hvd.Sum")
-        if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-        if num_groups:
-            warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
-                          "removed in v0.23.0.", DeprecationWarning, stacklevel=4)
-            if groups is None:
-                groups = num_groups
+        op, groups = gradient_reduction(op, gradient_predivide_factor, num_groups, groups,
+                                        stacklevel=4)
         _check_groups(groups)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
