@@ -127,11 +127,11 @@ def test_batch_counter_counts_from_a_resumed_batch(hvd) -> None:
     """After a reset mid-epoch the training function resumes at `state.batch` with a shorter
     `fit`; `state.batch` keeps counting the epoch's batches from there, so a second reset in
     the same epoch resumes after the batches already done (not at the resumed fit's count)."""
+    import keras
     e = hvd.elastic
     model = _model(hvd)
     state = e.KerasState(model, epoch=0, batch=3)
     seen: list[int] = []
-    import keras
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
