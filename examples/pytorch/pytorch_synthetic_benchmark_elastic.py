@@ -1,12 +1,17 @@
 """Elastic synthetic training throughput, as Horovod's
 `examples/elastic/pytorch/pytorch_synthetic_benchmark_elastic.py`.
 
-    hvdrun -np 2 --min-np 1 --max-np 4 --host-discovery-script ./discover_hosts.sh \
-        python examples/pytorch/pytorch_synthetic_benchmark_elastic.py --no-cuda --model small_cnn
+    # CPU: sizes that finish in well under a minute on 2 cores
     hvdrun -np 2 --min-np 1 -H localhost:1,127.0.0.1:1 --blacklist-cooldown-range 5 30 \
-        python examples/pytorch/pytorch_synthetic_benchmark_elastic.py --no-cuda --model small_cnn
+        python examples/pytorch/pytorch_synthetic_benchmark_elastic.py --no-cuda \
+        --model small_cnn --image-size 32 --batch-size 16 --num-warmup-batches 3 \
+        --num-batches-per-iter 5 --num-iters 20
+    # GPUs, hosts from a discovery script (resnet50, Horovod's sizes)
+    hvdrun -np 2 --min-np 1 --max-np 4 --host-discovery-script ./discover_hosts.sh \
+        python examples/pytorch/pytorch_synthetic_benchmark_elastic.py
 
-where `discover_hosts.sh` prints one `hostname:slots` line per available host. Kill a worker
+where `discover_hosts.sh` prints one `hostname:slots` line per available host (Horovod's
+defaults, 224x224 images, take minutes per iteration on a CPU). Kill a worker
 (or edit what the script prints) while it runs: the others roll back to the last commit (or,
 when a host was only added or removed, keep their state), re-form and go on; the learning rate
 follows the world size through the reset callback. Models: see pytorch_synthetic_benchmark.py.
@@ -53,6 +58,8 @@ hvd.init()
 if args.cuda:
     torch.cuda.set_device(hvd.local_rank())
     torch.backends.cudnn.benchmark = True
+else:  # the ranks of a host share its cores
+    torch.set_num_threads(max(1, torch.get_num_threads() // hvd.local_size()))
 
 model = build_model(args.model, args.num_classes)
 if args.cuda:

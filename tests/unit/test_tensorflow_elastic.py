@@ -123,6 +123,28 @@ def test_callbacks_commit_every_n_batches_and_at_epoch_end(hvd) -> None:
         e.CommitStateCallback(state, batches_per_commit=0)
 
 
+def test_batch_counter_counts_from_a_resumed_batch(hvd) -> None:
+    """After a reset mid-epoch the training function resumes at `state.batch` with a shorter
+    `fit`; `state.batch` keeps counting the epoch's batches from there, so a second reset in
+    the same epoch resumes after the batches already done (not at the resumed fit's count)."""
+    import keras
+    e = hvd.elastic
+    model = _model(hvd)
+    state = e.KerasState(model, epoch=0, batch=3)
+    seen: list[int] = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(state.batch)
+
+    callbacks = [e.UpdateBatchStateCallback(state), e.UpdateEpochStateCallback(state),
+                 Record()]
+    _fit(model, 2, callbacks=callbacks)  # the epoch's batches 3 and 4 of 5
+    assert seen == [4, 5] and state.batch == 0 and state.epoch == 1
+    _fit(model, 2, epochs=2, callbacks=callbacks)  # whole epochs count from 0 again
+    assert seen[2:] == [1, 2, 1, 2] and state.batch == 0 and state.epoch == 3
+
+
 def test_run_restores_last_commit_after_failed_collective(hvd) -> None:
     """`hvd.elastic.run` in a size-1 job: a HorovodInternalError rolls the model back to the
     last commit, the runtime is re-initialized, and the function runs again."""

@@ -2,7 +2,7 @@
 `run`, `KerasState`, and the callbacks that keep a state current inside `model.fit`:
 
 * `UpdateBatchStateCallback(state)`: `state.batch` = the batches of the current epoch finished
-  (0 at each epoch's end).
+  (0 at each epoch's end; a `fit` that begins with `state.batch` > 0 counts on from it).
 * `UpdateEpochStateCallback(state)`: `state.epoch` = the epochs finished (the epoch of this
   `fit` call plus `state.epoch` when it began, so call `fit(epochs=epochs - state.epoch)`).
 * `CommitStateCallback(state, batches_per_commit=1)`: `state.commit()` every
@@ -70,17 +70,23 @@ class CommitStateCallback(keras.callbacks.Callback):
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):
     """Keeps `state.batch` = the number of batches of the current epoch finished (0 again at
-    the end of each epoch)."""
+    the end of each epoch). A `fit` that begins with `state.batch` > 0 resumes an interrupted
+    epoch (its data starts at that batch), so its first epoch counts on from there."""
 
     def __init__(self, state: State) -> None:
         super().__init__()
         self.state = state
+        self.initial_batch = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.initial_batch = getattr(self.state, "batch", 0)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self.state.batch = batch + 1
+        self.state.batch = self.initial_batch + batch + 1
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.state.batch = 0
+        self.initial_batch = 0
 
 
 class UpdateEpochStateCallback(keras.callbacks.Callback):
