@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -30,10 +31,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(summary.to_json(), indent=1))
-    else:
-        print(format_summary(summary, top=args.top))
+    try:
+        if args.json:
+            print(json.dumps(summary.to_json(), indent=1))
+        else:
+            print(format_summary(summary, top=args.top))
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader stopped early (`... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
     if args.png:
         render_png(summary, args.png)
         print(f"wrote {args.png}", file=sys.stderr)

@@ -147,6 +147,17 @@ def test_cli_text_and_json(golden):
     assert bad.returncode == 2 and "error:" in bad.stderr
 
 
+def test_cli_output_cut_short(golden):
+    # `summary FILE | head -1`: the reader closes the pipe early; no traceback.
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "collective.timeline", "summary", golden],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # before anything is read
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_truncated_and_object_forms(tmp_path, golden):
     text = open(golden).read()
     cut = tmp_path / "cut.json"
