@@ -220,9 +220,22 @@ def test_each_framework_imports_without_the_others(fw):
         import frameworks.{fw}
         print(json.dumps(sorted(m for m, mod in sys.modules.items()
                                 if mod is not None and m.startswith('frameworks.') and
-                                m.split('.')[1] not in ('{fw}', '_common'))))
+                                m.split('.')[1] != '{fw}' and
+                                not m.split('.')[1].startswith('_'))))
     """, stubs=others + siblings + ["launcher"], timeout=90)
     assert out == [], f"frameworks.{fw} imported {out}"
+
+
+def test_shared_framework_modules_import_no_framework():
+    # frameworks/_*.py serve every adapter: no framework, no adapter, no launcher in them.
+    shared = [m for m in modules_of("frameworks")
+              if m.count(".") == 1 and m.split(".")[1].startswith("_")]
+    assert "frameworks._common" in shared and "frameworks._compression" in shared, shared
+    adapters = [f"frameworks.{d}" for d in os.listdir(os.path.join(REPO, "frameworks"))
+                if not d.startswith("_") and d.isidentifier()]
+    bad = [(m, i) for m in shared for i, _ in imports_of(m)
+           if _under(i, ["torch", "tensorflow", "jax", "ray", "launcher"] + adapters)]
+    assert bad == [], f"shared framework modules import a framework or adapter: {bad}"
 
 
 # -- static checks -----------------------------------------------------------------------------
