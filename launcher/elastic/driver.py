@@ -59,6 +59,11 @@ RESET_LIMIT_MESSAGE = ("Horovod was shutdown because number of resets during ela
                        "exceeded limit: {}")
 
 
+def _number(text: str) -> bool:
+    """An unsigned decimal in ASCII digits (str.isdigit alone accepts '²', which int refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 class ElasticKVServer(KVServer):
     """The job's key-value server; it tells the driver when a worker asks for its place."""
 
@@ -74,13 +79,13 @@ class ElasticKVServer(KVServer):
     def put(self, scope: str, key: str, value: bytes) -> None:
         if scope == SCOPE and key.startswith("alive."):
             wid = key[len("alive."):]
-            if wid.isdigit():
+            if _number(wid):
                 self._beats[int(wid)] = time.monotonic()
             return  # only the time matters: nothing to store
         super().put(scope, key, value)
         if scope == SCOPE and key.startswith("ready."):
             parts = key.split(".")
-            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+            if len(parts) == 3 and _number(parts[1]) and _number(parts[2]):
                 self._on_ready(int(parts[1]), int(parts[2]))
 
 

@@ -402,6 +402,21 @@ def test_worker_heartbeat_reaches_the_server(monkeypatch) -> None:
         server.stop()
 
 
+def test_server_ignores_worker_keys_with_non_ascii_digits() -> None:
+    # str.isdigit() accepts '²', which int() refuses: such a key (from an authenticated
+    # client) is not a worker's, and must not fail the put that carries it.
+    from launcher.elastic.driver import ElasticKVServer
+
+    ready: list[tuple[int, int]] = []
+    server = ElasticKVServer("127.0.0.1", 0, b"s" * 32,
+                             on_ready=lambda w, n: ready.append((w, n)))
+    server.put(SCOPE, "alive.\u00b2", b"")
+    server.put(SCOPE, "ready.\u00b2.1", b"{}")
+    server.put(SCOPE, "ready.3.\u00b9", b"{}")
+    server.put(SCOPE, "ready.3.1", b"{}")
+    assert server.heartbeats() == {} and ready == [(3, 1)]
+
+
 @pytest.mark.parametrize("cooldown", [None, (5.0, 10.0)], ids=["for-good", "cooldown"])
 @pytest.mark.timeout(30)
 def test_fixed_hosts_too_few_slots_for_min_np(cooldown) -> None:
