@@ -17,8 +17,8 @@ from typing import Iterable, Sequence
 __all__ = ["HostInfo", "SlotInfo", "parse_hosts", "parse_hostfile", "parse_hostfile_text",
            "get_host_assignments", "total_slots", "hosts_arg"]
 
-_HOST_ENTRY = re.compile(r"^[\w.-]+:[0-9]+$")
-_HOSTFILE_LINE = re.compile(r"^(?P<host>[\w.-]+)(?:\s+slots\s*=\s*(?P<slots>[0-9]+))?\s*$")
+_HOST_ENTRY = re.compile(r"^\w[\w.-]*:[0-9]+$")  # no leading "-": never an ssh option
+_HOSTFILE_LINE = re.compile(r"^(?P<host>\w[\w.-]*)(?:\s+slots\s*=\s*(?P<slots>[0-9]+))?\s*$")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ def parse_hosts(hosts_string: str, source: str = "-H") -> list[HostInfo]:
     `source` names the argument in messages (`horovod.run` passes "hosts").
 
     Raises:
-        ValueError: an entry does not match `^[\\w.-]+:[0-9]+$`, a host repeats, or has 0 slots.
+        ValueError: an entry does not match `^\\w[\\w.-]*:[0-9]+$` (a host name begins with
+            a letter, digit or underscore), a host repeats, or has 0 slots.
     """
     hosts: list[HostInfo] = []
     for entry in hosts_string.split(","):

@@ -32,7 +32,7 @@ __all__ = ["HostDiscovery", "HostDiscoveryScript", "FixedHosts", "CallableDiscov
 # `kill_process_tree` looks for when the run has to be killed.
 RUN_MARKER_ENV = "RINGVOD_DISCOVERY_RUN"
 
-_LINE = re.compile(r"^(?P<host>[\w.-]+)(?::(?P<slots>[0-9]+))?$")
+_LINE = re.compile(r"^(?P<host>\w[\w.-]*)(?::(?P<slots>[0-9]+))?$")
 
 
 class DiscoveryError(RuntimeError):

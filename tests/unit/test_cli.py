@@ -10,7 +10,7 @@ import pytest
 from collective.config import OPTIONS
 from launcher import cli
 from launcher.env import exportable_env, is_exportable, redact, worker_env
-from launcher.hosts import HostInfo, SlotInfo, parse_hosts
+from launcher.hosts import HostInfo, SlotInfo, parse_hostfile_text, parse_hosts
 from launcher.mpirun import (MPIImpl, MPIUnavailableError, build_mpirun_command,
                              parse_mpi_version)
 from launcher.settings import LaunchSettings
@@ -602,9 +602,11 @@ def test_ssh_commands():
 
 @pytest.mark.timeout(60)
 def test_a_host_name_is_never_an_ssh_option(tmp_path, monkeypatch):
-    """A host such as `-E<file>` (hostfiles, -H and discovery output accept a leading `-`)
-    must reach ssh as a host, not as an option: `-E<file>` would make ssh append its log to
-    that file, `-F<file>` read an ssh config (ProxyCommand) from it. Runs the real ssh."""
+    """A host such as `-E<file>` must never reach ssh (or mpirun's ssh) as an option: `-E<file>`
+    would make ssh append its log to that file, `-F<file>` read an ssh config (ProxyCommand)
+    from it. -H, hostfiles and discovery output refuse a leading `-`, and ssh's own options
+    end with `--` before the host. Runs the real ssh."""
+    from launcher.elastic.discovery import DiscoveryError, parse_discovery_output
     import shutil
 
     from launcher import ssh
@@ -613,7 +615,12 @@ def test_a_host_name_is_never_an_ssh_option(tmp_path, monkeypatch):
         pytest.skip("ssh is not installed")
     monkeypatch.chdir(tmp_path)
     host = "-Einjected.log"
-    assert parse_hosts(f"{host}:1")[0].hostname == host  # the parser lets it through
+    with pytest.raises(ValueError, match="Invalid host input"):
+        parse_hosts(f"{host}:1")
+    with pytest.raises(ValueError, match="cannot parse"):
+        parse_hostfile_text(f"{host} slots=1\n")
+    with pytest.raises(DiscoveryError, match="printed"):
+        parse_discovery_output(f"{host}:1\n", None, "the discovery script")
     with pytest.raises((ssh.SSHCheckError, ssh.StartTimeoutError)):
         ssh.check_hosts([host], timeout=20)
     argv = ssh.ssh_worker_argv(host, ["true"], str(tmp_path))
