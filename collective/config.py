@@ -43,7 +43,7 @@ def _core_list(text: str) -> str:
         ValueError: an entry is not a core id.
     """
     cores = [c.strip() for c in text.split(",")]
-    if not all(c.isdigit() for c in cores):
+    if not all(c.isascii() and c.isdigit() for c in cores):  # isdigit alone takes "²"
         raise ValueError(f"{text!r} is not a comma list of core ids (e.g. 0,1)")
     return ",".join(cores)
 

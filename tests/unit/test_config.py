@@ -222,7 +222,7 @@ def test_one_warning_names_every_option_without_effect_that_is_set():
 def test_thread_affinity_is_a_list_of_core_ids():
     assert read_env({"HOROVOD_THREAD_AFFINITY": "0, 3"}).thread_affinity == "0,3"
     assert read_env({"HOROVOD_THREAD_AFFINITY": ""}).thread_affinity == ""
-    for bad in ("a,b", "0,,1", "-1", "1.5"):
+    for bad in ("a,b", "0,,1", "-1", "1.5", "\u00b2"):
         with pytest.raises(ValueError, match=r"HOROVOD_THREAD_AFFINITY=.* is not a comma list "
                                              r"of core ids"):
             read_env({"HOROVOD_THREAD_AFFINITY": bad})
