@@ -148,13 +148,17 @@ def test_cli_text_and_json(golden):
 
 
 def test_cli_output_cut_short(golden):
-    # `summary FILE | head -1`: the reader closes the pipe early; no traceback.
+    # `summary FILE | head -1`: the reader is gone before the output; no traceback.
     env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.Popen([sys.executable, "-m", "collective.timeline", "summary", golden],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    proc.stdout.close()  # before anything is read
-    err = proc.stderr.read().decode()
-    assert proc.wait(timeout=60) == 0, err
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader at all: the first write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "collective.timeline", "summary", golden],
+                              stdout=write_end, stderr=subprocess.PIPE, env=env, timeout=60)
+    finally:
+        os.close(write_end)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
