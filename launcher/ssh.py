@@ -3,9 +3,9 @@
 Remote command (Horovod's form):
 `ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=no [-p port] [-i key] -- <host>
 'cd <cwd> > /dev/null 2>&1 ; <cmd>'`, where <cmd> runs `launcher.remote_exec`, which reads the
-worker's environment and the job secret from stdin (never from the command line). The `--`
-keeps a host name that starts with `-` (from a hostfile or a discovery script) from being
-read as an ssh option such as `-E<file>` or `-F<config>`.
+worker's environment and the job secret from stdin (never from the command line). Host
+lists refuse names that start with `-` (`launcher.hosts`, discovery output); the `--` is a
+second guard, so that no host is ever read as an ssh option such as `-E<file>` or `-F<config>`.
 """
 from __future__ import annotations
 
