@@ -7,7 +7,9 @@ Nothing here imports a framework; adapters pass plain Python values in.
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import sys
 import warnings
 from typing import Any, Hashable, Iterable, Sequence, TypeVar
 
@@ -18,6 +20,9 @@ __all__ = ["find_duplicates", "check_named_parameters", "default_parameter_name"
            "dumps", "loads", "process_set_size", "process_set_rank", "gradient_reduction"]
 
 T = TypeVar("T")
+
+# As the adapters' code objects spell their file names (both come from the import path).
+_PACKAGE_DIR = os.path.dirname(__file__) + os.sep
 
 
 def default_parameter_name(group_index: int, param_index: int) -> str:
@@ -126,12 +131,21 @@ def process_set_rank(process_set: ProcessSet = global_process_set) -> int:
     return r
 
 
+def _user_stacklevel() -> int:
+    """`warnings.warn`'s stacklevel, for a warning raised by this function's caller, of the
+    nearest frame outside the `frameworks` package: the user's line, however many adapter
+    frames (tape, Keras, loss-scale or partial wrappers) lie in between."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
 def gradient_reduction(op: Any, gradient_predivide_factor: float, num_groups: int,
-                       groups: Any, stacklevel: int) -> tuple[ReduceOp, Any]:
+                       groups: Any) -> tuple[ReduceOp, Any]:
     """A distributed optimizer's (or gradient tape's) reduce op and groups, after Horovod's
     checks: no Adasum, `gradient_predivide_factor` with Average only, and the deprecated
-    `num_groups` standing in for `groups` with Horovod's warning (`stacklevel` as for the
-    caller's own `warnings.warn`).
+    `num_groups` standing in for `groups` with Horovod's warning (raised at the user's line).
 
     Raises:
         NotImplementedError: op=hvd.Adasum.
@@ -145,7 +159,7 @@ def gradient_reduction(op: Any, gradient_predivide_factor: float, num_groups: in
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
-                      "removed in v0.23.0.", DeprecationWarning, stacklevel=stacklevel + 1)
+                      "removed in v0.23.0.", DeprecationWarning, stacklevel=_user_stacklevel())
         if groups is None:
             groups = num_groups
     return op, groups

@@ -66,8 +66,7 @@ class GradientReducer:
                  scale_local_gradients: bool = True, device_dense: str = "",
                  device_sparse: str = "") -> None:
         _no_effect(device_dense=device_dense, device_sparse=device_sparse)
-        op, groups = gradient_reduction(op, gradient_predivide_factor, num_groups, groups,
-                                        stacklevel=4)
+        op, groups = gradient_reduction(op, gradient_predivide_factor, num_groups, groups)
         if groups is not None and not (isinstance(groups, int) and groups > 0) and not (
                 isinstance(groups, (list, tuple))
                 and all(isinstance(g, (list, tuple)) for g in groups)):

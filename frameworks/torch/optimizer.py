@@ -64,8 +64,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = check_compressor(compression)
         if backward_passes_per_step <= 0:
             raise ValueError("backward_passes_per_step must be > 0")
-        op, groups = gradient_reduction(op, gradient_predivide_factor, num_groups, groups,
-                                        stacklevel=4)
+        op, groups = gradient_reduction(op, gradient_predivide_factor, num_groups, groups)
         _check_groups(groups)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op

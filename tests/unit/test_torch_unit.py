@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -219,6 +220,25 @@ def test_single_process_ops_and_optimizer():
         bn = ft.SyncBatchNorm(3)
         y = torch.randn(4, 3)
         torch.testing.assert_close(bn(y), torch.nn.BatchNorm1d(3)(y))
+    finally:
+        ft.shutdown()
+
+
+def test_num_groups_warning_points_at_the_callers_line():
+    """The deprecation warning names the user's line, whichever way the wrapper is built."""
+    ft.init()
+    try:
+        model = torch.nn.Linear(2, 1)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        cls = type(ft.DistributedOptimizer(sgd))
+        for make in (lambda: ft.DistributedOptimizer(sgd, num_groups=1),
+                     lambda: cls(model.parameters(), lr=0.1, num_groups=1)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                make()
+            [w] = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+            assert "`num_groups` has been replaced by `groups`" in str(w.message)
+            assert (w.filename, w.lineno) == (__file__, make.__code__.co_firstlineno)
     finally:
         ft.shutdown()
 

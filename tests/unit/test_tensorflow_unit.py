@@ -1,0 +1,49 @@
+"""Single-process tests of the TensorFlow adapter (size 1): the deprecation warning's location
+for each way a distributed tape or optimizer is built, and compression's contexts."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+from tests._spmd import skip_or_fail
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+@pytest.fixture(scope="module")
+def hvd():
+    try:
+        import keras  # noqa: F401
+        import tensorflow  # noqa: F401
+    except ImportError as exc:
+        skip_or_fail(f"tensorflow/keras not installed ({exc})", "tensorflow")
+    import horovod.tensorflow as hvd
+    hvd.init()
+    yield hvd
+    hvd.shutdown()
+
+
+def test_num_groups_warning_points_at_the_callers_line(hvd):
+    import keras
+    import tensorflow as tf
+
+    import horovod.tensorflow.keras as hvd_keras
+    for make in (
+            lambda: hvd.DistributedGradientTape(tf.GradientTape(), num_groups=2),
+            lambda: hvd.PartialDistributedGradientTape(tf.GradientTape(), num_groups=2),
+            lambda: hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), num_groups=2),
+            lambda: hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(), num_groups=2),
+            lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), num_groups=2),
+            lambda: hvd_keras.DistributedOptimizer(
+                keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), num_groups=2),
+            lambda: hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                             num_groups=2)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make()
+        [w] = [w for w in caught if issubclass(w.category, DeprecationWarning)
+               and "num_groups" in str(w.message)]
+        assert "`num_groups` has been replaced by `groups`" in str(w.message)
+        assert (w.filename, w.lineno) == (__file__, make.__code__.co_firstlineno)
