@@ -4,7 +4,8 @@ the cast-down compressors, and the check of a user's compressor. Each framework'
 
 A compressor is a class with two static methods, `compress(tensor) -> (tensor, ctx)` and
 `decompress(tensor, ctx) -> tensor`. Floating tensors are cast down before the collective and
-back to their own dtype afterwards; other tensors pass through.
+back to their own dtype afterwards; other tensors pass through. As in Horovod, a cast-down
+compressor's ctx is the input's dtype for every tensor.
 """
 from __future__ import annotations
 
@@ -55,14 +56,15 @@ class CastCompressor(Compressor):
 
     @classmethod
     def compress(cls, tensor: Any) -> tuple[Any, Any]:
+        # As Horovod, ctx is always the input's dtype (float16 already, or not floating too).
         dtype = tensor.dtype
         if cls.floating(dtype) and dtype != cls.wire_dtype:
             return cls.cast(tensor, cls.wire_dtype), dtype
-        return tensor, None
+        return tensor, dtype
 
     @classmethod
     def decompress(cls, tensor: Any, ctx: Any) -> Any:
-        if ctx is not None and tensor.dtype != ctx:
+        if ctx is not None and cls.floating(ctx) and tensor.dtype != ctx:
             return cls.cast(tensor, ctx)
         return tensor
 

@@ -47,3 +47,21 @@ def test_num_groups_warning_points_at_the_callers_line(hvd):
                and "num_groups" in str(w.message)]
         assert "`num_groups` has been replaced by `groups`" in str(w.message)
         assert (w.filename, w.lineno) == (__file__, make.__code__.co_firstlineno)
+
+
+def test_compression_context_is_the_input_dtype(hvd):
+    """Horovod's ctx is the input's dtype whatever it is: already the wire dtype, or not
+    floating; decompress restores it."""
+    import tensorflow as tf
+    for comp, wire in ((hvd.Compression.fp16, tf.float16), (hvd.Compression.bf16, tf.bfloat16)):
+        x = tf.linspace(-2.0, 2.0, 9)
+        c, ctx = comp.compress(x)
+        assert (c.dtype, ctx) == (wire, tf.float32)
+        assert comp.decompress(c, ctx).dtype == tf.float32
+        for t in (tf.ones(3, tf.float16), tf.ones(3, tf.bfloat16), tf.range(3)):
+            c, ctx = comp.compress(t)
+            assert ctx == t.dtype
+            assert comp.decompress(c, ctx).dtype == t.dtype
+    t = tf.range(3)
+    c, ctx = hvd.Compression.none.compress(t)
+    assert c is t and ctx is None

@@ -120,8 +120,15 @@ def test_compression():
         torch.testing.assert_close(back, x, rtol=1e-2, atol=1e-2)
     c, ctx = ft.Compression.none.compress(x)
     assert c is x and ft.Compression.none.decompress(c, ctx) is x
+    # Horovod's ctx is the input's dtype whatever it is: already float16, or not floating.
+    for comp in (ft.Compression.fp16, ft.Compression.bf16):
+        for t in (torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.bfloat16),
+                  torch.arange(3)):
+            c, ctx = comp.compress(t)
+            assert ctx == t.dtype
+            assert comp.decompress(c, ctx).dtype == t.dtype
     ints = torch.arange(3)
-    assert ft.Compression.fp16.compress(ints) == (ints, None)
+    assert ft.Compression.fp16.compress(ints) == (ints, torch.int64)
 
 
 def test_common_helpers():
