@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
@@ -18,22 +19,26 @@ __all__ = ["Option", "OPTIONS", "SHARED_OPTIONS", "Config", "read_env", "options
            "environ_snapshot", "no_effect_set", "warn_no_effect", "update_environ", "out_of_range"]
 
 
+_LEADING_INT = re.compile(r"[+-]?[0-9]+")
+
+
 def _bool(text: str) -> bool:
-    """Horovod's rule (an int > 0 is true), plus true/false, yes/no, on/off in any case.
+    """Horovod's rule, as its `strtol` reads the value: the leading integer, > 0 is true,
+    whatever follows ('1.0' is true, '0.5' false); plus true/false, yes/no, on/off in any case.
 
     Raises:
         ValueError: none of these (`read_env` turns it into a warning naming the variable).
     """
     t = text.strip().lower()
-    if t in ("", "0", "false", "no", "off"):
+    if t in ("", "false", "no", "off"):
         return False
     if t in ("true", "yes", "on"):
         return True
-    try:
-        return int(t) > 0
-    except ValueError:
+    m = _LEADING_INT.match(t)
+    if m is None:
         raise ValueError(f"cannot parse boolean value {text!r}; use 1/0, true/false, yes/no "
-                         "or on/off") from None
+                         "or on/off")
+    return int(m.group()) > 0
 
 
 def _core_list(text: str) -> str:

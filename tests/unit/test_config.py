@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import pytest
 
@@ -50,9 +51,14 @@ def test_env_parsing_per_type():
 
 @pytest.mark.parametrize("raw,want", [("1", True), ("0", False), ("true", True), ("True", True),
                                       ("false", False), ("yes", True), ("no", False),
-                                      ("on", True), ("off", False), ("2", True), ("", False)])
+                                      ("on", True), ("off", False), ("2", True), ("", False),
+                                      # Horovod's strtol: the leading integer decides
+                                      ("1.0", True), ("0.5", False), (" 1", True), ("-1", False),
+                                      ("+3", True), ("1e3", True), ("00", False)])
 def test_boolean_parsing(raw, want):
-    assert read_env({"HOROVOD_STALL_CHECK_DISABLE": raw}).stall_check_disable is want
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_env({"HOROVOD_STALL_CHECK_DISABLE": raw}).stall_check_disable is want
 
 
 def test_unparsable_boolean_warns_naming_the_variable_and_is_false():
