@@ -26,7 +26,8 @@ def format_stall_report(missing: Mapping[int, Iterable[str]], shutdown_ranks: It
     """Builds Horovod's stall warning.
 
     Ranks are listed in ascending order, each with its missing tensor names sorted (Horovod
-    keeps them in a std::set), at most six names and then " ...". A rank in `shutdown_ranks`
+    keeps them in a std::set), at most six names; " ..." follows the sixth (also when there
+    are exactly six, as in Horovod). A rank in `shutdown_ranks`
     is marked "!" and the shutdown sentence is appended; the caller logs the text as ERROR in
     that case and as WARNING otherwise.
 
@@ -53,7 +54,7 @@ def format_stall_report(missing: Mapping[int, Iterable[str]], shutdown_ranks: It
     for rank in sorted(missing):
         names = sorted(set(missing[rank]))
         text = ", ".join(names[:MAX_NAMES_PER_RANK])
-        if len(names) > MAX_NAMES_PER_RANK:
+        if len(names) >= MAX_NAMES_PER_RANK:  # Horovod's loop adds it after the sixth name
             text += " ..."
         lines.append(f"{rank}{'!' if rank in marked else ''}: [{text}]")
     if marked:

@@ -137,8 +137,10 @@ def test_stall_report_truncates_after_six_names():
     text = format_stall_report({2: names}, set(), 1, 0)
     assert text.splitlines()[-1] == ("2: [allreduce.t0, allreduce.t1, allreduce.t2, "
                                      "allreduce.t3, allreduce.t4, allreduce.t5 ...]")
-    six = format_stall_report({2: names[:6]}, set(), 1, 0)
-    assert six.splitlines()[-1].endswith("allreduce.t5]")
+    six = format_stall_report({2: names[:6]}, set(), 1, 0)  # Horovod's " ..." follows the 6th
+    assert six.splitlines()[-1].endswith("allreduce.t5 ...]")
+    five = format_stall_report({2: names[:5]}, set(), 1, 0)
+    assert five.splitlines()[-1].endswith("allreduce.t4]")
 
 
 def test_stall_report_shutdown():

@@ -41,6 +41,16 @@ def test_message_with_shutdown_and_name_limit():
                         "seconds. Will shutdown.")
 
 
+def test_ellipsis_once_a_rank_misses_six_names():
+    """Horovod appends " ..." right after the sixth name, so also when there are exactly six."""
+    def line(n):
+        return format_stall_report({1: [f"t{i}" for i in range(n)]}, set(), 60.0, 0.0
+                                   ).split("\n")[2]
+    assert line(5) == "1: [t0, t1, t2, t3, t4]"
+    assert line(6) == "1: [t0, t1, t2, t3, t4, t5 ...]"
+    assert line(7) == "1: [t0, t1, t2, t3, t4, t5 ...]"
+
+
 def test_fractional_seconds_are_shown_as_given():
     assert "more than 0.5 seconds." in format_stall_report({1: ["a"]}, set(), 0.5, 0.0)
 
