@@ -284,9 +284,10 @@ class Autotuner:
         self.history.append((self.params, score))
         self.evaluations += 1
         self._write(self.params, score)
-        _log.get_logger().debug("Autotuner: fusion threshold %.2f MB, cycle time %g ms, "
-                                "bucket %g MB, cache %s: %.1f bytes/us", key[0] / _MB, key[1],
-                                key[2], "on" if key[3] else "off", score)
+        # INFO, as Horovod's parameter manager logs each scored setting.
+        _log.get_logger().info("Autotuner: fusion threshold %.2f MB, cycle time %g ms, "
+                               "bucket %g MB, cache %s: %.1f bytes/us", key[0] / _MB, key[1],
+                               key[2], "on" if key[3] else "off", score)
         if self._queue and self._queue[0] == key:
             self._queue.pop(0)
         return self._advance()

@@ -392,6 +392,24 @@ def test_closing_log_line_gives_the_scores_that_decided(monkeypatch):
     assert line.endswith("cache on: 100.0 bytes/us)"), line
 
 
+def test_each_scored_setting_is_logged_at_info_as_horovod(monkeypatch):
+    # Horovod's parameter manager logs every scored setting ("Autotuner: [...] score") at INFO.
+    from collective import _log
+
+    calls = []
+
+    class Logger:
+        def __getattr__(self, level):
+            return lambda msg, *args: calls.append((level, msg % args))
+
+    monkeypatch.setattr(_log, "get_logger", Logger)
+    tuner = Autotuner(4 * MB, 1.0, warmup_samples=0, samples_per_eval=1)
+    tuner.add_sample(2e6, 1.0)
+    assert [c for c in calls if c[1].startswith("Autotuner:")] == [
+        ("info", "Autotuner: fusion threshold 4.00 MB, cycle time 1 ms, bucket 25 MB, "
+                 "cache on: 2.0 bytes/us")]
+
+
 def test_four_knob_search_under_noise():
     ratios = []
     for seed in range(50):
