@@ -273,3 +273,27 @@ def test_named_synchronous_ops_take_the_express_lane():
         np.testing.assert_allclose(hvd.allreduce(np.ones(3), op=hvd.Sum, name="express"),
                                    np.full(3, float(n)))
     assert coord.express_rounds - before >= 20, coord.express_rounds - before
+
+
+@pytest.mark.parametrize("count", [16, 1 << 18], ids=["small", "ring"])
+def test_sum_past_float_range_is_inf_and_nan_without_warnings(count):
+    """A sum that overflows is inf (and inf + -inf nan) on every rank, as MPI and NCCL give
+    it, with no numpy RuntimeWarning from inside the engine (the tcp engine reduces in numpy)."""
+    import warnings
+
+    n, me = hvd.size(), hvd.rank()
+    big = np.float32(np.finfo(np.float32).max)
+    x = np.full(count, big, np.float32)
+    x[0] = np.inf if me == 0 else -np.inf  # inf + -inf once two ranks add
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = hvd.allreduce(x, op=hvd.Sum, name=f"overflow.{count}")
+        rs = hvd.reducescatter(x, op=hvd.Sum, name=f"overflow.rs.{count}")
+    if n == 1:
+        assert out[0] == np.inf and np.isfinite(out[1:]).all()
+        return
+    assert np.isnan(out[0]) and np.isposinf(out[1:]).all()
+    if me == 0:  # rank 0's block starts with the nan
+        assert np.isnan(rs[0]) and np.isposinf(rs[1:]).all()
+    else:
+        assert np.isposinf(rs).all()

@@ -86,6 +86,12 @@ class TcpEngine(HostEngine):
     def _allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
         if self.size == 1 or buf.size == 0:
             return
+        # Overflow to inf and inf - inf = nan are results here, as in MPI and NCCL, not
+        # warnings from inside the engine.
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._ring_allreduce(buf, op)
+
+    def _ring_allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
         ufunc = _REDUCE[op]
         if buf.nbytes <= DIRECT_MAX:
             small_allreduce(self.plane, buf, ufunc, OP_ALLREDUCE, OP_ALLREDUCE_OUT)
@@ -183,11 +189,16 @@ class TcpEngine(HostEngine):
     def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int],
                         op: ReduceOp) -> None:
         """Ring reduce-scatter; reduces in place in `send` (a scratch buffer of the caller)."""
-        n, r = self.size, self.rank
-        bounds = _offsets(counts)
-        if n == 1:
+        if self.size == 1:
             recv[...] = send[:counts[0]]
             return
+        with np.errstate(over="ignore", invalid="ignore"):  # as in _allreduce
+            self._ring_reduce_scatter(send, recv, counts, op)
+
+    def _ring_reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int],
+                             op: ReduceOp) -> None:
+        n, r = self.size, self.rank
+        bounds = _offsets(counts)
         ufunc = _REDUCE[op]
         item = send.itemsize
         raw = send.view(np.uint8)
