@@ -215,3 +215,17 @@ def test_unsupported_inputs(hvd, jax):
         hvd.allreduce(jnp.ones(2), op=hvd.Adasum)
     with pytest.raises(ValueError, match="invalid root rank"):
         hvd.broadcast(jnp.ones(2), 3)
+
+
+def test_results_wrap_the_engines_buffer_without_a_copy(hvd, jax):
+    from frameworks.jax._arrays import aligned_empty, host_view, to_jax
+    x = jax.numpy.ones((64, 64))
+    view, wire, _ = host_view(x, "allreduce")
+    assert wire is None and view.ctypes.data == x.unsafe_buffer_pointer()  # no copy in
+    out = aligned_empty((64, 64), view)
+    out[...] = 2.0
+    assert out.ctypes.data % 64 == 0
+    y = to_jax(out, out.dtype)
+    assert y.unsafe_buffer_pointer() == out.ctypes.data  # no copy out
+    b = to_jax(out.astype(jax.numpy.bfloat16).view(np.uint16), np.dtype(jax.numpy.bfloat16))
+    assert b.dtype == jax.numpy.bfloat16 and float(b[0, 0]) == 2.0
