@@ -1,5 +1,5 @@
 """Drop-in `horovod` package: `import horovod.torch as hvd` (or `horovod.tensorflow`,
-`horovod.tensorflow.keras`, `horovod.keras`) loads ringvod.
+`horovod.tensorflow.keras`, `horovod.keras`, `horovod.jax`) loads ringvod.
 
 No code of its own beyond aliasing: `horovod.torch` *is* `frameworks.torch`, and every
 `horovod.torch.X` is `frameworks.torch.X` (the same module objects, so classes, globals and
@@ -29,6 +29,7 @@ _ALIASES = {
     "horovod.torch": "frameworks.torch",
     "horovod.tensorflow": "frameworks.tensorflow",
     "horovod.keras": "frameworks.tensorflow.keras",
+    "horovod.jax": "frameworks.jax",
     "horovod.ray": "launcher.ray",
 }
 

@@ -3,7 +3,7 @@
 #   1. PyTorch's CPU build from download.pytorch.org, unless torch is already importable (PyPI's
 #      default torch on Linux is the multi-GB CUDA build; TORCH_INDEX_URL picks another index);
 #   2. ringvod in editable mode with its mpi (mpi4py + Open MPI wheel), torch, test, yaml,
-#      plot, ray (ray[train]) and tensorflow (tensorflow-cpu) extras;
+#      plot, ray (ray[train]), tensorflow (tensorflow-cpu) and jax (jax CPU build, optax) extras;
 #   3. as root with apt-get, when sshd is missing: openssh-server and openssh-client, which the
 #      multi-host launcher tests use (they start their own sshd on 127.0.0.2). SKIP_SSH=1 skips
 #      this step; without ssh those tests are skipped.
@@ -19,9 +19,10 @@ else
   say "installing PyTorch 2.13.0 from $url"
   $PY -m pip install -q "torch==2.13.0" --index-url "$url"
 fi
-say "installing ringvod (editable) with extras mpi, torch, test, yaml, plot, ray (ray[train]) and"
-say "tensorflow (tensorflow-cpu), for the Ray integration's and the TensorFlow adapter's tests"
-$PY -m pip install -q -e ".[mpi,torch,test,yaml,plot,ray,tensorflow]"
+say "installing ringvod (editable) with extras mpi, torch, test, yaml, plot, ray (ray[train]),"
+say "tensorflow (tensorflow-cpu) and jax (jax, optax), for the Ray integration's and the"
+say "TensorFlow and JAX adapters' tests"
+$PY -m pip install -q -e ".[mpi,torch,test,yaml,plot,ray,tensorflow,jax]"
 if [ "${SKIP_SSH:-0}" = 1 ]; then
   say "SKIP_SSH=1: not installing OpenSSH; the multi-host launcher tests will be skipped"
 elif command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ]; then

@@ -25,9 +25,9 @@ sys.meta_path.insert(0, _NoTorch())
 """
 
 
-def _run(code: str) -> subprocess.CompletedProcess[str]:
+def _run(code: str, prelude: str = _NO_TORCH) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": REPO}
-    return subprocess.run([sys.executable, "-c", _NO_TORCH + code], capture_output=True,
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True,
                           text=True, timeout=100, env=env, cwd=REPO)
 
 
@@ -47,10 +47,21 @@ except ImportError as exc:
     assert r.stdout.strip() == "ModuleNotFoundError torch", r.stderr
 
 
+def test_horovod_jax_without_jax_says_what_to_install():
+    r = _run("import horovod.jax", prelude=_NO_TORCH.replace("torch", "jax"))
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: horovod.jax needs JAX"), r.stderr
+    assert "pip install jax" in last and 'pip install ".[jax]"' in last
+
+
 def test_check_build_ticks_only_frameworks_whose_adapter_imports():
     from launcher import check_build
     found = check_build.probe()["Available Frameworks"]
-    assert found["JAX"] == (False, "not available in this version of ringvod")
+    if check_build._spec("jax"):
+        assert found["JAX"][0], found["JAX"]  # the adapter imports with JAX installed
+    else:
+        assert found["JAX"] == (False, "not installed: pip install jax")
     tf_adapter = check_build._spec("frameworks.tensorflow")
     if not tf_adapter:
         assert found["TensorFlow"] == (False, "not available in this version of ringvod")
@@ -59,7 +70,7 @@ def test_check_build_ticks_only_frameworks_whose_adapter_imports():
              "print(check_build_text('0'))")
     assert r.returncode == 0, r.stderr
     assert re.search(r"\[ \] PyTorch \(not installed: pip install torch", r.stdout), r.stdout
-    assert "[ ] JAX (not available in this version of ringvod)" in r.stdout
+    assert "[ ] JAX (not available in this version of ringvod)" not in r.stdout
 
 
 def test_install_commands_in_messages_and_docs_work():
@@ -130,7 +141,7 @@ def test_setup_script_says_what_it_installs_and_skip_ssh(tmp_path):
     assert "SKIP_SSH=1: not installing OpenSSH" in r.stdout
     calls = log.read_text()
     assert "--index-url https://download.pytorch.org/whl/cpu" in calls
-    assert '-e .[mpi,torch,test,yaml,plot,ray,tensorflow]' in calls
+    assert '-e .[mpi,torch,test,yaml,plot,ray,tensorflow,jax]' in calls
 
 
 def test_mpi_output_tags_become_tcp_modes_prefix():

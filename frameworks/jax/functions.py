@@ -1,0 +1,104 @@
+"""Helpers on pytrees and Python objects: `broadcast_variables` (make every rank start from rank
+0's parameters), `allreduce_gradients` (average a pytree of gradients in one grouped op),
+`broadcast_object` and `allgather_object` (cloudpickled objects).
+
+A pytree is any nesting of lists, tuples, dicts and registered nodes (flax/haiku parameter
+dicts, optax states) with arrays as leaves; the result has the same structure, every leaf a
+JAX array (a Python number leaf comes back as a 0-d array). `None` leaves stay None.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+import collective
+from collective import ProcessSet, ReduceOp, RequestType, global_process_set
+
+from .._common import dumps, loads, process_set_size
+from ._arrays import JaxHandle
+from .compression import Compression
+from .ops import _start, grouped_allreduce
+
+__all__ = ["broadcast_variables", "allreduce_gradients", "broadcast_object",
+           "allgather_object"]
+
+
+def broadcast_variables(variables: Any, root_rank: int = 0,
+                        process_set: ProcessSet = global_process_set,
+                        name: str | None = None) -> Any:
+    """Rank `root_rank`'s values of a pytree of arrays (e.g. model parameters or an optax
+    state), on every rank: a new pytree of the same structure. Every leaf's broadcast is started
+    at once, then all are waited for.
+
+    Typical use, before training: `params = hvd.broadcast_variables(params, root_rank=0)`.
+
+    Raises:
+        HorovodInternalError: the ranks' trees differ (a leaf's shape or dtype, or the number
+            of leaves).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(variables)
+    if not leaves:
+        return variables
+    name = name or "broadcast_variables"
+    handles: list[JaxHandle] = [
+        _start(RequestType.BROADCAST, [x], "broadcast_variables", False, name=f"{name}.{i}",
+               process_set=process_set, root=root_rank) for i, x in enumerate(leaves)]
+    return jax.tree_util.tree_unflatten(treedef, [h.wait() for h in handles])
+
+
+def allreduce_gradients(grads: Any, op: ReduceOp = ReduceOp.AVERAGE,
+                        compression: Any = Compression.none, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0, name: str | None = None,
+                        process_set: ProcessSet = global_process_set) -> Any:
+    """Allreduces a pytree of gradients (default: the average over the process set) as one
+    grouped op, so all leaves are negotiated together and fused into few buffers. Returns a
+    new pytree of the same structure.
+
+    Call it on concrete arrays, outside `jax.jit`: e.g.
+    `loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)` then
+    `grads = hvd.allreduce_gradients(grads)`. Every rank must pass a tree of the same
+    structure, shapes and dtypes. `name` (default "allreduce_gradients") keys the op across
+    ranks; give two different trees reduced in one step different names.
+
+    Raises:
+        HorovodInternalError: the ranks' trees differ; ValueError / NotImplementedError /
+            TypeError as `allreduce`.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    if not leaves:
+        return grads
+    reduced = grouped_allreduce(leaves, name=name or "allreduce_gradients",
+                                compression=compression, op=op,
+                                prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set)
+    return jax.tree_util.tree_unflatten(treedef, reduced)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Returns rank `root_rank`'s `obj` (cloudpickled) on every rank of the process set."""
+    name = name or "broadcast_object"
+    is_root = collective.rank() == root_rank
+    data = dumps(obj) if is_root else b""
+    n = collective.broadcast(np.array([len(data)], dtype=np.int64), root_rank,
+                             name=f"{name}.sz", process_set=process_set)
+    buf = np.frombuffer(data, dtype=np.uint8) if is_root else np.zeros(int(n[0]), np.uint8)
+    out = collective.broadcast(buf, root_rank, name=f"{name}.t", process_set=process_set)
+    return obj if is_root else loads(out.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Returns the list of every rank's `obj` (cloudpickled), indexed by rank in the set."""
+    name = name or "allgather_object"
+    data = np.frombuffer(dumps(obj), dtype=np.uint8)
+    sizes = collective.allgather(np.array([data.size], dtype=np.int64), name=f"{name}.sz",
+                                 process_set=process_set)
+    raw = collective.allgather(data, name=f"{name}.t", process_set=process_set).tobytes()
+    out, off = [], 0
+    for n in sizes.tolist()[:process_set_size(process_set)]:
+        out.append(loads(raw[off:off + n]))
+        off += n
+    return out
