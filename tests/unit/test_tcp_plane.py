@@ -8,6 +8,7 @@ rank's output (with a faulthandler dump of hung ranks) is printed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -332,15 +333,19 @@ def test_unauthenticated_peer_is_refused_and_logged(caplog: pytest.LogCaptureFix
                     pass
             except ConnectionResetError:
                 pass
+        # Wait for two distinct peers, not two lines: until logging is configured the
+        # `horovod` logger propagates, so caplog may hold each record twice.
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and caplog.text.count("refused a connection") < 2:
+        while time.monotonic() < deadline and len(_refused_peers(caplog.text)) < 2:
             time.sleep(0.05)
     finally:
         logger.removeHandler(caplog.handler)
         fab.close()
-    import re
-    peers = set(re.findall(r"refused a connection from (127\.0\.0\.1:\d+)", caplog.text))
-    assert len(peers) == 2, caplog.text  # both, each naming its address
+    assert len(_refused_peers(caplog.text)) == 2, caplog.text  # both, each naming its address
+
+
+def _refused_peers(text: str) -> set[str]:
+    return set(re.findall(r"refused a connection from (127\.0\.0\.1:\d+)", text))
 
 
 # A same-host peer that lies in its link hello: it announces the pid of another process (the
