@@ -434,10 +434,15 @@ class Channel:
         (n,) = _U32.unpack(recv_exact(self.sock, _U32.size))
         if n < MAC_BYTES or n > self.max_frame:
             return None
-        frame = recv_exact(self.sock, n)
-        body, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
-        if not hmac.compare_digest(mac, _mac(self.key, self.recv_dir,
-                                             _U64.pack(self.recv_seq), body)):
+        if n <= RECV_STEP:
+            frame = recv_exact(self.sock, n)
+            body, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
+        else:  # large: the body is read as is, neither sliced nor joined again for the MAC
+            body = recv_exact(self.sock, n - MAC_BYTES)
+            mac = recv_exact(self.sock, MAC_BYTES)
+        h = hmac.new(self.key, self.recv_dir + _U64.pack(self.recv_seq), hashlib.sha256)
+        h.update(body)
+        if not hmac.compare_digest(mac, h.digest()):
             return None
         self.recv_seq += 1
         return body

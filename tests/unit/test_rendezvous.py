@@ -176,7 +176,7 @@ def test_a_frame_length_alone_does_not_allocate_the_frame() -> None:
 
 
 @pytest.mark.parametrize("size", [0, RECV_STEP - 32, RECV_STEP - 31, 3 * RECV_STEP + 7])
-def test_frames_around_the_read_step_round_trip(size: int) -> None:
+def test_frames_around_the_read_step_round_trip_and_are_checked(size: int) -> None:
     a, b = socket.socketpair()
     with a, b:
         key = os.urandom(32)
@@ -185,6 +185,12 @@ def test_frames_around_the_read_step_round_trip(size: int) -> None:
         t = threading.Thread(target=tx.send, args=(body,))
         t.start()
         assert rx.recv() == body
+        t.join()
+        forged = bytearray(_frame(key, 1, body))
+        forged[-1] ^= 1
+        t = threading.Thread(target=a.sendall, args=(bytes(forged),))
+        t.start()
+        assert rx.recv() is None
         t.join()
 
 
