@@ -21,7 +21,9 @@ a connection of one kind cannot pass as the other. Nothing a peer sends is ever 
   refusals throttled (`RefusalLog`).
 * Frames after the handshake (`Channel`): ``u32 length`` + body + ``HMAC(session, direction +
   u64 sequence number + body)``. A frame with a wrong MAC (forged, replayed or reordered) is
-  refused.
+  refused. The length is read before the MAC can be checked, so the buffer for a frame
+  grows with the bytes that arrive (`recv_exact`): a length alone costs `RECV_STEP` bytes,
+  not the frame cap, whoever sends it.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ NONCE_BYTES = 32
 MAC_BYTES = 32
 MAX_HELLO_BYTES = 1024
 HANDSHAKE_TIMEOUT = 10.0  # seconds an unauthenticated peer may take to prove the secret
+RECV_STEP = 64 << 10  # `recv_exact` allocates this much at first, then grows with the data
 
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")
@@ -64,24 +67,42 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
     """Reads exactly `n` bytes; with `deadline` (time.monotonic()), all of them by then,
     else the socket's timeout applies to each read.
 
+    `n` often comes from a length the peer sent, before anything could check it (a frame's
+    MAC comes after its body), so a large read is not allocated whole: it is read in pieces,
+    `RECV_STEP` bytes first, then each as large as what arrived so far. A peer must send
+    about half of what it makes this process hold.
+
     Raises:
         ConnectionError: the peer closed the connection first.
         socket.timeout: a read timed out, or the deadline passed.
     """
-    buf = bytearray(n)
-    view = memoryview(buf)
+    if n <= RECV_STEP:
+        return bytes(_fill(sock, n, deadline, 0, n))
+    pieces: list[bytearray] = []
     got = 0
     while got < n:
+        pieces.append(_fill(sock, min(max(got, RECV_STEP), n - got), deadline, got, n))
+        got += len(pieces[-1])
+    return b"".join(pieces)
+
+
+def _fill(sock: socket.socket, k: int, deadline: float | None, before: int,
+          n: int) -> bytearray:
+    """`k` bytes of a read of `n` of which `before` arrived already (see `recv_exact`)."""
+    buf = bytearray(k)
+    view = memoryview(buf)
+    got = 0
+    while got < k:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise socket.timeout(f"timed out after {got} of {n} bytes")
+                raise socket.timeout(f"timed out after {before + got} of {n} bytes")
             sock.settimeout(left)
-        r = sock.recv_into(view[got:], n - got)
+        r = sock.recv_into(view[got:], k - got)
         if r == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+            raise ConnectionError(f"connection closed after {before + got} of {n} bytes")
         got += r
-    return bytes(buf)
+    return buf
 
 
 def handshake_server(sock: socket.socket, secret: bytes, magic: bytes,
@@ -413,10 +434,15 @@ class Channel:
         (n,) = _U32.unpack(recv_exact(self.sock, _U32.size))
         if n < MAC_BYTES or n > self.max_frame:
             return None
-        frame = recv_exact(self.sock, n)
-        body, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
-        if not hmac.compare_digest(mac, _mac(self.key, self.recv_dir,
-                                             _U64.pack(self.recv_seq), body)):
+        if n <= RECV_STEP:
+            frame = recv_exact(self.sock, n)
+            body, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
+        else:  # large: the body is read as is, neither sliced nor joined again for the MAC
+            body = recv_exact(self.sock, n - MAC_BYTES)
+            mac = recv_exact(self.sock, MAC_BYTES)
+        h = hmac.new(self.key, self.recv_dir + _U64.pack(self.recv_seq), hashlib.sha256)
+        h.update(body)
+        if not hmac.compare_digest(mac, h.digest()):
             return None
         self.recv_seq += 1
         return body

@@ -129,12 +129,33 @@ class _Output:
         self._stop_pumps = threading.Event()
 
     def open_rank(self, rank: int) -> None:
+        """Creates (or truncates) DIR/rank.<r>/stdout and stderr.
+
+        DIR may be shared with other users: a rank directory or file there that is a symbolic
+        link (placed beforehand by someone else) would send the output, and the truncation,
+        wherever it points. Neither is followed (O_NOFOLLOW, the files opened relative to the
+        rank directory's descriptor); DIR itself, the path the user gave, is.
+
+        Raises:
+            OSError: a directory or file cannot be created, or one is a symbolic link (the
+                message names it).
+        """
         if self._dir is None:
             return
         d = os.path.join(self._dir, f"rank.{rank:0{self._width}d}")
-        os.makedirs(d, exist_ok=True)
-        for stream in ("stdout", "stderr"):
-            self._files[(rank, stream)] = open(os.path.join(d, stream), "wb")
+        os.makedirs(self._dir, exist_ok=True)
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass  # a directory from an earlier run (or a link: refused just below)
+        dfd = _open_no_link(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for stream in ("stdout", "stderr"):
+                fd = _open_no_link(os.path.join(d, stream),
+                                   os.O_WRONLY | os.O_CREAT | os.O_TRUNC, dir_fd=dfd)
+                self._files[(rank, stream)] = os.fdopen(fd, "wb")
+        finally:
+            os.close(dfd)
 
     def stop_pumps(self) -> None:
         """Makes every `pump` return as soon as its pipe has nothing to read (within 0.2 s);
@@ -188,6 +209,20 @@ class _Output:
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+
+
+def _open_no_link(path: str, flags: int, dir_fd: int | None = None) -> int:
+    """`os.open` that refuses a symbolic link as the last component of `path` (with
+    `dir_fd`, `path`'s base name is opened relative to it)."""
+    name = os.path.basename(path) if dir_fd is not None else path
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
+    except OSError as exc:
+        if not os.path.islink(path):
+            raise
+        raise OSError(f"--output-filename: {path} is a symbolic link; hvdrun does not write "
+                      "worker output through one (it could point anywhere). Remove it, or "
+                      "give a directory that only you can write to.") from exc
 
 
 def join_all(threads: Sequence[threading.Thread], timeout: float,

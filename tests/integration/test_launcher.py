@@ -423,6 +423,29 @@ def test_output_filename_keeps_raw_bytes(tmp_path):
         assert f"[{rank}]<stderr>:e\n" in r.stderr, explain(r)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("link", ["file", "dir"])
+def test_output_filename_does_not_follow_links(tmp_path, link):
+    # DIR may be shared: a link placed there beforehand must not redirect (or truncate) output.
+    out, elsewhere = tmp_path / "logs", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "stdout").write_text("keep\n")
+    if link == "file":
+        (out / "rank.0").mkdir(parents=True)
+        bad = out / "rank.0" / "stdout"
+        bad.symlink_to(elsewhere / "stdout")
+    else:
+        out.mkdir()
+        bad = out / "rank.0"
+        bad.symlink_to(elsewhere, target_is_directory=True)
+    r = run_hvdrun("-np", "2", "--tcp", "--output-filename", str(out), sys.executable, "-c",
+                   "print('hi')")
+    assert r.returncode == 1, explain(r)
+    assert f"hvdrun: error: --output-filename: {bad} is a symbolic link" in r.stderr, explain(r)
+    assert (elsewhere / "stdout").read_text() == "keep\n"
+    assert [p.name for p in elsewhere.iterdir()] == ["stdout"]
+
+
 _PROGRESS_BAR = r"""
 import os, sys, time
 sys.stderr.write("\r 10%|#"); sys.stderr.flush()

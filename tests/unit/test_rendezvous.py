@@ -10,11 +10,12 @@ import socket
 import struct
 import threading
 import time
+import tracemalloc
 
 import pytest
 
 from collective.errors import CollectiveTimeoutError, HorovodInternalError
-from collective.auth import handshake_client, recv_exact
+from collective.auth import RECV_STEP, Channel, handshake_client, recv_exact
 from collective.rendezvous import KV_MAGIC, KVClient, KVServer
 
 SECRET = os.urandom(32)
@@ -154,6 +155,43 @@ def test_replayed_frame_is_rejected(server: KVServer, log) -> None:
             recv_exact(s, 4)
     assert server.get("global", "r") is None
     assert _wait_for(lambda: "failed authentication" in log.text)
+
+
+def test_a_frame_length_alone_does_not_allocate_the_frame() -> None:
+    # The length comes before the MAC can be checked: a peer that claims a 64 MiB frame and
+    # sends 1 kB makes the receiver hold about what arrived, not 64 MiB.
+    a, b = socket.socketpair()
+    with a, b:
+        chan = Channel(b, os.urandom(32), b"s", b"c", 128 << 20)
+        a.sendall(struct.pack("!I", 64 << 20) + os.urandom(1000))
+        a.shutdown(socket.SHUT_WR)
+        tracemalloc.start()
+        try:
+            with pytest.raises(ConnectionError, match="after 1000 of"):
+                chan.recv()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 4 * RECV_STEP, peak
+
+
+@pytest.mark.parametrize("size", [0, RECV_STEP - 32, RECV_STEP - 31, 3 * RECV_STEP + 7])
+def test_frames_around_the_read_step_round_trip_and_are_checked(size: int) -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        key = os.urandom(32)
+        tx, rx = Channel(a, key, b"c", b"s", 1 << 20), Channel(b, key, b"s", b"c", 1 << 20)
+        body = os.urandom(size)
+        t = threading.Thread(target=tx.send, args=(body,))
+        t.start()
+        assert rx.recv() == body
+        t.join()
+        forged = bytearray(_frame(key, 1, body))
+        forged[-1] ^= 1
+        t = threading.Thread(target=a.sendall, args=(bytes(forged),))
+        t.start()
+        assert rx.recv() is None
+        t.join()
 
 
 def test_oversized_hello_from_unauthenticated_peer_is_dropped(server: KVServer, log) -> None:

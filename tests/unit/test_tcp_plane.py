@@ -8,6 +8,7 @@ rank's output (with a faulthandler dump of hung ranks) is printed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -332,15 +333,78 @@ def test_unauthenticated_peer_is_refused_and_logged(caplog: pytest.LogCaptureFix
                     pass
             except ConnectionResetError:
                 pass
+        # Wait for two distinct peers, not two lines: until logging is configured the
+        # `horovod` logger propagates, so caplog may hold each record twice.
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and caplog.text.count("refused a connection") < 2:
+        while time.monotonic() < deadline and len(_refused_peers(caplog.text)) < 2:
             time.sleep(0.05)
     finally:
         logger.removeHandler(caplog.handler)
         fab.close()
-    import re
-    peers = set(re.findall(r"refused a connection from (127\.0\.0\.1:\d+)", caplog.text))
-    assert len(peers) == 2, caplog.text  # both, each naming its address
+    assert len(_refused_peers(caplog.text)) == 2, caplog.text  # both, each naming its address
+
+
+def _refused_peers(text: str) -> set[str]:
+    return set(re.findall(r"refused a connection from (127\.0\.0\.1:\d+)", text))
+
+
+# A same-host peer that lies in its link hello: it announces the pid of another process (the
+# test process) and the address of a token there, which that process does hold.
+_LYING_PEER = r"""
+import os, socket, struct, sys, time
+name, token = sys.argv[1], sys.argv[4]
+pid, addr, size = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\0" + name)
+ring = os.memfd_create("fake-ring")
+os.ftruncate(ring, size)
+a, b = socket.socketpair()
+hello = struct.pack("<cQQ16s", b"Y", pid, addr, bytes.fromhex(token))
+socket.send_fds(s, [hello], [ring, b.fileno()])
+socket.recv_fds(s, 33, 2)
+s.sendall(b"C")
+s.recv(1)
+time.sleep(60)  # hold the link until the test kills this process
+"""
+
+
+def test_shm_link_reads_only_from_the_pid_at_the_other_end(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A peer cannot point in-place reads (process_vm_readv) at another process: the pid it
+    announces must be the one the kernel reports for the socket (SO_PEERCRED)."""
+    import ctypes
+    import logging
+    import subprocess
+    from collective.engines.tcp import cma, shm
+    from collective.engines.tcp.net import Fabric
+    if not (shm.ENABLED and shm.CMA and hasattr(socket, "SO_PEERCRED")):
+        pytest.skip("needs memfd, SCM_RIGHTS, process_vm_readv and SO_PEERCRED (Linux)")
+    token = ctypes.create_string_buffer(os.urandom(16), 16)
+    here = ctypes.addressof(token)
+    assert cma.probe(os.getpid(), here, token.raw)  # the lie would pass the token check alone
+    name = f"ringvod-test-{os.getpid()}-{os.urandom(4).hex()}"  # abstract: bound as "\0" + name
+    fab = Fabric(1, b"", 10.0, "127.0.0.1")
+    logger = logging.getLogger("horovod")
+    logger.addHandler(caplog.handler)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as lst:
+        lst.bind("\0" + name)
+        lst.listen(1)
+        liar = subprocess.Popen([sys.executable, "-c", _LYING_PEER, name, str(os.getpid()),
+                                 str(here), token.raw.hex(), str(shm.RING + shm._CTL)])
+        try:
+            lst.settimeout(20)
+            sock, _ = lst.accept()
+            link = shm.make_link(fab, sock, 0, 0, "test")
+            assert isinstance(link, shm.ShmLink)  # the rings are fine: they hold no pid
+            assert link.peer_pid == 0 and not link.zero_copy
+            link.close()
+        finally:
+            logger.removeHandler(caplog.handler)
+            liar.kill()
+            liar.wait()
+            fab.close()
+    assert f"announced pid {os.getpid()}, but the process at the other end of its " \
+           f"connection is pid {liar.pid}" in caplog.text, caplog.text
 
 
 # -- worker entry point ------------------------------------------------------------------------

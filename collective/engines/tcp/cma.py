@@ -4,7 +4,9 @@
 A same-host link uses it, when both ends can, so that a receiver copies (or reduces) straight
 out of the sender's buffer: no staging copy through a shared ring. The kernel allows it
 between processes of one user unless a policy forbids it (Yama `ptrace_scope` >= 2, or a
-seccomp profile without `process_vm_readv`); `probe` finds out at link set-up.
+seccomp profile without `process_vm_readv`); `probe` finds out at link set-up. The pid read
+from must be one the kernel vouched for, not merely one a peer announced: `shm.make_link`
+checks it against the Unix socket's SO_PEERCRED.
 """
 from __future__ import annotations
 

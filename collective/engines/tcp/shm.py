@@ -21,6 +21,17 @@ space is free) waits for that byte, so nobody spins: every wait blocks in the ke
 the fabric's timeout.
 
 A dead peer shows up as EOF on the link socket or on the credit channel, like any link.
+
+Reading in place (`cma`): each end announces its pid and a token in its memory; the other end
+reads the token with `process_vm_readv` and, if both can, stream data is read from the
+sender's buffers at the addresses its notes give. The announced pid is checked against the
+kernel's word for who is at the other end of the Unix socket (SO_PEERCRED), so a peer can
+only point these reads at its own memory, never at another process of the user; on a
+mismatch (or pid 0: the peer runs in a pid namespace this one cannot see) the link streams
+through the rings instead. Only Unix-socket links are set up here: a link over TCP, loopback
+included, is a plain socket `Link`, which never reads a peer's memory, so no pid needs pinning
+there (TCP has no SO_PEERCRED; the owner of a loopback connection could only be guessed from
+/proc, racily).
 """
 from __future__ import annotations
 
@@ -34,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._log import get_logger
 from ...auth import recv_exact
 from ...errors import HorovodInternalError
 from . import cma
@@ -48,6 +60,7 @@ _ALIGN = 64
 _CTL = 4096  # after the ring: the writer's count of bytes it released of the peer's ring
 _NOTE = struct.Struct("<QQ")
 _HELLO = struct.Struct("<cQQ16s")  # Y/N, pid, address of the token, token
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 # Copy into the ring from the posting thread while space is free (see ShmLink.post).
 INLINE = True
@@ -106,7 +119,8 @@ def make_link(fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
         if len(data) < _HELLO.size:
             data += recv_exact(sock, _HELLO.size - len(data))
         flag, peer_pid, peer_addr, peer_token = _HELLO.unpack(data)
-        can = CMA and cma.probe(peer_pid, peer_addr, peer_token)
+        can = (CMA and _pid_is_peer(fabric, sock, peer_global, peer_pid)
+               and cma.probe(peer_pid, peer_addr, peer_token))
         sock.sendall(b"C" if can else b"c")  # both ends must be able to read the other
         peer_can = recv_exact(sock, 1) == b"C"
     except OSError as exc:
@@ -133,6 +147,38 @@ def make_link(fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
     credit = pair[0] if pair else socket.socket(fileno=in_fds[1])
     return ShmLink(fabric, sock, peer, peer_global, plane, out_map, in_map, credit,
                    peer_pid if can and peer_can else 0)
+
+
+def _socket_peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of Unix socket `sock` (the one that connected
+    it, or made the listener it connected to), as the kernel reports it: 0 when unknown (no
+    SO_PEERCRED, or a pid namespace this process cannot see)."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return 0
+    try:
+        return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, opt, _UCRED.size))[0]
+    except OSError:
+        return 0
+
+
+def _pid_is_peer(fabric: Fabric, sock: socket.socket, peer_global: int, announced: int) -> bool:
+    """True when `announced` is the pid of the process at the other end of `sock`."""
+    real = _socket_peer_pid(sock)
+    if real > 0 and real == announced:
+        return True
+    if real == 0:
+        get_logger().debug(
+            "tcp mode: rank %d cannot tell the pid of rank %d (%s): no in-place reads on "
+            "that link (different pid namespace?)", fabric.rank, peer_global,
+            fabric.describe(peer_global))
+    else:
+        get_logger().warning(
+            "tcp mode: rank %d (%s) announced pid %d, but the process at the other end of "
+            "its connection is pid %d; rank %d will not read that rank's memory in place (the "
+            "link streams through shared memory instead)", peer_global,
+            fabric.describe(peer_global), announced, real, fabric.rank)
+    return False
 
 
 def _close(fd: int, pair: Any, out_map: Any) -> None:
