@@ -412,10 +412,13 @@ class ObjectState(State):
 def reset() -> None:
     """Shuts the runtime down and joins the next world (`shutdown()`, rendezvous, `init()`).
 
-    A peer that fails during the rendezvous makes it start over (up to 20 times).
+    In an elastic job, a peer that fails during the rendezvous makes it start over (up to 20
+    times): the driver forms the next world without it. A job that is not elastic (no driver:
+    hvdrun without --min-np, mpirun, torchrun) re-forms the same ranks, so a peer that is gone
+    stays gone and the first failure is raised.
 
     Raises:
-        HorovodInternalError: the rendezvous kept failing.
+        HorovodInternalError: the rendezvous kept failing (at once, in a job not elastic).
         SystemExit: the driver removed this worker or stopped the job.
     """
     from . import basics  # noqa: PLC0415
@@ -428,7 +431,8 @@ def reset() -> None:
             last_reset_timings["initialized"] = time.time()
             return
         except HorovodInternalError as exc:
-            if attempt + 1 == _RESET_ATTEMPTS:
+            # _inits counts this process's requests to the elastic driver: none, no driver.
+            if attempt + 1 == _RESET_ATTEMPTS or _inits == 0:
                 raise
             log.warning("elastic: the rendezvous failed (%s); trying again", exc)
 
