@@ -58,7 +58,8 @@ import numpy as np
 
 from ._log import get_logger
 from .config import update_environ
-from .errors import CollectiveTimeoutError, HorovodInternalError, HostsUpdatedInterrupt
+from .errors import (CollectiveTimeoutError, HorovodInternalError, HostsUpdatedInterrupt,
+                     MismatchError)
 
 __all__ = ["State", "ObjectState", "run", "run_fn", "reset", "broadcast_object",
            "HostUpdateResult", "rendezvous", "rendezvous_count", "last_reset_timings", "SCOPE",
@@ -461,6 +462,11 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 # Synced (every first entry syncs): this rank holds the job's state now.
                 _holds_state = True
                 return func(state, *args, **kwargs)
+            except MismatchError:
+                # The ranks submitted different tensors under one name: a bug of the script,
+                # which a new world would meet again at the same step (restarting forever).
+                # Rank 0 reports it to every rank of the set, so all of them leave here.
+                raise
             except HorovodInternalError as exc:
                 last_reset_timings.clear()
                 last_reset_timings["error"] = time.time()

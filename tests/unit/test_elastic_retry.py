@@ -170,3 +170,30 @@ def test_reset_retries_the_rendezvous_only_in_an_elastic_job(monkeypatch, inits,
     with pytest.raises(HorovodInternalError, match="addr.1"):
         elastic.reset()
     assert len(calls) == attempts
+
+
+def test_mismatch_is_raised_not_retried() -> None:
+    """Ranks that submit different shapes under one name (a bug of the script) get the
+    MismatchError out of the training function on every rank. It was retried: restore, reset,
+    the same mismatch at the same step, forever (about 70 resets a second under hvdrun)."""
+    from collective.errors import MismatchError
+
+    def body(rank: int) -> tuple[str, int]:
+        state = ObjectState(step=0)
+        resets = []
+
+        def train(state):
+            hvd.allreduce(np.ones(4 + rank), name="grad")  # a shape per rank
+
+        def reset() -> None:
+            resets.append(1)
+            if len(resets) > 3:  # the old endless loop: stop it
+                raise RuntimeError("reset again")
+
+        try:
+            run_fn(train, reset)(state)
+        except MismatchError as exc:
+            return "mismatch", len(resets)
+        return "returned", len(resets)
+
+    assert run_loopback(2, body, timeout=20.0) == [("mismatch", 0)] * 2
