@@ -58,7 +58,8 @@ import numpy as np
 
 from ._log import get_logger
 from .config import update_environ
-from .errors import CollectiveTimeoutError, HorovodInternalError, HostsUpdatedInterrupt
+from .errors import (CollectiveTimeoutError, HorovodInternalError, HostsUpdatedInterrupt,
+                     MismatchError)
 
 __all__ = ["State", "ObjectState", "run", "run_fn", "reset", "broadcast_object",
            "HostUpdateResult", "rendezvous", "rendezvous_count", "last_reset_timings", "SCOPE",
@@ -412,10 +413,13 @@ class ObjectState(State):
 def reset() -> None:
     """Shuts the runtime down and joins the next world (`shutdown()`, rendezvous, `init()`).
 
-    A peer that fails during the rendezvous makes it start over (up to 20 times).
+    In an elastic job, a peer that fails during the rendezvous makes it start over (up to 20
+    times): the driver forms the next world without it. A job that is not elastic (no driver:
+    hvdrun without --min-np, mpirun, torchrun) re-forms the same ranks, so a peer that is gone
+    stays gone and the first failure is raised.
 
     Raises:
-        HorovodInternalError: the rendezvous kept failing.
+        HorovodInternalError: the rendezvous kept failing (at once, in a job not elastic).
         SystemExit: the driver removed this worker or stopped the job.
     """
     from . import basics  # noqa: PLC0415
@@ -428,7 +432,8 @@ def reset() -> None:
             last_reset_timings["initialized"] = time.time()
             return
         except HorovodInternalError as exc:
-            if attempt + 1 == _RESET_ATTEMPTS:
+            # _inits counts this process's requests to the elastic driver: none, no driver.
+            if attempt + 1 == _RESET_ATTEMPTS or _inits == 0:
                 raise
             log.warning("elastic: the rendezvous failed (%s); trying again", exc)
 
@@ -457,6 +462,11 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 # Synced (every first entry syncs): this rank holds the job's state now.
                 _holds_state = True
                 return func(state, *args, **kwargs)
+            except MismatchError:
+                # The ranks submitted different tensors under one name: a bug of the script,
+                # which a new world would meet again at the same step (restarting forever).
+                # Rank 0 reports it to every rank of the set, so all of them leave here.
+                raise
             except HorovodInternalError as exc:
                 last_reset_timings.clear()
                 last_reset_timings["error"] = time.time()

@@ -7,7 +7,7 @@ Categories:
 | `NotInitializedError` (ValueError) | an op or query is called before `init()` | no |
 | `DuplicateNameError` (ValueError) | a name is submitted while the same name is still pending | no |
 | `HorovodInternalError` (RuntimeError) | a collective failed (mismatch across ranks, engine error, dead peer) | yes: restore and retry |
-| `MismatchError` | ranks disagree on a tensor's dtype/shape/op/root/scale factors | yes |
+| `MismatchError` | ranks disagree on a tensor's dtype/shape/op/root/scale factors | no: a bug of the script, which every world meets again; `elastic.run` raises it |
 | `ShutdownError` | the runtime was shut down (here or on another rank) | yes |
 | `CollectiveTimeoutError` | a peer did not answer within the configured timeout | yes |
 | `StallError` | the stall inspector shut the job down | yes |

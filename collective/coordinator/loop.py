@@ -260,6 +260,8 @@ class Coordinator(FastPaths):
     def _negotiate(self, ps: ProcessSetState) -> tuple[list[Response], bool]:
         if ps.is_root and check_stall(ps):
             self.shutdown_requested = True  # travels with the next global negotiation
+            ps.control.end_stalled_job(f"rank {self.rt.rank}: a rank stalled longer than "
+                                       "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
         if ps.sets and any(s.stalled for s in ps.sets):
             self.shutdown_requested = True  # a gradient set's stall (collective/gradset.py)
         return self.negotiator.round(ps, ps.timeline, self.shutdown_requested and ps.id == 0)

@@ -58,6 +58,10 @@ class ControlPlane(abc.ABC):
     def abort(self, reason: str = "") -> None:
         """Makes blocked and later calls fail fast (best effort)."""
 
+    def end_stalled_job(self, reason: str) -> None:
+        """Called on rank 0 when the stall check shuts the job down: makes sure the stalled
+        ranks end too. Nothing to do where the launcher stops them once a rank fails."""
+
     def close(self) -> None:
         """Releases resources. Called once at shutdown."""
 

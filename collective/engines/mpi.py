@@ -21,10 +21,14 @@ Results match NumPy and the tcp mode whatever the MPI library does:
 """
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from typing import Any, Sequence
 
 import numpy as np
 
+from .._log import get_logger
 from ..errors import EngineUnavailableError
 from ..types import ReduceOp
 from .base import ControlPlane, HostEngine
@@ -47,6 +51,12 @@ _NUMPY_OPS = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MIN:
 _INT_MAX = 2**31 - 1
 MAX_CHUNK_BYTES = 1 << 30  # bytes per MPI call (tests lower it to exercise the chunking)
 _own_ops: dict[tuple[ReduceOp, np.dtype], Any] = {}
+
+
+# Seconds between a stall shutdown and the MPI_Abort that ends the job (MPI mode).
+STALL_ABORT_GRACE = 5.0
+# The thread that will abort the job after a stall shutdown (once per process).
+_stall_abort: list[threading.Thread | None] = [None]
 
 
 def _needs_own_op(dtype: np.dtype, op: ReduceOp) -> bool:
@@ -174,6 +184,29 @@ class MPIControlPlane(ControlPlane):
         # MPI has no way to interrupt a blocked collective short of MPI_Abort; the launcher
         # (mpirun) ends the job when a rank dies.
         pass
+
+    def end_stalled_job(self, reason: str) -> None:
+        # A stalled rank never reaches MPI_Finalize, and Open MPI's finalize waits for every
+        # rank: the others hung there after their ShutdownError, and mpirun, seeing no exit,
+        # never ended the job. After a grace period for them to report and save, MPI_Abort
+        # makes mpirun stop every rank. Not a daemon: the interpreter's exit waits for it.
+        if _stall_abort[0] is not None:
+            return
+
+        def end() -> None:
+            time.sleep(STALL_ABORT_GRACE)
+            get_logger().error("%s; calling MPI_Abort so that mpirun stops every rank, the "
+                               "stalled ones included", reason)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - closed at exit
+                    pass
+            MPI.COMM_WORLD.Abort(1)
+
+        _stall_abort[0] = threading.Thread(target=end, name="hvd-mpi-stall-abort",
+                                           daemon=False)  # the coordinator thread is one
+        _stall_abort[0].start()
 
     def close(self) -> None:
         if not self._closed and self.comm != MPI.COMM_NULL:

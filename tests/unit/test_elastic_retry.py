@@ -146,3 +146,54 @@ def test_first_elastic_init_asks_again_when_the_world_fails_to_form(
     finally:
         basics.shutdown()
     assert len(calls) == attempts
+
+
+@pytest.mark.parametrize("inits, attempts", [(0, 1), (1, 20)])
+def test_reset_retries_the_rendezvous_only_in_an_elastic_job(monkeypatch, inits,
+                                                             attempts) -> None:
+    """`hvd.elastic.run` in a job that is not elastic (hvdrun without --min-np, mpirun) whose
+    peer exited: the reset's init() re-forms the same ranks and fails (after
+    HOROVOD_GLOO_TIMEOUT_SECONDS). It raises at once; it retried 20 times (10 minutes at the
+    default timeout). An elastic job (a driver to ask) retries as before."""
+    import collective.basics as basics
+    import collective.elastic as elastic
+
+    monkeypatch.setattr(elastic, "_inits", inits)
+    calls = []
+
+    def init() -> None:
+        calls.append(1)
+        raise HorovodInternalError("test: timed out waiting for key 'addr.1'")
+
+    monkeypatch.setattr(basics, "init", init)
+    monkeypatch.setattr(basics, "shutdown", lambda: None)
+    with pytest.raises(HorovodInternalError, match="addr.1"):
+        elastic.reset()
+    assert len(calls) == attempts
+
+
+def test_mismatch_is_raised_not_retried() -> None:
+    """Ranks that submit different shapes under one name (a bug of the script) get the
+    MismatchError out of the training function on every rank. It was retried: restore, reset,
+    the same mismatch at the same step, forever (about 70 resets a second under hvdrun)."""
+    from collective.errors import MismatchError
+
+    def body(rank: int) -> tuple[str, int]:
+        state = ObjectState(step=0)
+        resets = []
+
+        def train(state):
+            hvd.allreduce(np.ones(4 + rank), name="grad")  # a shape per rank
+
+        def reset() -> None:
+            resets.append(1)
+            if len(resets) > 3:  # the old endless loop: stop it
+                raise RuntimeError("reset again")
+
+        try:
+            run_fn(train, reset)(state)
+        except MismatchError as exc:
+            return "mismatch", len(resets)
+        return "returned", len(resets)
+
+    assert run_loopback(2, body, timeout=20.0) == [("mismatch", 0)] * 2
