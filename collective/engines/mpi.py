@@ -21,6 +21,9 @@ Results match NumPy and the tcp mode whatever the MPI library does:
 """
 from __future__ import annotations
 
+import atexit
+import math
+import signal
 import sys
 import threading
 import time
@@ -55,8 +58,16 @@ _own_ops: dict[tuple[ReduceOp, np.dtype], Any] = {}
 
 # Seconds between a stall shutdown and the MPI_Abort that ends the job (MPI mode).
 STALL_ABORT_GRACE = 5.0
-# The thread that will abort the job after a stall shutdown (once per process).
-_stall_abort: list[threading.Thread | None] = [None]
+# Whether the guards that end a job stuck after a stall shutdown are set (once per process).
+_stall_guard = [False]
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - closed at exit
+            pass
 
 
 def _needs_own_op(dtype: np.dtype, op: ReduceOp) -> bool:
@@ -187,26 +198,38 @@ class MPIControlPlane(ControlPlane):
 
     def end_stalled_job(self, reason: str) -> None:
         # A stalled rank never reaches MPI_Finalize, and Open MPI's finalize waits for every
-        # rank: the others hung there after their ShutdownError, and mpirun, seeing no exit,
-        # never ended the job. After a grace period for them to report and save, MPI_Abort
-        # makes mpirun stop every rank. Not a daemon: the interpreter's exit waits for it.
-        if _stall_abort[0] is not None:
+        # rank: without this, the others hung there after their ShutdownError, and mpirun,
+        # seeing no rank exit, never ended the job. Two guards, each firing only while the
+        # job is still stuck, so ranks that all end by themselves exit as they would:
+        # * this process still running STALL_ABORT_GRACE s after the shutdown (rank 0 itself
+        #   stalled, or waiting on one): MPI_Abort, and mpirun stops every rank;
+        # * at exit, MPI_Finalize (after the atexit handlers) not returning within the grace:
+        #   SIGALRM, left at its default action, ends this process, and mpirun the job.
+        if _stall_guard[0]:
             return
+        _stall_guard[0] = True
+        grace = STALL_ABORT_GRACE
 
-        def end() -> None:
-            time.sleep(STALL_ABORT_GRACE)
-            get_logger().error("%s; calling MPI_Abort so that mpirun stops every rank, the "
-                               "stalled ones included", reason)
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:  # noqa: BLE001 - closed at exit
-                    pass
+        def abort_while_running() -> None:
+            time.sleep(grace)
+            get_logger().error("%s; still running %g s later: calling MPI_Abort so that mpirun "
+                               "stops every rank, the stalled ones included", reason, grace)
+            _flush()
             MPI.COMM_WORLD.Abort(1)
 
-        _stall_abort[0] = threading.Thread(target=end, name="hvd-mpi-stall-abort",
-                                           daemon=False)  # the coordinator thread is one
-        _stall_abort[0].start()
+        def alarm_at_exit() -> None:
+            if not hasattr(signal, "SIGALRM"):
+                return
+            get_logger().warning("%s; if MPI_Finalize has not returned within %g s (a stalled "
+                                 "rank never reaches it), this process ends on SIGALRM so that "
+                                 "mpirun stops every rank", reason, grace)
+            _flush()
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(max(math.ceil(grace), 1))
+
+        atexit.register(alarm_at_exit)
+        threading.Thread(target=abort_while_running, name="hvd-mpi-stall-abort",
+                         daemon=True).start()
 
     def close(self) -> None:
         if not self._closed and self.comm != MPI.COMM_NULL:
