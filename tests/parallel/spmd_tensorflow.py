@@ -641,6 +641,28 @@ def test_load_model_round_trip_rewraps_the_optimizer():
     all_equal(_weights(loaded), "loaded weights")
 
 
+def test_load_model_refuses_an_h5_optimizer_and_says_what_to_do():
+    """Keras 3 drops an HDF5 file's optimizer state (the loaded model cannot train) and would
+    hand the optimizer back unwrapped: a clear error instead; the weights alone still load."""
+    me = hvd.rank()
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9)),
+                  loss=keras.losses.MeanSquaredError())
+    x, y = _dataset(8)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    folder = hvd.broadcast_object(tempfile.mkdtemp() if me == 0 else None, 0, name="h5dir")
+    path, bare = os.path.join(folder, "model.h5"), os.path.join(folder, "bare.h5")
+    if me == 0:
+        model.save(path)
+        model.save(bare, include_optimizer=False)
+    hvd.allgather_object(None, name="h5saved")  # a barrier
+    with pytest.raises(ValueError, match=r"HDF5 file .*model\.h5.*Save the model as \.keras"):
+        hvd_keras.load_model(path)
+    weights_only = hvd_keras.load_model(path, compile=False)
+    np.testing.assert_array_equal(_weights(weights_only), _weights(model))
+    np.testing.assert_array_equal(_weights(hvd_keras.load_model(bare)), _weights(model))
+
+
 def test_sync_batch_normalization_uses_every_rank_batch():
     me = hvd.rank()
     g = np.random.default_rng(5)
