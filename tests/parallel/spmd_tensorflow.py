@@ -160,6 +160,14 @@ def test_indexed_slices_allgathered_or_dense():
     me = hvd.rank()
     vals = tf.constant([[float(me + 1), 1.0]])
     sl = tf.IndexedSlices(vals, tf.constant([me % 3]), dense_shape=tf.constant([3, 2]))
+    # Scale factors are refused (Horovod's error) before anything is sent: the checks below
+    # still pair up across ranks.
+    refused = "Pre/postscale_factor are not supported with tf.IndexedSlices"
+    for factors in ({"prescale_factor": 2.0}, {"postscale_factor": 0.5}):
+        with pytest.raises(NotImplementedError, match=refused):
+            hvd.allreduce(sl, name="scaled_slices", **factors)
+        with pytest.raises(NotImplementedError, match=refused):
+            hvd.grouped_allreduce([tf.constant([1.0]), sl], **factors)
     out = hvd.allreduce(sl, op=hvd.Sum)
     assert isinstance(out, tf.IndexedSlices)
     assert out.values.shape == (SIZE, 2)
@@ -169,6 +177,14 @@ def test_indexed_slices_allgathered_or_dense():
     for r in range(SIZE):
         want[r % 3] += [r + 1, 1.0]
     np.testing.assert_allclose(dense.numpy(), want / SIZE, rtol=1e-6)
+    # A predivide factor splits the gradient average into scale factors; allgathered sparse
+    # gradients need none, so they still reduce (where allreduce refuses the factors).
+    emb = tf.Variable(tf.ones([3, 2]))
+    with tf.GradientTape() as tape:
+        loss = (me + 1.0) * tf.reduce_sum(tf.gather(emb, [me % 3]))
+    grad = hvd.DistributedGradientTape(tape, gradient_predivide_factor=2.0).gradient(loss, [emb])
+    np.testing.assert_allclose(tf.convert_to_tensor(grad[0]).numpy(), want[:, :1] / SIZE
+                               * np.ones((1, 2), np.float32), rtol=1e-6)
 
 
 # -- allgather / broadcast / alltoall / reducescatter ------------------------------------------
