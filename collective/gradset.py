@@ -26,7 +26,10 @@ wait for the GIL. A gradient set moves that work out of the step:
   returns the last op's completion; the caller's stream waits on that one event.
 
 A rank that joined (`hvd.join()`) contributes zeros: its bits are all set, and it runs every
-agreed chunk with zero tensors. Members submitted here but not by every rank after
+agreed chunk with zero tensors. `join()` covers the global process set only, so a set of
+another process set cannot run while a member waits in the global `join()`: that member also
+sets all its bits, and the members the others submitted fail on every member instead
+(`fail_joined`). Members submitted here but not by every rank after
 `HOROVOD_STALL_CHECK_TIME_SECONDS` are named in a warning on this rank; after
 `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS` (when set) this rank also names them in an error and
 asks for the job to shut down (`stalled`), which its next global round tells every rank.
@@ -44,19 +47,28 @@ import numpy as np
 from . import _current, _log
 from .engines.device import release_events
 from .entry import Entry, default_allocate
+from .errors import MismatchError
 from .fusion import ALONE_BYTES
 from .handle import Handle
 from .negotiation import bit_indices, words_to_int
 from .types import CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response, ResponseType
 from .wire import quote_name
 
-__all__ = ["GradientSet", "SetChunk", "register", "MISMATCH"]
+__all__ = ["GradientSet", "SetChunk", "register", "MISMATCH", "JOINED"]
 
 _log_ = _log.get_logger()
 
 MISMATCH = ("DistributedOptimizer's gradients differ across ranks: {detail}. Every rank must "
             "wrap the same model's parameters, in the same order, with the same names, dtypes "
             "and options (named_parameters, op, gradient_predivide_factor, compression).")
+
+JOINED = ("The DistributedOptimizer's allreduce of gradient(s) {names} on process set {ps} "
+          "(ranks {ranks}) cannot complete: rank(s) {joined} called hvd.join() and wait there "
+          "without submitting them (rank(s) {sent} submitted them). join() covers the global "
+          "process set only: joined ranks contribute zeros to allreduces of the global process "
+          "set and take no part in ops of other process sets. Finish the optimizer's steps on "
+          "process set {ps} on every member before calling hvd.join(), or wrap the optimizer "
+          "on the global process set.")
 
 
 class SetChunk:
@@ -273,6 +285,34 @@ class GradientSet:
             if self.mask:
                 self._since = time.monotonic()
         return [SetChunk(self, idx, joined) for idx in self._cut(bit_indices(common), threshold)]
+
+    def fail_joined(self, res: np.ndarray, joined: bool, ps: Any) -> list[int] | None:
+        """While members of this set's process set `ps` (a `ProcessSetState`, not the global
+        set's) wait in the global `join()` (`ps.members_joined`), where they sent all their bits
+        (`joined` here): if the round's AND `res` has members, the other members submitted them,
+        and they can never run. Then they fail on every member alike (`JOINED`; logged where
+        this rank is a joined one) and the set is retired everywhere in the same round (its
+        owner registers a new one at its next step). Returns this rank's pending members that
+        failed (empty on a joined rank), None when nothing failed."""
+        common = words_to_int(res) & (self.full if joined else self.mask)
+        if self._sent_retired or not common:
+            return None
+        failed = bit_indices(self.mask)
+        names = [quote_name(self.names[i]) for i in bit_indices(common)]
+        ranks, away = ps.ranks, ps.members_joined
+        exc = MismatchError(JOINED.format(
+            names=", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5
+                                          else ""),
+            ps=ps.id, ranks=list(ranks), joined=", ".join(str(ranks[i]) for i in sorted(away)),
+            sent=", ".join(str(r) for i, r in enumerate(ranks) if i not in away)))
+        if joined:
+            _log_.error("Rank %d waits in hvd.join() while other ranks of process set %d "
+                        "stepped a DistributedOptimizer that includes it; they fail there: %s",
+                        ranks[ps.rank], ps.id, exc)
+        self.mask = 0
+        self.retire()
+        self.fail(exc)
+        return failed
 
     def _cut(self, members: list[int], threshold: int) -> list[list[int]]:
         chunks: list[list[int]] = []

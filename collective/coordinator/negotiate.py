@@ -62,7 +62,10 @@ class Negotiator:
         sets = ps.sets
         joined = False
         if sets:
-            joined = ps.join_active and ps.joined_here()
+            # Another set's members that wait in the global join() send all bits too, so that
+            # what the others submitted shows and fails (`GradientSet.fail_joined`).
+            joined = ps.join_active and (ps.rank in ps.members_joined if ps.id != 0
+                                         else ps.joined_here())
             for s in sets:
                 s.take(now, tl)
         new = ps.drain()
@@ -164,8 +167,16 @@ class Negotiator:
         if not flags & 1:  # some rank has gradients to reduce (not every rank joined)
             pos = 0
             for s in sets:
-                agreed = s.agree(res[pos:pos + s.nwords], joined, threshold)
+                words = res[pos:pos + s.nwords]
                 pos += s.nwords
+                if ps.members_joined:  # another set, members in the global join()
+                    failed = s.fail_joined(words, joined, ps)
+                    if failed is not None:
+                        if tl is not None:
+                            for i in failed:
+                                tl.negotiate_end(s.names[i])
+                        continue
+                agreed = s.agree(words, joined, threshold)
                 if tl is not None and not joined:
                     for c in agreed:
                         for i in c.indices:

@@ -170,8 +170,10 @@ class GradientReducer:
                 if self.sparse_as_dense:
                     out[i] = g = tf.convert_to_tensor(g)
                 else:
-                    out[i] = _sparse_allreduce(g, f"{self.name}.sparse.{i}", self.op,
-                                               self.prescale, self.postscale, ps)
+                    # Allgathered values are not summed, so the predivide factor (it keeps
+                    # sums in range) has nothing to do there, and its two factors multiply to 1.
+                    out[i] = _sparse_allreduce(g, f"{self.name}.sparse.{i}", self.op, 1.0, 1.0,
+                                               ps)
                     continue
             dense.append(i)
         if not dense:

@@ -241,22 +241,26 @@ def _allreduce_list(ts: list[tf.Tensor], name: str | None, op: ReduceOp, pre: fl
 
 def _sparse_allreduce(slices: tf.IndexedSlices, name: str | None, op: ReduceOp, pre: float,
                       post: float, ps: ProcessSet) -> tf.IndexedSlices:
-    """Horovod's `tf.IndexedSlices` allreduce: values and indices are allgathered."""
+    """Horovod's `tf.IndexedSlices` allreduce: values and indices are allgathered. Checked
+    before anything is sent, so that every rank raises alike."""
     if op == ReduceOp.ADASUM:
         raise NotImplementedError("The Adasum reduction does not support sparse tensors; pass "
                                   "sparse_as_dense=True")
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise NotImplementedError(f"tf.IndexedSlices support only op=Sum or Average, got {op!r}; "
                                   "pass sparse_as_dense=True")
+    if pre != 1.0 or post != 1.0:
+        what = f"tensor {name!r}, " if name else ""
+        raise NotImplementedError(
+            f"Pre/postscale_factor are not supported with tf.IndexedSlices ({what}"
+            f"prescale_factor={pre}, postscale_factor={post}); scale the values yourself, or "
+            "pass a dense tensor (tf.convert_to_tensor)")
     values = allgather(slices.values, name=_grad_name(name, "values"), process_set=ps,
                        ignore_name_scope=True)
     indices = allgather(slices.indices, name=_grad_name(name, "indices"), process_set=ps,
                         ignore_name_scope=True)
-    scale = pre * post
     if op == ReduceOp.AVERAGE:
-        scale /= process_set_size(ps)
-    if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
+        values = values / tf.cast(process_set_size(ps), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -272,6 +276,8 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
 
     Raises:
         ValueError: not initialised, unsupported dtype, both `op` and `average`.
+        NotImplementedError: a `tf.IndexedSlices` with an op other than Sum or Average, or
+            with a prescale or postscale factor (as in Horovod).
         HorovodInternalError: the op failed on some rank (e.g. shapes differ across ranks).
     """
     op = resolve_op(op, average)
@@ -297,6 +303,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
     """Allreduces a list as one atomic group (negotiated and fused together); differentiable.
 
     `tf.IndexedSlices` entries are allgathered on their own.
+
+    Raises:
+        NotImplementedError: as `allreduce`, for any `tf.IndexedSlices` entry.
     """
     op = resolve_op(op, average)
     _no_effect(device_dense=device_dense, device_sparse=device_sparse)

@@ -160,6 +160,14 @@ def test_indexed_slices_allgathered_or_dense():
     me = hvd.rank()
     vals = tf.constant([[float(me + 1), 1.0]])
     sl = tf.IndexedSlices(vals, tf.constant([me % 3]), dense_shape=tf.constant([3, 2]))
+    # Scale factors are refused (Horovod's error) before anything is sent: the checks below
+    # still pair up across ranks.
+    refused = "Pre/postscale_factor are not supported with tf.IndexedSlices"
+    for factors in ({"prescale_factor": 2.0}, {"postscale_factor": 0.5}):
+        with pytest.raises(NotImplementedError, match=refused):
+            hvd.allreduce(sl, name="scaled_slices", **factors)
+        with pytest.raises(NotImplementedError, match=refused):
+            hvd.grouped_allreduce([tf.constant([1.0]), sl], **factors)
     out = hvd.allreduce(sl, op=hvd.Sum)
     assert isinstance(out, tf.IndexedSlices)
     assert out.values.shape == (SIZE, 2)
@@ -169,6 +177,14 @@ def test_indexed_slices_allgathered_or_dense():
     for r in range(SIZE):
         want[r % 3] += [r + 1, 1.0]
     np.testing.assert_allclose(dense.numpy(), want / SIZE, rtol=1e-6)
+    # A predivide factor splits the gradient average into scale factors; allgathered sparse
+    # gradients need none, so they still reduce (where allreduce refuses the factors).
+    emb = tf.Variable(tf.ones([3, 2]))
+    with tf.GradientTape() as tape:
+        loss = (me + 1.0) * tf.reduce_sum(tf.gather(emb, [me % 3]))
+    grad = hvd.DistributedGradientTape(tape, gradient_predivide_factor=2.0).gradient(loss, [emb])
+    np.testing.assert_allclose(tf.convert_to_tensor(grad[0]).numpy(), want[:, :1] / SIZE
+                               * np.ones((1, 2), np.float32), rtol=1e-6)
 
 
 # -- allgather / broadcast / alltoall / reducescatter ------------------------------------------
@@ -639,6 +655,28 @@ def test_load_model_round_trip_rewraps_the_optimizer():
     assert not isinstance(plain.optimizer, _DistributedOptimizerMixin)
     loaded.fit(x, y, batch_size=4, epochs=1, verbose=0)
     all_equal(_weights(loaded), "loaded weights")
+
+
+def test_load_model_refuses_an_h5_optimizer_and_says_what_to_do():
+    """Keras 3 drops an HDF5 file's optimizer state (the loaded model cannot train) and would
+    hand the optimizer back unwrapped: a clear error instead; the weights alone still load."""
+    me = hvd.rank()
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9)),
+                  loss=keras.losses.MeanSquaredError())
+    x, y = _dataset(8)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    folder = hvd.broadcast_object(tempfile.mkdtemp() if me == 0 else None, 0, name="h5dir")
+    path, bare = os.path.join(folder, "model.h5"), os.path.join(folder, "bare.h5")
+    if me == 0:
+        model.save(path)
+        model.save(bare, include_optimizer=False)
+    hvd.allgather_object(None, name="h5saved")  # a barrier
+    with pytest.raises(ValueError, match=r"HDF5 file .*model\.h5.*Save the model as \.keras"):
+        hvd_keras.load_model(path)
+    weights_only = hvd_keras.load_model(path, compile=False)
+    np.testing.assert_array_equal(_weights(weights_only), _weights(model))
+    np.testing.assert_array_equal(_weights(hvd_keras.load_model(bare)), _weights(model))
 
 
 def test_sync_batch_normalization_uses_every_rank_batch():

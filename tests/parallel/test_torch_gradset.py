@@ -1,6 +1,7 @@
 """Per-gradient mode's gradient set (`HOROVOD_BUCKET_CAP_MB=0`, collective/gradset.py) under
 real ranks: uneven steps with `join`, a different model on one rank, a re-`init()`, a reset
-in the middle of a step, a stalled rank, and ordinary ops in between. Launched by
+in the middle of a step, a stalled rank, ordinary ops in between, and an optimizer of another
+process set whose member joins (3+ ranks). Launched by
 tests/parallel/test_torch_driver.py with `HOROVOD_BUCKET_CAP_MB=0`; the stall shutdown test
 alone, with `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS` (it ends the job).
 """
@@ -9,13 +10,14 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import time
 
 import pytest
 import torch
 
 import horovod.torch as hvd_module
-from tests.parallel._torch_util import init_world
+from tests.parallel._torch_util import PS_EVEN, init_world
 
 pytestmark = [pytest.mark.spmd, pytest.mark.timeout(60)]
 
@@ -256,6 +258,68 @@ def test_every_rank_joined_reduces_nothing(hvd) -> None:
     finally:
         execute._perform_chunk = original
     assert ran == []
+
+
+@pytest.mark.timeout(40)  # it used to wait for ever (a stall warning on the stepping rank)
+@pytest.mark.parametrize("order", ["join-first", "step-first"])
+@pytest.mark.parametrize("joiner", ["set-root", "other"])
+def test_a_member_of_another_set_joins(hvd, caplog, joiner, order) -> None:
+    # join() covers the global process set only: an optimizer of another set cannot step while
+    # a member waits in join(). The members that step fail, naming the gradients, the set and
+    # the joined rank; the joined rank logs the same and its join completes; afterwards the
+    # set's optimizer registers a new set and steps on every member.
+    if not 2 <= len(PS_EVEN.ranks) < hvd.size():
+        pytest.skip("needs a process set of 2+ ranks other than the global one (3+ ranks)")
+    if PS_EVEN.process_set_id is None:  # an earlier test's shutdown() and init() dropped it
+        hvd.shutdown()
+        init_world()
+    ps, me = PS_EVEN, hvd.rank()
+    psid = ps.process_set_id
+    joined = ps.ranks[0] if joiner == "set-root" else ps.ranks[-1]
+    model = _model(10)
+    opt = _opt(hvd, model, process_set=ps) if ps.included() else None
+    data = _data(hvd.size(), 3)
+    if opt is not None:
+        _step(hvd, model, opt, *data[0])  # registers the set on every member
+        first = opt._hvd_reducer.gset
+        assert first is not None
+    hvd.barrier()
+    logger = logging.getLogger("horovod")  # does not propagate: attach caplog to it
+    logger.addHandler(caplog.handler)
+    try:
+        if me == joined or opt is None:
+            if order == "step-first":
+                time.sleep(0.5)
+            last = hvd.join()
+        else:
+            if order == "join-first":
+                time.sleep(0.5)
+            # The gradients named are those submitted when the failure was agreed.
+            text = (f"allreduce of gradient(s) 'allreduce.* on process set {psid} "
+                    f"(ranks {ps.ranks}) cannot complete: rank(s) {joined} called hvd.join() "
+                    f".* Finish the optimizer's steps on process set {psid} on every member "
+                    "before calling hvd.join()")
+            with pytest.raises(hvd.HorovodInternalError,
+                               match=re.escape(text).replace(r"\.\*", ".*")):
+                _step(hvd, model, opt, *data[1])
+            # Raised by a gradient hook (the failure came during backward), it leaves the step
+            # open, as any error from backward does: close it.
+            opt._hvd_reducer.reset()
+            last = hvd.join()
+    finally:
+        logger.removeHandler(caplog.handler)
+    if me == joined:
+        assert f"Rank {joined} waits in hvd.join() while other ranks of process set" in caplog.text
+    assert last != joined  # the others join once their step failed
+    if opt is not None:
+        _step(hvd, model, opt, *data[2])  # a new set, on every member
+        assert opt._hvd_reducer.gset not in (None, first)
+        assert first not in first.runtime.process_set_state(ps, "test").sets
+        for p in model.parameters():
+            gathered = hvd.allgather(p.detach().reshape(1, -1), name="joinps.check",
+                                     process_set=ps)
+            assert torch.equal(gathered[0], gathered[-1])
+    hvd.barrier()
 
 
 def test_a_failure_in_backward_then_reinit(hvd) -> None:

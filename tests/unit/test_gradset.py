@@ -216,7 +216,7 @@ def test_no_chunks_once_every_rank_has_joined():
     from collective.coordinator.negotiate import Negotiator
 
     class PS:
-        pass
+        members_joined = frozenset()
     gs = _set([(4,)] * 2)
     ps = PS()
     ps.sets = [gs]
@@ -225,6 +225,45 @@ def test_no_chunks_once_every_rank_has_joined():
     assert n._agree_sets(ps, res, True, 1 << 20, None) == []
     res[-1] = 0  # some rank is still training: the joined rank runs zeros with it
     assert [c.indices for c in n._agree_sets(ps, res, True, 1 << 20, None)] == [[0, 1]]
+
+
+def test_a_set_of_another_process_set_fails_where_a_member_waits_in_join():
+    # Process set 1 (global ranks [3, 5]); rank 5 waits in the global join(), so it sends all
+    # bits. Rank 3 submitted two members: they can never run, and both ranks fail the set in
+    # the same round (rank 3's wait raises, naming them) and retire it.
+    from collective.coordinator.negotiate import Negotiator
+    from collective.errors import MismatchError
+
+    class PS:
+        id, ranks, members_joined = 1, [3, 5], frozenset({1})
+
+        def __init__(self, rank, gs):
+            self.rank, self.sets = rank, [gs]
+
+    stepping, waiting = _set([(4,)] * 3), _set([(4,)] * 3)
+    stepping.submit(0, "a")
+    stepping.submit(2, "c")
+    stepping.take(0.0)
+    waiting.take(0.0)
+    flags = np.zeros(1, dtype=np.uint64)
+    res = np.concatenate([stepping.words(False) & waiting.words(True), flags])
+    n = Negotiator.__new__(Negotiator)
+    assert n._agree_sets(PS(0, stepping), res, False, 1 << 20, None) == []
+    assert n._agree_sets(PS(1, waiting), res, True, 1 << 20, None) == []
+    for gs in (stepping, waiting):
+        assert gs.retired and gs.mask == 0
+        with pytest.raises(MismatchError, match=(
+                r"allreduce of gradient\(s\) 'allreduce.p0', 'allreduce.p2' on process set 1 "
+                r"\(ranks \[3, 5\]\) cannot complete: rank\(s\) 5 called hvd.join\(\) .*"
+                r"\(rank\(s\) 3 submitted them\)")):
+            gs.wait()
+    # Nothing submitted on the stepping rank yet: nothing fails, nothing runs.
+    idle, joined = _set([(4,)] * 2), _set([(4,)] * 2)
+    idle.take(0.0)
+    res = np.concatenate([idle.words(False) & joined.words(True), flags])
+    assert n._agree_sets(PS(0, idle), res, False, 1 << 20, None) == []
+    assert n._agree_sets(PS(1, joined), res, True, 1 << 20, None) == []
+    assert not idle.retired and not joined.retired and idle.error is None
 
 
 class _Pool:
@@ -329,6 +368,7 @@ def test_a_set_retired_between_take_and_words_of_its_last_round_gives_back_its_e
 
     class PS:
         set_flags = ProcessSetState.set_flags
+        members_joined = frozenset()
 
     gs = _set([(2,)] * 2)
     ps = PS()

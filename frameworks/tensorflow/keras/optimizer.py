@@ -284,7 +284,13 @@ def load_model(filepath: Any, custom_optimizers: Sequence[type] | None = None,
         custom_objects: as for `keras.models.load_model`.
         compression: the re-wrapped optimizer's compression.
         legacy_opts: accepted for Horovod compatibility (Keras 3 has no legacy optimizers).
+
+    Raises:
+        ValueError: `filepath` is a legacy HDF5 file (`.h5`, `.hdf5`) saved with an optimizer
+            (see `_refuse_h5_optimizer`), or whatever `keras.models.load_model` raises.
     """
+    if kwargs.get("compile", True):
+        _refuse_h5_optimizer(filepath)
     bases = [c for c in vars(keras.optimizers).values()
              if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)
              and c is not keras.optimizers.Optimizer]
@@ -292,3 +298,27 @@ def load_model(filepath: Any, custom_optimizers: Sequence[type] | None = None,
     objects = {b.__name__: _rewrapper(b, {"compression": compression}) for b in bases}
     objects.update(custom_objects or {})
     return keras.models.load_model(filepath, custom_objects=objects, **kwargs)
+
+
+def _refuse_h5_optimizer(filepath: Any) -> None:
+    """Keras 3 cannot give back a trainable optimizer from a legacy HDF5 file: it builds the
+    optimizer on none of the model's variables (its slots are dropped, and the first `fit`
+    fails with "Unknown variable"), and it looks the class up by its lower-cased name, so the
+    optimizer would come back unwrapped: training without the gradient reduction. A file
+    without an optimizer (no training config) loads as it is."""
+    if not str(filepath).endswith((".h5", ".hdf5")):  # Keras' own test for the format
+        return
+    import h5py  # a Keras dependency
+    try:
+        with h5py.File(filepath, "r") as f:
+            has_optimizer = "training_config" in f.attrs
+    except OSError:
+        return  # missing or not HDF5: Keras reports it
+    if has_optimizer:
+        raise ValueError(
+            f"load_model cannot restore the optimizer saved in the HDF5 file {filepath}: "
+            "Keras 3 does not restore optimizers from .h5 files (their state is dropped and "
+            "the loaded model cannot train). Save the model as .keras (model.save("
+            "'model.keras')) and load that, or load the weights alone with "
+            "keras.models.load_model(path, compile=False) and compile the model with a new "
+            "hvd.DistributedOptimizer (the optimizer state starts afresh)")
