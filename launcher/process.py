@@ -21,11 +21,13 @@ Error categories (the first failure is the root cause, the rest is fallout):
 """
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import re
 import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -150,9 +152,19 @@ class _Output:
             pass  # a directory from an earlier run (or a link: refused just below)
         dfd = _open_no_link(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
+            _check_own(dfd, d, stat.S_ISDIR, "directory")
             for stream in ("stdout", "stderr"):
-                fd = _open_no_link(os.path.join(d, stream),
-                                   os.O_WRONLY | os.O_CREAT | os.O_TRUNC, dir_fd=dfd)
+                path = os.path.join(d, stream)
+                # O_NONBLOCK: a FIFO placed there fails (or opens) at once instead of
+                # blocking hvdrun; anything but a regular file of ours is then refused.
+                fd = _open_no_link(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK,
+                                   dir_fd=dfd)
+                try:
+                    _check_own(fd, path, stat.S_ISREG, "regular file")
+                    os.set_blocking(fd, True)
+                except BaseException:
+                    os.close(fd)
+                    raise
                 self._files[(rank, stream)] = os.fdopen(fd, "wb")
         finally:
             os.close(dfd)
@@ -211,6 +223,21 @@ class _Output:
             f.close()
 
 
+def _check_own(fd: int, path: str, kind: Callable[[int], bool], what: str) -> None:
+    """Refuses an opened output path that is not a `what` (by `kind`, a `stat.S_IS*`) owned
+    by this user: someone else's directory or file in a shared DIR could be read or replaced
+    by its owner."""
+    st = os.fstat(fd)
+    if not kind(st.st_mode):
+        raise OSError(f"--output-filename: {path} is not a {what}; hvdrun writes worker "
+                      "output only to its own directories and regular files. Remove it, or "
+                      "give a directory that only you can write to.")
+    if st.st_uid != os.geteuid():
+        raise OSError(f"--output-filename: {path} belongs to uid {st.st_uid}, not to this "
+                      f"user (uid {os.geteuid()}); its owner could read or replace the "
+                      "output. Remove it, or give a directory that only you can write to.")
+
+
 def _open_no_link(path: str, flags: int, dir_fd: int | None = None) -> int:
     """`os.open` that refuses a symbolic link as the last component of `path` (with
     `dir_fd`, `path`'s base name is opened relative to it)."""
@@ -219,6 +246,11 @@ def _open_no_link(path: str, flags: int, dir_fd: int | None = None) -> int:
         return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
     except OSError as exc:
         if not os.path.islink(path):
+            if exc.errno == errno.ENXIO:  # a FIFO nobody reads (O_NONBLOCK)
+                raise OSError(f"--output-filename: {path} is not a regular file; hvdrun "
+                              "writes worker output only to its own directories and regular "
+                              "files. Remove it, or give a directory that only you can write "
+                              "to.") from exc
             raise
         raise OSError(f"--output-filename: {path} is a symbolic link; hvdrun does not write "
                       "worker output through one (it could point anywhere). Remove it, or "

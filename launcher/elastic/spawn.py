@@ -85,8 +85,8 @@ class ProcessSpawner:
             popen_env, stdin_payload = dict(self.parent_env), payload(env)
         else:
             argv, popen_env = list(self.command), env
-        self._out.open_rank(worker_id)
         try:
+            self._out.open_rank(worker_id)  # --output-filename: may refuse a planted path
             proc = subprocess.Popen(
                 argv, env=popen_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 stdin=subprocess.PIPE if stdin_payload is not None else subprocess.DEVNULL,

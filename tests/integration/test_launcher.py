@@ -446,6 +446,29 @@ def test_output_filename_does_not_follow_links(tmp_path, link):
     assert [p.name for p in elsewhere.iterdir()] == ["stdout"]
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("planted", ["fifo", "foreign-dir"])
+def test_output_filename_refuses_what_is_not_its_own(tmp_path, planted):
+    # A FIFO named stdout (nobody reading) blocked hvdrun in open(); a rank directory made
+    # beforehand by another user was written into (its owner could read or swap the files).
+    out = tmp_path / "logs"
+    (out / "rank.0").mkdir(parents=True)
+    if planted == "fifo":
+        bad = out / "rank.0" / "stdout"
+        os.mkfifo(bad)
+        expected = f"{bad} is not a regular file"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("making a directory of another user needs root")
+        bad = out / "rank.0"
+        os.chown(bad, 65534, 65534)
+        expected = f"{bad} belongs to uid 65534"
+    r = run_hvdrun("-np", "2", "--tcp", "--output-filename", str(out), sys.executable, "-c",
+                   "print('hi')", timeout=60)
+    assert r.returncode == 1, explain(r)
+    assert f"hvdrun: error: --output-filename: {expected}" in r.stderr, explain(r)
+
+
 _PROGRESS_BAR = r"""
 import os, sys, time
 sys.stderr.write("\r 10%|#"); sys.stderr.flush()
