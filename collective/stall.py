@@ -27,6 +27,7 @@ class StallInspector:
             self.shutdown_time = 0.0
         self._clock = clock
         self._next = clock() + warning_time  # when `due` is next true
+        self.shutdown_ranks: set[int] = set()  # global ranks the last check shuts down for
 
     def due(self) -> bool:
         return self.enabled and self._clock() >= self._next
@@ -59,6 +60,7 @@ class StallInspector:
                 missing.setdefault(g, []).append(name)
                 if self.shutdown_time > 0 and age >= self.shutdown_time:
                     shutdown_ranks.add(g)
+        self.shutdown_ranks = shutdown_ranks
         if not missing:
             return None, False
         report = format_stall_report(missing, shutdown_ranks, self.warning_time,

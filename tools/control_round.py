@@ -1,10 +1,10 @@
 """The control plane's bit round alone: what one negotiation round costs before anything else.
 
 Times `allreduce_words` of a two-word vector (what a lone cached op's round sends) on the
-global set's control plane, called directly in a loop while this rank holds the cycle lock
-(so the coordinator thread cannot start a round of its own in between). Rank 0 prints the
-median and 90th percentile per trial. The plane is the job's: MPI under mpirun, tcp under
-`hvdrun --gloo`.
+global set's control plane, called directly in a loop. The coordinators are stopped first
+(they agree on a shutdown round; the planes stay open until `shutdown()`), so that no round
+of theirs can pair with one of the loop's. Rank 0 prints the median and 90th percentile per
+trial. The plane is the job's: MPI under mpirun, tcp under `hvdrun --gloo`.
 
     mpirun -np 2 --bind-to none python tools/control_round.py
     python -m launcher --gloo -np 2 python tools/control_round.py
@@ -33,21 +33,23 @@ def main() -> int:
     ps = rt.member_sets()[0]
     words = np.zeros(2, dtype=np.uint64)
     now = time.perf_counter
+    coord = rt.coordinator
+    coord.request_shutdown()  # every rank does: the coordinators end after one agreed round
+    if not coord.join(60):
+        raise SystemExit("the coordinator did not stop")
     for _ in range(a.trials):
         times = []
-        with rt.coordinator._cycle_lock:
-            ps.control.allreduce_words(words, "and")  # both ranks inside before timing
-            for _ in range(a.iters):
-                t = now()
-                ps.control.allreduce_words(words, "and")
-                times.append(now() - t)
+        ps.control.allreduce_words(words, "and")  # both ranks inside before timing
+        for _ in range(a.iters):
+            t = now()
+            ps.control.allreduce_words(words, "and")
+            times.append(now() - t)
         times.sort()
         if collective.rank() == 0:
             print(f"control_round plane={ps.control.name} size={collective.size()}: median "
                   f"{statistics.median(times) * 1e6:.1f} us, p90 "
                   f"{times[int(len(times) * 0.9)] * 1e6:.1f} us", flush=True)
-        time.sleep(0.2)  # let the coordinator thread run its idle rounds between trials
-    collective.shutdown()
+    collective.shutdown()  # closes the planes
     return 0
 
 

@@ -261,9 +261,13 @@ class Coordinator(FastPaths):
         if ps.is_root and check_stall(ps):
             self.shutdown_requested = True  # travels with the next global negotiation
             ps.control.end_stalled_job(f"rank {self.rt.rank}: a rank stalled longer than "
-                                       "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+                                       "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+                                       self.rt.rank in ps.stall.shutdown_ranks)
         if ps.sets and any(s.stalled for s in ps.sets):
             self.shutdown_requested = True  # a gradient set's stall (collective/gradset.py)
+            ps.control.end_stalled_job(f"rank {self.rt.rank}: a rank stalled in a gradient "
+                                       "set longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+                                       False)
         return self.negotiator.round(ps, ps.timeline, self.shutdown_requested and ps.id == 0)
 
     # -- execution ----------------------------------------------------------------------------

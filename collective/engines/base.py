@@ -58,9 +58,11 @@ class ControlPlane(abc.ABC):
     def abort(self, reason: str = "") -> None:
         """Makes blocked and later calls fail fast (best effort)."""
 
-    def end_stalled_job(self, reason: str) -> None:
-        """Called on rank 0 when the stall check shuts the job down: makes sure the stalled
-        ranks end too. Nothing to do where the launcher stops them once a rank fails."""
+    def end_stalled_job(self, reason: str, stalled_here: bool) -> None:
+        """Called where a stall check shuts the job down (a set's rank 0, or a rank whose
+        gradient set waits for others; `stalled_here`: this rank is one of the stalled): makes
+        sure the stalled ranks end too. Nothing to do where the launcher stops them once a
+        rank fails."""
 
     def close(self) -> None:
         """Releases resources. Called once at shutdown."""

@@ -59,7 +59,7 @@ _own_ops: dict[tuple[ReduceOp, np.dtype], Any] = {}
 # Seconds between a stall shutdown and the MPI_Abort that ends the job (MPI mode).
 STALL_ABORT_GRACE = 5.0
 # Whether the guards that end a job stuck after a stall shutdown are set (once per process).
-_stall_guard = [False]
+_stall_guards = {"exit": False, "running": False}
 
 
 def _flush() -> None:
@@ -196,40 +196,46 @@ class MPIControlPlane(ControlPlane):
         # (mpirun) ends the job when a rank dies.
         pass
 
-    def end_stalled_job(self, reason: str) -> None:
+    def end_stalled_job(self, reason: str, stalled_here: bool) -> None:
         # A stalled rank never reaches MPI_Finalize, and Open MPI's finalize waits for every
         # rank: without this, the others hung there after their ShutdownError, and mpirun,
         # seeing no rank exit, never ended the job. Two guards, each firing only while the
-        # job is still stuck, so ranks that all end by themselves exit as they would:
-        # * this process still running STALL_ABORT_GRACE s after the shutdown (rank 0 itself
-        #   stalled, or waiting on one): MPI_Abort, and mpirun stops every rank;
-        # * at exit, MPI_Finalize (after the atexit handlers) not returning within the grace:
-        #   SIGALRM, left at its default action, ends this process, and mpirun the job.
-        if _stall_guard[0]:
-            return
-        _stall_guard[0] = True
+        # job is stuck, so ranks that all end by themselves (or take their time to save
+        # something after the error) exit as they would:
+        # * at exit, MPI_Finalize (after the atexit handlers) not returning within
+        #   STALL_ABORT_GRACE s: SIGALRM, left at its default action, ends this process, and
+        #   mpirun the job;
+        # * this rank one of the stalled and still running STALL_ABORT_GRACE s after the
+        #   shutdown (its training thread stuck): MPI_Abort, and mpirun stops every rank.
         grace = STALL_ABORT_GRACE
+        if not _stall_guards["exit"]:
+            _stall_guards["exit"] = True
 
-        def abort_while_running() -> None:
-            time.sleep(grace)
-            get_logger().error("%s; still running %g s later: calling MPI_Abort so that mpirun "
-                               "stops every rank, the stalled ones included", reason, grace)
-            _flush()
-            MPI.COMM_WORLD.Abort(1)
+            def alarm_at_exit() -> None:
+                if not hasattr(signal, "SIGALRM"):
+                    return
+                get_logger().warning(
+                    "%s; if MPI_Finalize has not returned within %g s (a stalled rank never "
+                    "reaches it), this process ends on SIGALRM so that mpirun stops every "
+                    "rank", reason, grace)
+                _flush()
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(max(math.ceil(grace), 1))
 
-        def alarm_at_exit() -> None:
-            if not hasattr(signal, "SIGALRM"):
-                return
-            get_logger().warning("%s; if MPI_Finalize has not returned within %g s (a stalled "
-                                 "rank never reaches it), this process ends on SIGALRM so that "
-                                 "mpirun stops every rank", reason, grace)
-            _flush()
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(max(math.ceil(grace), 1))
+            atexit.register(alarm_at_exit)
+        if stalled_here and not _stall_guards["running"]:
+            _stall_guards["running"] = True
 
-        atexit.register(alarm_at_exit)
-        threading.Thread(target=abort_while_running, name="hvd-mpi-stall-abort",
-                         daemon=True).start()
+            def abort_while_running() -> None:
+                time.sleep(grace)
+                get_logger().error("%s, this one among them; still running %g s later: "
+                                   "calling MPI_Abort so that mpirun stops every rank, the "
+                                   "stalled ones included", reason, grace)
+                _flush()
+                MPI.COMM_WORLD.Abort(1)
+
+            threading.Thread(target=abort_while_running, name="hvd-mpi-stall-abort",
+                             daemon=True).start()
 
     def close(self) -> None:
         if not self._closed and self.comm != MPI.COMM_NULL:

@@ -35,8 +35,9 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
     Typical use, before training: `params = hvd.broadcast_variables(params, root_rank=0)`.
 
     Raises:
-        HorovodInternalError: the ranks' trees differ (a leaf's shape or dtype, or the number
-            of leaves).
+        HorovodInternalError: a leaf's shape or dtype differs across ranks. (A different
+            number of leaves is not detected: the extra leaves' broadcasts wait, see
+            docs/jax.md.)
     """
     leaves, treedef = jax.tree_util.tree_flatten(variables)
     if not leaves:
@@ -63,8 +64,9 @@ def allreduce_gradients(grads: Any, op: ReduceOp = ReduceOp.AVERAGE,
     ranks; give two different trees reduced in one step different names.
 
     Raises:
-        HorovodInternalError: the ranks' trees differ; ValueError / NotImplementedError /
-            TypeError as `allreduce`.
+        HorovodInternalError: a leaf's shape or dtype differs across ranks (a different
+            number of leaves is not detected: see docs/jax.md); ValueError /
+            NotImplementedError / TypeError as `allreduce`.
     """
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     if not leaves:

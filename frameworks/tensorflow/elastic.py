@@ -13,6 +13,7 @@ The retry loop, `State`, `ObjectState` and the rendezvous with the driver are fr
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
@@ -20,7 +21,8 @@ import tensorflow as tf
 import collective
 from collective.elastic import HostUpdateResult, ObjectState, State, run_fn
 from collective.elastic import reset as _reset
-from collective.errors import HorovodInternalError
+from collective.errors import (CollectiveTimeoutError, HorovodInternalError, MismatchError,
+                               ShutdownError, StallError)
 
 from .functions import broadcast_object, broadcast_variables
 
@@ -36,11 +38,18 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     state is synced from the new rank 0, the reset callbacks run, and `func` is called again.
 
     A collective that fails inside a `tf.function` (e.g. the gradient allreduce of Keras'
-    `fit`) reaches Python as a `tf.errors.OpError` whose text carries the
-    `HorovodInternalError`; it is turned back into a `HorovodInternalError`, so that it
-    restores the last commit like a failure in eager code.
+    `fit`) reaches Python as a `tf.errors.OpError` whose text carries the collective's error;
+    it is turned back into that error (`HorovodInternalError` or its subclass), so that it
+    restores the last commit like a failure in eager code, or, a `MismatchError`, is raised
+    to the caller as in eager code.
     """
     return run_fn(_raise_internal_errors(func), _reset)
+
+
+# The errors a collective raises, by the name TensorFlow's text gives them ("Name: message").
+_INTERNAL = {c.__name__: c for c in (HorovodInternalError, MismatchError, ShutdownError,
+                                      CollectiveTimeoutError, StallError)}
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+): (.*)$", re.M)
 
 
 def _raise_internal_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -49,12 +58,14 @@ def _raise_internal_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         except tf.errors.OpError as exc:
-            text = str(exc)
-            marker = "HorovodInternalError: "
-            if marker not in text:
-                raise
-            detail = text.split(marker, 1)[1].splitlines()[0]
-            raise HorovodInternalError(detail) from exc
+            # The first such line is the exception the collective raised: raised again as
+            # its own class, so that `run` tells a failure to retry from one to report (a
+            # MismatchError, which every new world would meet again).
+            for m in _ERROR_LINE.finditer(str(exc)):
+                cls = _INTERNAL.get(m.group(1))
+                if cls is not None:
+                    raise cls(m.group(2)) from exc
+            raise
     return wrapper
 
 

@@ -2,9 +2,10 @@
 
 The stalled rank never reaches MPI_Finalize, and Open MPI's finalize waits for every rank: the
 other ranks, after their ShutdownError, hung there, and mpirun, seeing no rank exit, never
-ended the job. Rank 0 now ends the job if it is still stuck a few seconds after the stall
-shutdown: MPI_Abort while it runs (it stalled itself), SIGALRM once it waits in MPI_Finalize
-(the stalled rank is another). A job whose ranks all end by themselves exits as usual
+ended the job. The rank that decides the shutdown (a set's rank 0, or in per-gradient mode a
+rank whose gradients wait) now ends the job if it is still stuck a few seconds later:
+MPI_Abort while it runs (it stalled itself), SIGALRM once it waits in MPI_Finalize (the
+stalled rank is another). A job whose ranks all end by themselves exits as usual
 (tests/parallel/test_timeline_spmd.py::test_stall_shutdown_marks_ranks)."""
 from __future__ import annotations
 
@@ -37,16 +38,43 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("stalled", [1, 0])
-def test_stall_shutdown_ends_the_mpi_job(tmp_path: Path, stalled: int) -> None:
+# Per-gradient mode (HOROVOD_BUCKET_CAP_MB=0): the optimizer's gradient set on rank 1 waits
+# for rank 0's gradients; its own stall check asks for the shutdown.
+GRADSET_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import torch
+    import horovod.torch as hvd
+    hvd.init()
+    model = torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    try:
+        for step in range(2):  # the second step's gradients travel as set bits only
+            if step == 1 and hvd.rank() == STALLED:
+                time.sleep(300)  # a rank stuck before its backward
+            opt.zero_grad()
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+    except hvd.HorovodInternalError as exc:
+        print(f"rank {hvd.rank()}: {type(exc).__name__}", flush=True)
+        sys.exit(1)
+""")
+
+
+@pytest.mark.parametrize("stalled,script_text", [(1, SCRIPT), (0, SCRIPT), (0, GRADSET_SCRIPT)],
+                         ids=["rank1", "rank0", "gradient-set"])
+def test_stall_shutdown_ends_the_mpi_job(tmp_path: Path, stalled: int, script_text: str) -> None:
     reason = mpi_available()
     if reason:
         skip_or_fail(reason, "mpi")
+    gradset = script_text is GRADSET_SCRIPT
+    if gradset:
+        pytest.importorskip("torch")
     script = tmp_path / "stall.py"
-    script.write_text(SCRIPT.replace("STALLED", str(stalled)))
+    script.write_text(script_text.replace("STALLED", str(stalled)))
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                HOROVOD_STALL_CHECK_TIME_SECONDS="1", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="2",
-               PYTHONFAULTHANDLER="1")
+               HOROVOD_BUCKET_CAP_MB="0", PYTHONFAULTHANDLER="1")
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "-np", "2", "--mpi",
                              sys.executable, str(script)], cwd=REPO, env=env, text=True,
@@ -67,10 +95,11 @@ def test_stall_shutdown_ends_the_mpi_job(tmp_path: Path, stalled: int) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("the job did not end after the stall shutdown:\n" + proc.communicate()[0])
     assert proc.returncode != 0, out
-    assert "is stalled for longer than 2 seconds. Will shutdown." in out, out
-    if stalled == 0:  # rank 0 itself is stuck: it aborts while running
+    if not gradset:
+        assert "is stalled for longer than 2 seconds. Will shutdown." in out, out
+    if stalled == 0 and not gradset:  # rank 0 decides and is the stuck one: it aborts
         assert "calling MPI_Abort so that mpirun stops every rank" in out, out
-    else:  # rank 0 exits and waits in MPI_Finalize for the stalled rank
+    else:  # the deciding rank exits and waits in MPI_Finalize for the stalled one
         assert "this process ends on SIGALRM so that mpirun stops every rank" in out, out
     if stalled != 0:
         assert "rank 0: ShutdownError" in out, out

@@ -229,3 +229,24 @@ def test_results_wrap_the_engines_buffer_without_a_copy(hvd, jax):
     assert y.unsafe_buffer_pointer() == out.ctypes.data  # no copy out
     b = to_jax(out.astype(jax.numpy.bfloat16).view(np.uint16), np.dtype(jax.numpy.bfloat16))
     assert b.dtype == jax.numpy.bfloat16 and float(b[0, 0]) == 2.0
+
+
+def test_ops_return_their_output_without_a_copy(hvd, jax, monkeypatch):
+    # Through the public ops: the engines allocate outputs with `aligned_empty`, so each
+    # result is wrapped (DLPack), not copied; a copy would skip the wrapper.
+    import frameworks.jax._arrays as arrays
+    wrapped = []
+    real = arrays._from_dlpack
+
+    def counting(a):
+        wrapped.append(a.ctypes.data)
+        return real(a)
+    monkeypatch.setattr(arrays, "_from_dlpack", counting)
+    x = jax.numpy.arange(4096, dtype=jax.numpy.float32)
+    outs = [hvd.allreduce(x, op=hvd.Sum, name="nocopy.ar"), hvd.allgather(x, name="nocopy.ag"),
+            hvd.broadcast(x, 0, name="nocopy.bc")]
+    outs += hvd.grouped_allreduce([x, x], op=hvd.Sum, name="nocopy.gar")
+    assert len(wrapped) == len(outs)
+    for y, ptr in zip(outs, wrapped):
+        assert y.unsafe_buffer_pointer() == ptr
+        assert np.array_equal(np.asarray(y), np.arange(4096, dtype=np.float32))

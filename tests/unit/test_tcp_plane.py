@@ -351,9 +351,12 @@ def _refused_peers(text: str) -> set[str]:
 # A same-host peer that lies in its link hello: it announces the pid of another process (the
 # test process) and the address of a token there, which that process does hold.
 _LYING_PEER = r"""
-import os, socket, struct, sys, time
+import ctypes, os, socket, struct, sys, time
 name, token = sys.argv[1], sys.argv[4]
 pid, addr, size = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5])
+if token == "own":  # a token in this process's memory, announced with a wrong pid
+    mine = ctypes.create_string_buffer(os.urandom(16), 16)
+    addr, token = ctypes.addressof(mine), mine.raw.hex()
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect("\0" + name)
 ring = os.memfd_create("fake-ring")
@@ -368,12 +371,14 @@ time.sleep(60)  # hold the link until the test kills this process
 """
 
 
-def test_shm_link_reads_only_from_the_pid_at_the_other_end(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """A peer cannot point in-place reads (process_vm_readv) at another process: the pid it
-    announces must be the one the kernel reports for the socket (SO_PEERCRED)."""
+@pytest.mark.parametrize("token_in", ["announced-process", "peer"])
+def test_shm_link_reads_only_from_the_pid_at_the_other_end(token_in: str) -> None:
+    """In-place reads (process_vm_readv) go to the process the kernel reports at the other end
+    of the socket (SO_PEERCRED), never to the pid a peer announces: a peer that announces this
+    process's pid and an address of a token here gets no reads of this process (the rings
+    instead); a peer whose token is in its own memory is read there, whatever pid it
+    announced (a pid of another namespace, say)."""
     import ctypes
-    import logging
     import subprocess
     from collective.engines.tcp import cma, shm
     from collective.engines.tcp.net import Fabric
@@ -384,27 +389,26 @@ def test_shm_link_reads_only_from_the_pid_at_the_other_end(
     assert cma.probe(os.getpid(), here, token.raw)  # the lie would pass the token check alone
     name = f"ringvod-test-{os.getpid()}-{os.urandom(4).hex()}"  # abstract: bound as "\0" + name
     fab = Fabric(1, b"", 10.0, "127.0.0.1")
-    logger = logging.getLogger("horovod")
-    logger.addHandler(caplog.handler)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as lst:
         lst.bind("\0" + name)
         lst.listen(1)
-        liar = subprocess.Popen([sys.executable, "-c", _LYING_PEER, name, str(os.getpid()),
-                                 str(here), token.raw.hex(), str(shm.RING + shm._CTL)])
+        peer = subprocess.Popen([sys.executable, "-c", _LYING_PEER, name, str(os.getpid()),
+                                 str(here), token.raw.hex() if token_in != "peer" else "own",
+                                 str(shm.RING + shm._CTL)])
         try:
             lst.settimeout(20)
             sock, _ = lst.accept()
             link = shm.make_link(fab, sock, 0, 0, "test")
             assert isinstance(link, shm.ShmLink)  # the rings are fine: they hold no pid
-            assert link.peer_pid == 0 and not link.zero_copy
+            if token_in == "peer":
+                assert link.peer_pid == peer.pid and link.zero_copy
+            else:
+                assert link.peer_pid == 0 and not link.zero_copy
             link.close()
         finally:
-            logger.removeHandler(caplog.handler)
-            liar.kill()
-            liar.wait()
+            peer.kill()
+            peer.wait()
             fab.close()
-    assert f"announced pid {os.getpid()}, but the process at the other end of its " \
-           f"connection is pid {liar.pid}" in caplog.text, caplog.text
 
 
 # -- worker entry point ------------------------------------------------------------------------

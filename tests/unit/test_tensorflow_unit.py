@@ -65,3 +65,30 @@ def test_compression_context_is_the_input_dtype(hvd):
     t = tf.range(3)
     c, ctx = hvd.Compression.none.compress(t)
     assert c is t and ctx is None
+
+
+def test_elastic_run_gets_a_graph_collectives_own_error_class(hvd):
+    # Inside a tf.function a collective's error reaches Python as a tf.errors.OpError; the
+    # elastic wrapper raises it again as its own class, so that run() retries a failure but
+    # reports a MismatchError (which every new world would meet again) instead of resetting.
+    import tensorflow as tf
+
+    from collective.errors import HorovodInternalError, MismatchError, ShutdownError
+    from frameworks.tensorflow.elastic import _raise_internal_errors
+
+    def raising(exc):
+        def kernel(xs):
+            raise exc
+
+        @tf.function
+        def step(x):
+            return tf.py_function(kernel, [x], [tf.float32])
+        return lambda: step(tf.ones(2))
+
+    for exc in (MismatchError("Mismatched allreduce tensor shapes: x"),
+                ShutdownError(), HorovodInternalError("rank 1 died")):
+        with pytest.raises(type(exc)) as info:
+            _raise_internal_errors(raising(exc))()
+        assert type(info.value) is type(exc) and str(info.value) == str(exc).splitlines()[0]
+    with pytest.raises(tf.errors.OpError):  # not a collective's: TensorFlow's own, as it was
+        _raise_internal_errors(raising(KeyError("not ours")))()

@@ -5,8 +5,8 @@ A same-host link uses it, when both ends can, so that a receiver copies (or redu
 out of the sender's buffer: no staging copy through a shared ring. The kernel allows it
 between processes of one user unless a policy forbids it (Yama `ptrace_scope` >= 2, or a
 seccomp profile without `process_vm_readv`); `probe` finds out at link set-up. The pid read
-from must be one the kernel vouched for, not merely one a peer announced: `shm.make_link`
-checks it against the Unix socket's SO_PEERCRED.
+from is the one the kernel reports at the other end of the Unix socket (SO_PEERCRED), never
+one a peer merely announced (`shm.make_link`).
 """
 from __future__ import annotations
 

@@ -24,11 +24,11 @@ A dead peer shows up as EOF on the link socket or on the credit channel, like an
 
 Reading in place (`cma`): each end announces its pid and a token in its memory; the other end
 reads the token with `process_vm_readv` and, if both can, stream data is read from the
-sender's buffers at the addresses its notes give. The announced pid is checked against the
-kernel's word for who is at the other end of the Unix socket (SO_PEERCRED), so a peer can
-only point these reads at its own memory, never at another process of the user; on a
-mismatch (or pid 0: the peer runs in a pid namespace this one cannot see) the link streams
-through the rings instead. Only Unix-socket links are set up here: a link over TCP, loopback
+sender's buffers at the addresses its notes give. The reads go to the pid the kernel reports
+at the other end of the Unix socket (SO_PEERCRED), not to the one the peer announces, so a
+peer can only point them at its own memory, never at another process of the user; where the
+token is not found there (or the kernel reports pid 0: the peer runs in a pid namespace this
+one cannot see) the link streams through the rings instead. Only Unix-socket links are set up here: a link over TCP, loopback
 included, is a plain socket `Link`, which never reads a peer's memory, so no pid needs pinning
 there (TCP has no SO_PEERCRED; the owner of a loopback connection could only be guessed from
 /proc, racily).
@@ -118,9 +118,17 @@ def make_link(fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
             raise ConnectionError("connection closed")
         if len(data) < _HELLO.size:
             data += recv_exact(sock, _HELLO.size - len(data))
-        flag, peer_pid, peer_addr, peer_token = _HELLO.unpack(data)
-        can = (CMA and _pid_is_peer(fabric, sock, peer_global, peer_pid)
-               and cma.probe(peer_pid, peer_addr, peer_token))
+        flag, announced, peer_addr, peer_token = _HELLO.unpack(data)
+        # In-place reads go only to the process the kernel reports at the other end of this
+        # Unix socket (SO_PEERCRED, a pid of this namespace), never to the pid the peer
+        # announces (of its own namespace, and its word only).
+        peer_pid = _socket_peer_pid(sock)
+        can = CMA and peer_pid > 0 and cma.probe(peer_pid, peer_addr, peer_token)
+        if CMA and not can and peer_pid != announced:
+            get_logger().debug(
+                "tcp mode: rank %d (%s) announced pid %d, the kernel reports pid %d for its "
+                "connection; no in-place reads on that link unless its token is found there",
+                peer_global, fabric.describe(peer_global), announced, peer_pid)
         sock.sendall(b"C" if can else b"c")  # both ends must be able to read the other
         peer_can = recv_exact(sock, 1) == b"C"
     except OSError as exc:
@@ -160,25 +168,6 @@ def _socket_peer_pid(sock: socket.socket) -> int:
         return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, opt, _UCRED.size))[0]
     except OSError:
         return 0
-
-
-def _pid_is_peer(fabric: Fabric, sock: socket.socket, peer_global: int, announced: int) -> bool:
-    """True when `announced` is the pid of the process at the other end of `sock`."""
-    real = _socket_peer_pid(sock)
-    if real > 0 and real == announced:
-        return True
-    if real == 0:
-        get_logger().debug(
-            "tcp mode: rank %d cannot tell the pid of rank %d (%s): no in-place reads on "
-            "that link (different pid namespace?)", fabric.rank, peer_global,
-            fabric.describe(peer_global))
-    else:
-        get_logger().warning(
-            "tcp mode: rank %d (%s) announced pid %d, but the process at the other end of "
-            "its connection is pid %d; rank %d will not read that rank's memory in place (the "
-            "link streams through shared memory instead)", peer_global,
-            fabric.describe(peer_global), announced, real, fabric.rank)
-    return False
 
 
 def _close(fd: int, pair: Any, out_map: Any) -> None:
