@@ -35,18 +35,43 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
     Typical use, before training: `params = hvd.broadcast_variables(params, root_rank=0)`.
 
     Raises:
-        HorovodInternalError: a leaf's shape or dtype differs across ranks. (A different
-            number of leaves is not detected: the extra leaves' broadcasts wait, see
-            docs/jax.md.)
+        HorovodInternalError: the ranks' trees differ in structure (on every rank, naming the
+            ranks; checked first, with one allgather of the tree's layout), or a leaf's shape or
+            dtype differs across ranks.
     """
     leaves, treedef = jax.tree_util.tree_flatten(variables)
+    name = name or "broadcast_variables"
+    _check_same_tree(treedef, len(leaves), name, process_set)
     if not leaves:
         return variables
-    name = name or "broadcast_variables"
     handles: list[JaxHandle] = [
         _start(RequestType.BROADCAST, [x], "broadcast_variables", False, name=f"{name}.{i}",
                process_set=process_set, root=root_rank) for i, x in enumerate(leaves)]
     return jax.tree_util.tree_unflatten(treedef, [h.wait() for h in handles])
+
+
+def _check_same_tree(treedef: Any, count: int, name: str, process_set: ProcessSet) -> None:
+    """Raises the same `HorovodInternalError` on every rank of `process_set` when their trees
+    differ in structure: the leaves' ops would then not pair up (a leaf only some ranks have
+    waits for the others, as any op only some ranks submit)."""
+    layout = np.frombuffer(f"{count}:{treedef}".encode(), dtype=np.uint8)
+    sizes = collective.allgather(np.array([layout.size], dtype=np.int64),
+                                 name=f"{name}.layout.sz", process_set=process_set).tolist()
+    raw = collective.allgather(layout, name=f"{name}.layout", process_set=process_set).tobytes()
+    seen: dict[str, list[int]] = {}
+    off = 0
+    for i, n in enumerate(sizes):
+        seen.setdefault(raw[off:off + n].decode(), []).append(i)
+        off += n
+    if len(seen) > 1:
+        ranks = process_set.ranks if process_set.ranks else list(range(len(sizes)))
+        groups = "; ".join(f"rank(s) {', '.join(str(ranks[i]) for i in idx)}: "
+                           f"{text.split(':', 1)[0]} leaves, {text.split(':', 1)[1][:200]}"
+                           for text, idx in seen.items())
+        raise collective.HorovodInternalError(
+            f"{name}: the ranks passed pytrees of different structure ({groups}). Every rank "
+            "must pass the same structure (same keys, nesting and number of leaves), e.g. "
+            "parameters initialised by the same code on every rank.")
 
 
 def allreduce_gradients(grads: Any, op: ReduceOp = ReduceOp.AVERAGE,
@@ -64,8 +89,8 @@ def allreduce_gradients(grads: Any, op: ReduceOp = ReduceOp.AVERAGE,
     ranks; give two different trees reduced in one step different names.
 
     Raises:
-        HorovodInternalError: a leaf's shape or dtype differs across ranks (a different
-            number of leaves is not detected: see docs/jax.md); ValueError /
+        HorovodInternalError: a leaf's shape or dtype differs across ranks (trees with a
+            different number of leaves wait instead: see docs/jax.md); ValueError /
             NotImplementedError / TypeError as `allreduce`.
     """
     leaves, treedef = jax.tree_util.tree_flatten(grads)

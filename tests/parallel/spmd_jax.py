@@ -200,6 +200,11 @@ def test_error_paths():
                           name="mismatch.dtype")
         with pytest.raises(hvd.HorovodInternalError):
             hvd.allreduce_gradients({"w": jnp.ones(me + 1)}, name="mismatch.tree")
+        # Trees of another structure (a leaf only rank 0 has): an error on every rank, not a
+        # broadcast that only some ranks submit.
+        tree = {"w": jnp.ones(2), "b": jnp.zeros(1)} if me == 0 else {"w": jnp.ones(2)}
+        with pytest.raises(hvd.HorovodInternalError, match="pytrees of different structure"):
+            hvd.broadcast_variables(tree, root_rank=0, name="mismatch.structure")
     assert hvd.allreduce(jnp.ones(2), op=hvd.Sum).tolist() == [SIZE, SIZE]
 
 
