@@ -303,6 +303,18 @@ def build_parser() -> argparse.ArgumentParser:
             grp.add_argument(o.cli, dest=dest, type=_flag_type(o), default=None,
                              help=helptext, **kwargs)
 
+    # horovodrun's hidden opposites of the store-true flags (hidden there too): each sets the
+    # flag's dest to False, so that the command line wins over a config file (`--stall-check`
+    # beats `stall_check.enabled: false`). The two --log-hide-timestamp forms are its
+    # deprecated spellings of --log-without-timestamp / --log-with-timestamp.
+    for flag, dest, value in (("--stall-check", "no_stall_check", False),
+                              ("--no-mpi-threads-disable", "mpi_threads_disable", False),
+                              ("--log-with-timestamp", "log_without_timestamp", False),
+                              ("--log-hide-timestamp", "log_without_timestamp", True),
+                              ("--no-log-hide-timestamp", "log_without_timestamp", False)):
+        p.add_argument(flag, dest=dest, action="store_const", const=value, default=None,
+                       help=argparse.SUPPRESS)
+
     lib = groups.get("library arguments") or p.add_argument_group("library arguments")
     lib.add_argument("--mpi-args", help="extra arguments for mpirun (quoted)")
     lib.add_argument("--tcp", dest="tcp_flag", action="store_true",

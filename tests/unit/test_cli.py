@@ -1,6 +1,7 @@
 """hvdrun's pure parts: flag -> env mapping, config files, worker env, ssh and mpirun commands."""
 from __future__ import annotations
 
+import argparse
 import shlex
 import subprocess
 import sys
@@ -478,6 +479,26 @@ def test_command_line_flags_win_over_the_config_file_wherever_they_stand(tmp_pat
     assert env["HOROVOD_STALL_CHECK_DISABLE"] == "1"  # --no-stall-check beats enabled: true
     assert env["HOROVOD_LOG_HIDE_TIME"] == "1"
     assert env["HOROVOD_LOG_LEVEL"] == "ERROR"
+
+
+@pytest.mark.parametrize("flag,var,value", [
+    ("--stall-check", "HOROVOD_STALL_CHECK_DISABLE", "0"),
+    ("--no-mpi-threads-disable", "HOROVOD_MPI_THREADS_DISABLE", "0"),
+    ("--log-with-timestamp", "HOROVOD_LOG_HIDE_TIME", "0"),
+    ("--log-hide-timestamp", "HOROVOD_LOG_HIDE_TIME", "1"),
+    ("--no-log-hide-timestamp", "HOROVOD_LOG_HIDE_TIME", "0"),
+])
+def test_horovodrun_hidden_flag_spellings(tmp_path, flag, var, value):
+    # horovodrun accepts these (hidden from --help); a script using them must not fail with
+    # "unrecognized arguments" (or, for --stall-check, "ambiguous option"), and the flag beats
+    # the config file as the visible ones do.
+    assert env_of(flag)[var] == value
+    f = tmp_path / "c.yaml"
+    f.write_text("stall_check:\n  enabled: false\nlibrary_options:\n  mpi_threads_disable: "
+                 f"true\nlogging:\n  with_timestamp: {'true' if value == '1' else 'false'}\n")
+    assert env_of(flag, "--config-file", str(f))[var] == value
+    action = next(a for a in cli.build_parser()._actions if flag in a.option_strings)
+    assert action.help == argparse.SUPPRESS
 
 
 def test_config_file_settable_flags_default_to_none():
