@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     lib.add_argument("--mpi-args", help="extra arguments for mpirun (quoted)")
     lib.add_argument("--tcp", dest="tcp_flag", action="store_true",
                      help="ringvod: launch in tcp mode, like --gloo (no MPI); with --mpi: "
-                          "Horovod's meaning, MPI over TCP only (NCCL_IB_DISABLE=1)")
+                          "Horovod's meaning, MPI over TCP only; in both, NCCL_IB_DISABLE=1 "
+                          "for the ranks (as horovodrun)")
     lib.add_argument("--binding-args", help="process binding arguments for mpirun")
     logging = groups.get("logging arguments") or p.add_argument_group("logging arguments")
     logging.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
@@ -574,6 +575,10 @@ def settings_from_args(args: argparse.Namespace, *, check_command: bool = True
         raise ValueError(f"ssh_port={args.ssh_port} must be >= 0")
     check_slots_per_host(args)
     env = env_from_args(args)
+    if args.tcp_flag:
+        # horovodrun's `--tcp` sets NCCL_IB_DISABLE=1 for the workers whatever the controller
+        # (its set_env_from_args): NCCL then stays off InfiniBand in tcp mode too.
+        env["NCCL_IB_DISABLE"] = "1"
     start_timeout = start_timeout_or_env(args.start_timeout)
     nics = split_interfaces([args.nics_deprecated or "", *(args.nics or [])])
     mode = _mode(args)

@@ -40,7 +40,8 @@ class LaunchSettings:
     """A validated static launch plan's inputs.
 
     Attributes:
-        env_overrides: HOROVOD_* variables from flags (never the secret).
+        env_overrides: HOROVOD_* variables from flags, and NCCL_IB_DISABLE=1 from `--tcp`
+            (never the secret).
         tcp_only: Horovod's `--mpi --tcp`: MPI mode restricted to TCP transports.
     """
 

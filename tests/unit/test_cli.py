@@ -341,6 +341,13 @@ def test_version_and_settings(capsys):
                                      "--network-interface", "ib0"))
     assert s.mode == "tcp" and not s.tcp_only
     assert s.network_interfaces == ("eth0", "eth1", "ib0")
+    # horovodrun's --tcp sets NCCL_IB_DISABLE=1 for the workers in every mode.
+    assert s.env_overrides["NCCL_IB_DISABLE"] == "1"
+    for argv in (("--gloo", "--tcp"), ("--mpi", "--tcp")):
+        assert cli.settings_from_args(parse("-np", "1", *argv)).env_overrides[
+            "NCCL_IB_DISABLE"] == "1"
+    assert "NCCL_IB_DISABLE" not in cli.settings_from_args(parse("-np", "1", "--gloo")
+                                                           ).env_overrides
     with pytest.raises(ValueError, match="available slots"):
         cli.settings_from_args(parse("-np", "5", "-H", "a:2"))
 
