@@ -25,7 +25,7 @@ __all__ = ["run"]
 
 def _hosts(num_proc: int, hosts: str | None, hostfile: str | None) -> list[HostInfo]:
     if hosts and hostfile:
-        raise ValueError("give either hosts or hostfile, not both")
+        raise ValueError("Argument hosts and hostfile only allow one provided.")  # Horovod's text
     if hosts:
         found = parse_hosts(hosts, source="hosts")
     elif hostfile:
@@ -57,7 +57,7 @@ def _deprecated(old: str, new: str) -> None:
 
 def _mode(use_gloo: bool | None, use_mpi: bool | None) -> str:
     if use_gloo and use_mpi:
-        raise ValueError("use_gloo and use_mpi are mutually exclusive")
+        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")  # Horovod's
     if use_mpi:
         return MODE_MPI
     if use_gloo:
@@ -239,8 +239,9 @@ def _run_mpi(settings: LaunchSettings, blob: bytes) -> list[Any]:
         code = run_mpi(settings, extra_env={SECRET_ENV: secret.hex()},
                        command=list(settings.command) + [host, str(port)])
         if code != 0:
-            raise RuntimeError(f"horovod.run: mpirun exited with status {code}; the first "
-                               f"failing rank's traceback is in the output above")
+            # Horovod's text (mpi_run), then where to look.
+            raise RuntimeError(f"mpirun failed with exit code {code} (horovod.run: the first "
+                               f"failing rank's traceback is in the output above)")
         return _collect(server, settings.num_proc)
     finally:
         server.stop()

@@ -74,6 +74,8 @@ def test_run_raises_when_a_rank_fails(mode):
     assert "ValueError: boom on rank one" in r.stdout + r.stderr
     if mode == "tcp":
         assert "Process name: 1\nExit code: 1\n" in r.stdout
+    else:  # Horovod's mpi_run text
+        assert re.search(r"mpirun failed with exit code [1-9]", r.stdout), explain(r)
 
 
 @pytest.mark.timeout(60)
@@ -91,6 +93,9 @@ def test_run_argument_errors():
     assert r.returncode == 0, explain(r)
     assert r.stdout.count("ERR ") == 4, explain(r)
     assert "available slots (1)" in r.stdout and "elastic" in r.stdout
+    # Horovod's texts (horovod/runner/__init__.py).
+    assert "ERR ValueError Argument use_gloo and use_mpi only allow one set True." in r.stdout
+    assert "ERR ValueError Argument hosts and hostfile only allow one provided." in r.stdout
 
 
 @pytest.mark.timeout(90)
