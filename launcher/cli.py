@@ -360,9 +360,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Second counts that horovodrun's flags take as ints (ringvod's as floats): a whole number is
+# exported as horovodrun writes it ("30", not "30.0"), so worker code doing int(os.environ[...])
+# keeps working.
+_HOROVOD_INT_SECONDS = {"stall_check_time", "stall_shutdown_time", "gloo_timeout",
+                        "start_timeout", "elastic_timeout"}
+
+
 def _fmt(o: Option, value: Any) -> str:
     if _is_bool(o):
         return "1" if value else "0"
+    if o.field in _HOROVOD_INT_SECONDS and float(value).is_integer():
+        return str(int(value))
     if o.cli_scale and o.cli_scale != 1:
         return str(int(round(float(value) * o.cli_scale)))
     return str(value)

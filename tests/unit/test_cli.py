@@ -85,6 +85,18 @@ def test_fusion_threshold_scale_and_no_bool_forms():
     assert env_of("--log-without-timestamp")["HOROVOD_LOG_HIDE_TIME"] == "1"
 
 
+def test_whole_second_counts_export_as_horovodrun_writes_them():
+    # horovodrun's flags take these as ints and export "30"; worker code may int() them.
+    env = env_of("--stall-check-warning-time-seconds", "5", "--stall-check-shutdown-time-seconds",
+                 "9", "--gloo-timeout-seconds", "30", "--start-timeout", "20")
+    assert env["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "5"
+    assert env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "9"
+    assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "30"
+    assert env["HOROVOD_START_TIMEOUT"] == "20"
+    assert env_of("--gloo-timeout-seconds", "2.5")["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "2.5"
+    assert env_of("--cycle-time-ms", "7")["HOROVOD_CYCLE_TIME"] == "7.0"  # a float there too
+
+
 def test_autotune_and_timeline_gating():
     env = env_of("--autotune-warmup-samples", "5", "--timeline-mark-cycles")
     assert "HOROVOD_AUTOTUNE_WARMUP_SAMPLES" not in env
@@ -461,10 +473,10 @@ def test_config_file_sets_every_key(tmp_path):
         "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "6",
         "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5",
         "HOROVOD_TIMELINE": "/tmp/tl.json", "HOROVOD_TIMELINE_MARK_CYCLES": "1",
-        "HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "11.0",
-        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "22.0", "HOROVOD_MPI_THREADS_DISABLE": "1",
+        "HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "11",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "22", "HOROVOD_MPI_THREADS_DISABLE": "1",
         "HOROVOD_NUM_NCCL_STREAMS": "2", "HOROVOD_THREAD_AFFINITY": "0,1",
-        "HOROVOD_GLOO_TIMEOUT_SECONDS": "45.0", "HOROVOD_LOG_LEVEL": "DEBUG",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": "45", "HOROVOD_LOG_LEVEL": "DEBUG",
         "HOROVOD_LOG_HIDE_TIME": "1"}
     assert cli.settings_from_args(args).mode == "tcp"
 
