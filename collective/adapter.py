@@ -47,9 +47,9 @@ from .engines.device import (DeviceBuffer, DeviceOpError, DeviceResult, allocati
                              record_ready)
 from .gradset import GradientSet
 from .gradset import register as gradient_set
-from .ops import enqueue, run_one, splits_values, wait_now
+from .ops import enqueue, reducescatter_op, run_one, splits_values, wait_now
 
-__all__ = ["enqueue", "run_one", "wait_now", "splits_values", "waiting_hook", "config",
+__all__ = ["enqueue", "run_one", "wait_now", "splits_values", "reducescatter_op", "waiting_hook", "config",
            "process_set_by_id", "bucket_schedule",
            "gradient_set", "GradientSet",
            "DeviceBuffer", "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]

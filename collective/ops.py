@@ -485,9 +485,16 @@ def alltoall(tensor: np.ndarray, splits: Any = None, name: str | None = None,
     return out if splits is None else (out, recv)
 
 
-def _check_rs_op(op: ReduceOp) -> None:
+def reducescatter_op(op: Any) -> ReduceOp:
+    """`op` as a `ReduceOp`, checked for reducescatter (every adapter's, with Horovod's error).
+
+    Raises:
+        HorovodInternalError: an op other than Sum or Average.
+    """
+    op = ReduceOp(int(op))
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
+    return op
 
 
 def reducescatter_async(tensor: np.ndarray, name: str | None = None,
@@ -495,9 +502,8 @@ def reducescatter_async(tensor: np.ndarray, name: str | None = None,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Reduces, then gives rank r its share of dim 0 (the first dim0 % size ranks get one more)."""
-    _check_rs_op(op)
     return enqueue(RequestType.REDUCESCATTER, [_contiguous(tensor)], name=name,
-                   process_set=process_set, op=ReduceOp(int(op)), prescale=prescale_factor,
+                   process_set=process_set, op=reducescatter_op(op), prescale=prescale_factor,
                    postscale=postscale_factor)
 
 
@@ -513,9 +519,8 @@ def grouped_reducescatter_async(tensors: Sequence[np.ndarray], name: str | None 
                                 process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Handle:
-    _check_rs_op(op)
     return enqueue(RequestType.REDUCESCATTER, [_contiguous(t) for t in tensors], name=name,
-                   process_set=process_set, op=ReduceOp(int(op)), prescale=prescale_factor,
+                   process_set=process_set, op=reducescatter_op(op), prescale=prescale_factor,
                    postscale=postscale_factor, grouped=True)
 
 

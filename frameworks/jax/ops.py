@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from collective import (HorovodInternalError, ProcessSet, ReduceOp, RequestType,
+from collective import (ProcessSet, ReduceOp, RequestType,
                         global_process_set, resolve_op)
-from collective.adapter import wait_now as _wait_now
+from collective.adapter import reducescatter_op, wait_now as _wait_now
 
 from ._arrays import JaxHandle, enqueue, run_one, to_jax
 from .compression import Compression, check_compressor
@@ -37,31 +37,19 @@ _AR, _AG, _BC, _A2A, _RS = (RequestType.ALLREDUCE, RequestType.ALLGATHER, Reques
                             RequestType.ALLTOALL, RequestType.REDUCESCATTER)
 
 
-def _finish_list(dtypes: list[np.dtype], ctxs: list[Any] | None,
-                 compression: Any) -> Callable[[Any], list[jax.Array]]:
-    def finish(results: Sequence[Any]) -> list[jax.Array]:
-        out = [to_jax(r, dt) for r, dt in zip(results, dtypes)]
-        if ctxs is not None:
-            out = [compression.decompress(o, c) for o, c in zip(out, ctxs)]
-        return out
-    return finish
-
-
-def _finish_one(dtypes: list[np.dtype], ctx: Any, compression: Any) -> Callable[[Any], jax.Array]:
-    def finish(result: Any) -> jax.Array:
-        return compression.decompress(to_jax(result, dtypes[0]), ctx)
-    return finish
-
-
 def _start(kind: RequestType, arrays: Sequence[Any], label: str, grouped: bool,
            compression: Any = Compression.none, **kwargs: Any) -> JaxHandle:
-    """Compresses, queues and returns a handle whose result is decompressed JAX arrays."""
+    """Compresses, queues and returns a handle whose result is decompressed JAX arrays (a
+    list when `grouped`)."""
     pairs = [compression.compress(_array(x)) for x in arrays]
     h, dtypes = enqueue(kind, [c for c, _ in pairs], label, grouped=grouped, **kwargs)
     ctxs = [c for _, c in pairs]
-    if grouped:
-        return JaxHandle(h, _finish_list(dtypes, ctxs, compression))
-    return JaxHandle(h, _finish_one(dtypes, ctxs[0], compression))
+
+    def finish(result: Any) -> Any:
+        out = [compression.decompress(to_jax(r, dt), c)
+               for r, dt, c in zip(result if grouped else [result], dtypes, ctxs)]
+        return out if grouped else out[0]
+    return JaxHandle(h, finish)
 
 
 def _array(x: Any) -> Any:
@@ -231,19 +219,13 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
 
 
 # -- reducescatter ------------------------------------------------------------------------------
-def _check_rs_op(op: Any) -> ReduceOp:
-    op = ReduceOp(int(op))
-    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
-    return op
-
 
 def reducescatter_async(tensor: Any, name: str | None = None,
                         compression: Any = Compression.none, op: ReduceOp = ReduceOp.AVERAGE,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> JaxHandle:
     """Starts a reducescatter (see `reducescatter`)."""
-    op = _check_rs_op(op)
+    op = reducescatter_op(op)
     check_compressor(compression)
     return _start(_RS, [tensor], "reducescatter", False, compression, name=name,
                   process_set=process_set, op=op, prescale=prescale_factor,
@@ -269,7 +251,7 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
                                 process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> JaxHandle:
-    op = _check_rs_op(op)
+    op = reducescatter_op(op)
     check_compressor(compression)
     return _start(_RS, list(tensors), "grouped_reducescatter", True, compression, name=name,
                   process_set=process_set, op=op, prescale=prescale_factor,

@@ -34,7 +34,7 @@ from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product
 
 from .._common import process_set_rank, process_set_size
 from ._buffers import dtype_of, eager, enqueue, finish, run_one
-from collective.adapter import process_set_by_id, splits_values, wait_now
+from collective.adapter import process_set_by_id, reducescatter_op, splits_values, wait_now
 from .compression import Compression, check_compressor
 
 __all__ = [
@@ -468,12 +468,6 @@ def _rs_shape(shape: tf.TensorShape, ps: ProcessSet) -> tf.TensorShape:
     return tf.TensorShape([rows]).concatenate(shape[1:])
 
 
-def _check_rs_op(op: Any) -> ReduceOp:
-    op = ReduceOp(int(op))
-    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
-    return op
-
 
 def _reducescatter_list(ts: list[tf.Tensor], name: str | None, op: ReduceOp, pre: float,
                         post: float, ps: ProcessSet, grouped: bool) -> list[tf.Tensor]:
@@ -501,7 +495,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     Raises:
         HorovodInternalError: op other than Sum or Average.
     """
-    op = _check_rs_op(op)
+    op = reducescatter_op(op)
     _no_effect(device_dense=device_dense)
     check_compressor(compression)
     compressed, ctx = compression.compress(eager(tensor))
@@ -516,7 +510,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[tf.Tensor]:
     """List form of `reducescatter` (one atomic group)."""
-    op = _check_rs_op(op)
+    op = reducescatter_op(op)
     _no_effect(device_dense=device_dense)
     check_compressor(compression)
     pairs = [compression.compress(eager(t)) for t in tensors]

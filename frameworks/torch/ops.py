@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 import collective
-from collective.adapter import wait_now as _collective_wait_now
-from collective import (Handle, HorovodInternalError, ProcessSet, ReduceOp, RequestType,
+from collective.adapter import reducescatter_op, wait_now as _collective_wait_now
+from collective import (Handle, ProcessSet, ReduceOp, RequestType,
                         global_process_set, resolve_op)
 
 from .._common import process_set_rank, process_set_size
@@ -238,12 +238,6 @@ def _received_splits(received: Any, like: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def _check_reducescatter_op(op: Any) -> ReduceOp:
-    op = ReduceOp(int(op))
-    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
-    return op
-
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
                         op: ReduceOp = ReduceOp.AVERAGE,
@@ -255,7 +249,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
     Raises:
         HorovodInternalError: op other than Sum or Average.
     """
-    op = _check_reducescatter_op(op)
+    op = reducescatter_op(op)
     h = enqueue(RequestType.REDUCESCATTER, [tensor], name=name, process_set=process_set,
                 op=op, prescale=prescale_factor, postscale=postscale_factor)
     return _add(h, lambda r: from_collective(r, tensor), tensor)
@@ -267,7 +261,7 @@ def grouped_reducescatter_async(tensors: Tensors, name: str | None = None,
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     """List form of `reducescatter_async`."""
-    op = _check_reducescatter_op(op)
+    op = reducescatter_op(op)
     ts = list(tensors)
     h = enqueue(RequestType.REDUCESCATTER, ts, name=name, process_set=process_set, op=op,
                 prescale=prescale_factor, postscale=postscale_factor, grouped=True)

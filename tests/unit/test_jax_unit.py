@@ -250,3 +250,13 @@ def test_ops_return_their_output_without_a_copy(hvd, jax, monkeypatch):
     for y, ptr in zip(outs, wrapped):
         assert y.unsafe_buffer_pointer() == ptr
         assert np.array_equal(np.asarray(y), np.arange(4096, dtype=np.float32))
+
+
+def test_reducescatter_refuses_other_ops_as_every_adapter(hvd, jax):
+    import collective
+    x = jax.numpy.ones(4)
+    for fn in (lambda: hvd.reducescatter(x, op=hvd.Max),
+               lambda: hvd.grouped_reducescatter_async([x], op=hvd.Min),
+               lambda: collective.reducescatter(np.ones(4), op=collective.Max)):
+        with pytest.raises(hvd.HorovodInternalError, match="only supports AVERAGE and SUM"):
+            fn()
