@@ -89,6 +89,9 @@ def main() -> int:
                    "too (collective.fusion.ALONE_BYTES = 0)")
     p.add_argument("--eager-ab", default="", help="A/B: extra ringvod in-flight series with "
                    "collective.ops.EAGER_BYTES set to each of these values (0 = off)")
+    p.add_argument("--stream-ab", action="store_true", help="A/B: a second ringvod lone series "
+                   "with synchronous ops on the engine's stream behind a ready event "
+                   "(collective.engines.device.CALLER_STREAM off) instead of the caller's")
     p.add_argument("--alone-ab", default="", help="A/B: extra ringvod in-flight series with "
                    "collective.fusion.ALONE_BYTES set to each of these values (0 = fuse all)")
     a = p.parse_args()
@@ -127,6 +130,15 @@ def main() -> int:
 
     def ringvod_sync(x):  # the synchronous API: hvd.allreduce_ returns when x can be used
         hvd.allreduce_(x, op=hvd.Sum, name=f"bw.{x.numel()}")
+
+    from collective.engines import device as cdevice
+
+    def engine_stream_sync(x):
+        cdevice.CALLER_STREAM = False
+        try:
+            ringvod_sync(x)
+        finally:
+            cdevice.CALLER_STREAM = True
 
     def torchdist(x):
         dist.all_reduce(x)
@@ -207,8 +219,11 @@ def main() -> int:
     for nb in [int(s) for s in a.lone_sizes.split(",") if s]:
         x = torch.ones(nb // 4, device="cuda")
         iters = 100 if a.quick else 300
-        for label, fn in (("ringvod", ringvod_sync), ("CuPy NCCL", raw_sync),
-                          ("torch.distributed", torchdist)):
+        series = [("ringvod", ringvod_sync), ("CuPy NCCL", raw_sync),
+                  ("torch.distributed", torchdist)]
+        if a.stream_ab:
+            series.append(("ringvod engine stream", engine_stream_sync))
+        for label, fn in series:
             t = lone(lambda: fn(x), iters)
             lone_rows.append({"series": label, "bytes": nb, "lone_us": t * 1e6})
     if rank == 0:
@@ -248,12 +263,16 @@ def main() -> int:
             by = {r["series"]: r["lone_us"] for r in lone_rows if r["bytes"] == nb}
             lt.append([human_bytes(nb), f"{by['ringvod']:.1f}", f"{by['CuPy NCCL']:.1f}",
                        f"{by['torch.distributed']:.1f}",
-                       f"{by['ringvod'] / by['torch.distributed']:.2f}x"])
+                       f"{by['ringvod'] / by['torch.distributed']:.2f}x"]
+                      + ([f"{by['ringvod engine stream']:.1f}",
+                          f"{by['ringvod engine stream'] / by['torch.distributed']:.2f}x"]
+                         if a.stream_ab else []))
         from collective import _current as runtime
         coord = runtime.current().coordinator
         print("lone synchronous allreduce (median, host waits for the GPU; express rounds "
               f"{coord.express_rounds}, of which waited {coord.express_waits}):")
-        print(format_table(["size", "ringvod us", "cupy us", "torch us", "rv/torch"], lt))
+        print(format_table(["size", "ringvod us", "cupy us", "torch us", "rv/torch"]
+                           + (["engine-stream us", "es/torch"] if a.stream_ab else []), lt))
         if a.json:
             write_results(a.json, "gpu_allreduce", {"pipelined": rows, "lone": lone_rows},
                           params={"gpus": n, "device": torch.cuda.get_device_name(),

@@ -26,8 +26,8 @@ Ops:
         requests and handles (collective/gradset.py); None where the job cannot run one.
 
 Device seam (no CuPy here; the NCCL engine owns every CUDA call):
-    `DeviceBuffer`, `DeviceResult`, `DeviceOpError`, `record_ready`, `allocation_stream`;
-    see `collective.engines.device`.
+    `DeviceBuffer`, `DeviceResult`, `DeviceOpError`, `record_ready`, `on_stream`,
+    `allocation_stream`; see `collective.engines.device`.
 
 Configuration:
     `config()`: the running job's `Config` (the `HOROVOD_*` settings read at `init()`).
@@ -44,7 +44,7 @@ from typing import Any, Callable
 from ._current import current, current_or_none
 from .config import Config
 from .engines.device import (DeviceBuffer, DeviceOpError, DeviceResult, allocation_stream,
-                             record_ready)
+                             on_stream, record_ready)
 from .gradset import GradientSet
 from .gradset import register as gradient_set
 from .ops import enqueue, reducescatter_op, run_one, splits_values, wait_now
@@ -52,7 +52,8 @@ from .ops import enqueue, reducescatter_op, run_one, splits_values, wait_now
 __all__ = ["enqueue", "run_one", "wait_now", "splits_values", "reducescatter_op", "waiting_hook", "config",
            "process_set_by_id", "bucket_schedule",
            "gradient_set", "GradientSet",
-           "DeviceBuffer", "DeviceResult", "DeviceOpError", "record_ready", "allocation_stream"]
+           "DeviceBuffer", "DeviceResult", "DeviceOpError", "record_ready", "on_stream",
+           "allocation_stream"]
 
 
 def config() -> Config:

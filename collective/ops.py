@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _current as _rt
+from .engines.device import OnStream, ready_now
 from .entry import Entry, default_allocate
 from .errors import HorovodInternalError
 from .handle import GroupHandle, Handle
@@ -170,6 +171,8 @@ def run_one(kind: RequestType, tensor: Any, output: Any, name: str | None,
     h = e.handle
     if coord.express(state, e):
         return h.wait()
+    if type(ready_event) is OnStream:  # the op leaves this thread's stream order
+        ready_now(e)
     rt.submit(state, [e], wake=False)
     coord.drive()
     return _wait_blocking(coord, h, Handle.wait)

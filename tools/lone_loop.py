@@ -28,12 +28,19 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=20000)
     p.add_argument("--port", type=int, default=29541)
     p.add_argument("--tag", default="", help="label for the output line (e.g. an older tree)")
+    p.add_argument("--engine-stream", action="store_true", help="A/B: ringvod runs the op on "
+                   "its engine's stream behind a ready event, as asynchronous ops do, instead "
+                   "of on the caller's stream (collective.engines.device.CALLER_STREAM off)")
     a = p.parse_args()
     cuda = a.device == "cuda"
     if a.impl == "cupy" and not cuda:
         p.error("--impl cupy needs --device cuda (NCCL reduces device memory)")
     if a.impl == "ringvod":
         import frameworks.torch as hvd
+        if a.engine_stream:
+            from collective.engines import device
+            device.CALLER_STREAM = False
+            a.tag = a.tag or "engine-stream"
         hvd.init()
         rank, size, local = hvd.rank(), hvd.size(), hvd.local_rank()
     else:

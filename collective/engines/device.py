@@ -10,7 +10,12 @@ The protocol between an adapter and the NCCL engine (`collective/engines/nccl/`)
 * `Entry.ready_event` is a CUDA event recorded on the producer's stream after the tensor was
   written: a raw `cudaEvent_t` (int), an object with `.cuda_event` (`torch.cuda.Event`) or with
   `.ptr` (`cupy.cuda.Event`); None when the tensor needs no ordering. `record_ready` gives
-  adapters one from the engine's pool once the engine is loaded (recycled after use);
+  adapters one from the engine's pool once the engine is loaded (recycled after use).
+  A synchronous op (one the caller waits for at once, `collective.ops.run_one`) may carry an
+  `OnStream` marker instead: the tensor is ready in the order of the caller's current stream,
+  and the engine may run the op on that stream itself (no ready event, no completion event,
+  nothing for the caller's stream to wait on); where it does not, a ready event is recorded on
+  that stream then (`ready_now`, or the engine when it runs the op);
 * `Entry.allocate(shape, like)` makes an output on the tensor's device. The engine calls it with
   its own stream made the *allocation stream* (`allocation_stream()`), so that an allocator with
   per-stream pools (PyTorch's caching allocator) hands out memory that is safe to write on the
@@ -26,9 +31,13 @@ from typing import Any
 
 from ..errors import CollectiveError
 
-__all__ = ["DeviceBuffer", "DeviceResult", "DeviceOpError", "allocation_stream",
+__all__ = ["DeviceBuffer", "DeviceResult", "DeviceOpError", "OnStream", "allocation_stream",
            "set_allocation_stream", "pointer_of", "record_ready", "release_ready",
-           "set_ready_events", "release_events"]
+           "set_ready_events", "release_events", "on_stream", "ready_now"]
+
+# Synchronous device ops may run on the caller's stream (`OnStream`); False: every device op
+# runs on the engine's stream behind a ready event (benchmarks compare the two).
+CALLER_STREAM = True
 
 
 
@@ -183,6 +192,37 @@ def release_events(events: Any) -> None:
     for ev in events:
         if type(ev) is int:
             pool.release(ev)
+
+
+class OnStream:
+    """`Entry.ready_event` of a synchronous op: the tensor is ready in the order of `stream`
+    (a `cudaStream_t` as int) of `device`, the calling thread's current stream, on which the
+    caller orders itself after the op anyway. See the module docstring."""
+
+    __slots__ = ("stream", "device")
+
+    def __init__(self, stream: int, device: int) -> None:
+        self.stream = stream
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"OnStream(stream=0x{self.stream:x}, device={self.device})"
+
+
+def on_stream(device: int, stream: int) -> OnStream | None:
+    """The marker for a synchronous op's tensor on `stream` of `device`; None (record a ready
+    event instead) before the NCCL engine is loaded or with `CALLER_STREAM` off."""
+    if _ready_events is None or not CALLER_STREAM:
+        return None
+    return OnStream(stream, device)
+
+
+def ready_now(entry: Any) -> None:
+    """Replaces an `OnStream` marker by a ready event recorded on its stream now, for an op
+    that leaves the caller's thread (queued for a cycle). Call on the thread that made it."""
+    ev = entry.ready_event
+    if type(ev) is OnStream:
+        entry.ready_event = _ready_events.record(ev.device, ev.stream)
 
 
 def set_ready_events(pool: Any) -> None:

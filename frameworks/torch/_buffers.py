@@ -99,8 +99,11 @@ def _host_view(tensor: torch.Tensor) -> np.ndarray:
 _STRIDED = torch.strided
 
 
-def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None) -> CollectiveArgs:
+def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None,
+                  sync: bool = False) -> CollectiveArgs:
     """Turns a torch tensor (and an optional preallocated output) into enqueue arguments.
+
+    `sync`: the caller waits for the op at once (`run_one`); see `_cuda.to_collective`.
 
     Raises:
         TypeError / ValueError: see `check_tensor`; the output's device differs from the input's.
@@ -114,7 +117,7 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None) -> C
     if dtype is None or tensor.layout is not _STRIDED or not tensor.is_contiguous():
         check_tensor(tensor)
     if tensor.is_cuda:
-        buf, dev, ev, out = _cuda.to_collective(tensor, output)
+        buf, dev, ev, out = _cuda.to_collective(tensor, output, sync)
         return CollectiveArgs(buf, dtype, buf.shape, dev, ev, _cuda.allocate, out)
     if not tensor.is_cpu:
         raise ValueError(f"tensors on {tensor.device} are not supported; use CPU or CUDA "
@@ -197,7 +200,7 @@ def run_one(kind: RequestType, tensor: torch.Tensor, output: torch.Tensor | None
     Raises:
         as `to_collective` and `adapter.enqueue`; HorovodInternalError: the op failed.
     """
-    a = to_collective(tensor, output)
+    a = to_collective(tensor, output, sync=True)
     res = _run_one(kind, a.tensor, a.output, name, process_set, op, prescale, postscale, root,
                    a.dtype, a.shape, a.device, a.ready_event, a.allocate)
     return res if a.device == CPU_DEVICE else _cuda.settle(res)

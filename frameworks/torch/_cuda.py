@@ -7,7 +7,9 @@
   the device index, and a ready event recorded on the tensor device's current stream (the
   engine's stream waits on it, so work queued on any producer stream before the call is seen):
   a raw event from the engine's recycled pool (`collective.adapter.record_ready`), or a
-  `torch.cuda.Event` before the engine is loaded. Outputs whose shape negotiation decides come
+  `torch.cuda.Event` before the engine is loaded. For a synchronous op (`sync=True`) an
+  `OnStream` marker of that stream instead (`collective.adapter.on_stream`): the engine may run
+  the op on the caller's stream, which then needs no event and no wait. Outputs whose shape negotiation decides come
   from `allocate(shape, like)`, which allocates through torch's caching allocator on the
   stream the engine names (`collective.adapter.allocation_stream()`), so that memory
   the allocator recycles is never written by the engine while older work still uses it.
@@ -27,8 +29,8 @@ from typing import Any
 import torch
 
 from collective import Handle
-from collective.adapter import (DeviceBuffer, DeviceResult, allocation_stream, record_ready,
-                                waiting_hook)
+from collective.adapter import (DeviceBuffer, DeviceResult, allocation_stream, on_stream,
+                                record_ready, waiting_hook)
 
 __all__ = ["to_collective", "engine_view", "from_collective", "wrap_handle", "settle"]
 
@@ -61,10 +63,12 @@ def allocate(shape: tuple, like: Any) -> DeviceBuffer:
         return _buffer(torch.empty(shape, dtype=ref.dtype, device=ref.device))
 
 
-def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None
+def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None, sync: bool = False
                   ) -> tuple[DeviceBuffer, int, Any, DeviceBuffer | None]:
     """(input buffer, device index, ready event, output buffer or None) for a contiguous CUDA
     tensor (see the module docstring); `_buffers.to_collective` makes the enqueue arguments.
+    `sync`: for an op the caller waits for at once (`_buffers.run_one`): the ready event may be
+    an `OnStream` marker of the current stream, on which the engine can run the op itself.
 
     Raises:
         ValueError: `output` is on another device than `tensor`.
@@ -79,6 +83,10 @@ def to_collective(tensor: torch.Tensor, output: torch.Tensor | None = None
             raise ValueError(f"output on {output.device} for an input on {tensor.device}")
         else:
             out = _buffer(output)
+    if sync:
+        marker = on_stream(dev, _current_stream(dev))
+        if marker is not None:
+            return buf, dev, marker, out
     return buf, dev, _ready_event(dev), out
 
 

@@ -339,6 +339,92 @@ def express_ops_switch_streams_only_when_needed(n: int) -> None:
 
 
 @case
+def synchronous_ops_run_on_the_callers_stream(n: int) -> None:
+    # A synchronous op with an OnStream marker (what the torch adapter's run_one passes) runs
+    # on the caller's stream in the express lane: no ready event, no completion event, no
+    # wait. The first switch from the engine's stream waits once for its latest op; an op on
+    # the engine's stream afterwards waits once for the caller's stream. Ops the caller's
+    # stream cannot run (scaling kernels) get a ready event recorded on it instead.
+    from collective import _current as runtime
+    from collective import global_process_set
+    from collective.engines import device
+    from collective.engines.nccl import engine as engine_mod
+    from collective.engines.nccl.events import _StreamDone
+
+    launched: dict[int, list[int]] = {}  # communicator rank -> streams of its allreduces
+    inner = _fakecuda.NcclCommunicator.allReduce
+
+    def spy(self, send, recv, count, dt, op, stream):
+        launched.setdefault(self.rank, []).append(stream)
+        return inner(self, send, recv, count, dt, op, stream)
+
+    def sync(x, fa, mine, name, post=1.0):
+        marker = device.on_stream(0, mine.ptr)
+        assert type(marker) is device.OnStream, marker
+        res = collective.adapter.run_one(RequestType.ALLREDUCE, fa, fa, name, global_process_set,
+                                         ReduceOp.SUM, 1.0, post, -1, DataType.FLOAT32, x.shape,
+                                         0, marker, None)
+        return res
+
+    def body(rank: int) -> None:
+        rt = runtime.current()
+        mine = _fakecuda.Stream(non_blocking=True).use()
+        x = np.full(4, float(rank + 1), np.float32)
+        fa = FakeArray.of(x)
+        total = n * (n + 1) / 2
+        sync(x, fa, mine, "first")  # binds the GPU on the coordinator thread
+        eng = rt.member_sets()[0].device_engine
+        streams = launched.setdefault(rank, [])
+        for i in range(20):
+            fa = FakeArray.of(x)
+            before = (_fakecuda.calls.get("eventRecord", 0), len(_fakecuda.waits()))
+            del streams[:]
+            res = sync(x, fa, mine, "lone")
+            assert np.array_equal(value(res), np.full(4, total, np.float32)), (i, value(res))
+            if i == 0:
+                continue  # a new name: negotiated in full, on the engine's stream
+            assert streams == [mine.ptr], (i, streams, mine.ptr)
+            assert type(res._done) is _StreamDone, res._done
+            res.wait(mine.ptr, 0)  # the caller's own stream: nothing to wait for
+            if i >= 2:  # the first one waited once for the engine stream's latest op
+                assert _fakecuda.waits()[before[1]:] == [], _fakecuda.waits()[before[1]:]
+                recorded = _fakecuda.calls.get("eventRecord", 0) - before[0]
+                assert recorded == 0, f"{recorded} events recorded by a caller-stream op"
+        assert eng._tail == mine.ptr
+        # An op on the engine's stream now waits for the caller's stream first.
+        follows: list[tuple[int, int]] = []  # (stream about to launch, the previous tail)
+        follow = eng._follow
+        eng._follow = lambda stream: (follows.append((stream, eng._tail)), follow(stream))
+        y = np.full(3, float(rank), np.float32)
+        h = enq(RequestType.ALLREDUCE, [y], DataType.FLOAT32, op=ReduceOp.SUM, name="async",
+                inplace=True)
+        collective.synchronize(h)
+        del eng._follow
+        assert eng._tail == eng._sp
+        assert follows == [(eng._sp, mine.ptr)], (follows, eng._sp, mine.ptr)
+        # Postscale needs a kernel on the engine's stream: a ready event instead.
+        fa = FakeArray.of(x)
+        del streams[:]
+        res = sync(x, fa, mine, "scaled", post=0.5)
+        assert np.array_equal(value(res), np.full(4, total * 0.5, np.float32)), value(res)
+        assert streams == [eng._sp], streams
+        assert type(res._done) is not _StreamDone
+        # With the switch off, synchronous ops get ready events as before.
+        device.CALLER_STREAM = False
+        try:
+            assert device.on_stream(0, mine.ptr) is None
+        finally:
+            device.CALLER_STREAM = True
+        assert engine_mod.NCCLEngine is type(eng)
+
+    _fakecuda.NcclCommunicator.allReduce = spy
+    try:
+        run_loopback(n, body)
+    finally:
+        _fakecuda.NcclCommunicator.allReduce = inner
+
+
+@case
 def ready_events_of_failed_ops_return_to_the_pool(n: int) -> None:
     # Ops that fail in negotiation (a shape mismatch) never reach the engine, which otherwise
     # recycles their ready events: the coordinator gives them back, so a stream of failing

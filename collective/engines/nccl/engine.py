@@ -16,10 +16,10 @@ from ...entry import Entry, default_allocate
 from ...errors import EngineUnavailableError, HorovodInternalError
 from ...types import DataType, ReduceOp, Response, numpy_dtype
 from ..base import ControlPlane, Engine
-from ..device import DeviceOpError, DeviceResult, pointer_of, set_allocation_stream
+from ..device import DeviceOpError, DeviceResult, OnStream, pointer_of, set_allocation_stream
 from . import layouts as _layouts
 from .comm import _abort_comm, _drain, exchange_unique_id, init_communicator, versions
-from .events import _Completion, _event_ptr, _ready
+from .events import _Completion, _StreamDone, _event_ptr, _ready
 from .kernels import CopyStager, Kernels
 from .layouts import _pad16
 
@@ -117,7 +117,11 @@ class NCCLEngine(Engine):
         self._fusion_ptr = 0
         self._fusion_bytes = 0
         self._stager: CopyStager | None = None  # uploads copy tables, launches the copies
-        self._last_done: _Completion | None = None
+        self._last_done: _Completion | _StreamDone | None = None
+        # The stream the communicator's latest op was launched on: the engine's, or a caller's
+        # (`_on_caller_stream`). An op launched on another stream first waits for it, so the
+        # communicator's kernels never overlap.
+        self._tail = 0
         self._allocated: set[int] = set()  # ids of entries whose output the engine allocated
         self._zero_ids: set[int] = set()  # ids of zero tensors made for joined ranks
         self._check: Callable[[], None] | None = None  # the communicator's check_async_error
@@ -227,6 +231,11 @@ class NCCLEngine(Engine):
                         self._zero_ids:
                     raise self._other_device(e)
                 ev = e.ready_event
+                if type(ev) is OnStream:
+                    if len(entries) == 1 and self._caller_stream_ok(label, e, args):
+                        self._on_caller_stream(ev.stream, fn, entries, args)
+                        return
+                    ev = e.ready_event = _ready.record(self.device, ev.stream)
                 if ev is not None:
                     ev = _event_ptr(ev)
                     if ev != last:  # entries sharing one event are adjacent
@@ -235,6 +244,8 @@ class NCCLEngine(Engine):
                         last = ev
             if self._allocated:
                 self._allocated.clear()
+            if self._tail != sp:
+                self._follow(sp)
             fn(entries, *args)
             # Events of finished ops are recorded again: a result still holding one then waits
             # for a later op of this stream, which is later still (never a cycle).
@@ -266,6 +277,51 @@ class NCCLEngine(Engine):
         finally:
             if self._zero_ids:
                 self._zero_ids.clear()
+
+    def _follow(self, stream: int) -> None:
+        """Makes `stream` wait for the communicator's latest op if that was launched on another
+        stream, before an op is launched on `stream`."""
+        tail, self._tail = self._tail, stream
+        if not tail:
+            return
+        done = self._last_done
+        if tail == self._sp and type(done) is _Completion:
+            _rt.streamWaitEvent(stream, done.event.ptr, 0)  # recorded after that op
+            return
+        ev = _ready.record(self.device, tail)
+        _rt.streamWaitEvent(stream, ev, 0)
+        _ready.release(ev)
+
+    def _caller_stream_ok(self, label: str, e: Entry, args: tuple) -> bool:
+        """Whether a synchronous op can run on its caller's stream: an allreduce without
+        scaling kernels (they run on the engine's stream) or a broadcast, writing a given
+        output or one from the adapter's allocator (CuPy's pool allocates per stream)."""
+        if id(e.tensor) in self._zero_ids or (
+                e.output is None and (e.allocate is None or e.allocate is default_allocate)):
+            return False
+        if label == "broadcast":
+            return True
+        if label != "allreduce":
+            return False
+        resp = args[0]
+        _, _, pre, post = self._reduction(resp.dtype, resp)
+        return pre == 1.0 and post == 1.0
+
+    def _on_caller_stream(self, stream: int, fn: Callable[..., None], entries: list[Entry],
+                          args: tuple) -> None:
+        """Runs a synchronous op on its caller's stream (an `OnStream` marker): the tensor is
+        ready in that stream's order and the caller orders itself after the op there anyway, so
+        no ready event, completion event or wait is needed (cheaper on the host than the
+        engine stream's path). Outputs are allocated on that stream."""
+        if self._tail != stream:
+            self._follow(stream)
+        sp = self._sp
+        self._sp = stream
+        try:
+            fn(entries, *args)
+        finally:
+            self._sp = sp
+        self._last_done = _StreamDone(stream, self.device)
 
     def _other_device(self, e: Entry) -> HorovodInternalError:
         """The error for an op whose tensor is not on the device this process set's
@@ -510,6 +566,9 @@ class NCCLEngine(Engine):
         if comm is None:
             self._inflight.clear()
             return
+        if self._tail and self._tail != self._sp and self._broken is None:
+            with cupy.cuda.Device(self.device):
+                self._follow(self._sp)  # drain what ran on a caller's stream too
         if not _drain(self.stream, self.device, f"ranks {self.control.global_ranks}"):
             self.abort()
             return

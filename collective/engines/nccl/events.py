@@ -9,7 +9,7 @@ import cupy
 
 from ..device import set_ready_events
 
-__all__ = ["_Completion", "_ReadyEvents", "_on_device", "_event_ptr"]
+__all__ = ["_Completion", "_StreamDone", "_ReadyEvents", "_on_device", "_event_ptr"]
 
 _rt = cupy.cuda.runtime
 
@@ -42,6 +42,45 @@ class _Completion:
 
     def query(self) -> bool:
         return bool(self.event.done)
+
+
+class _StreamDone:
+    """The completion of an op the engine ran on the caller's stream (`OnStream`): it is done
+    in that stream's order. Waiting from the same stream costs nothing; from another, or from
+    the host, an event is recorded on the stream at that moment (it may cover later work of
+    the stream too: a later point, never an earlier one)."""
+
+    __slots__ = ("stream", "device")
+
+    def __init__(self, stream: int, device: int) -> None:
+        self.stream = stream
+        self.device = device
+
+    def wait_on(self, stream: int, device: int = -1) -> None:
+        if stream == self.stream and (stream or device in (-1, self.device)):
+            return
+        ev = _ready.record(self.device, self.stream)
+        try:
+            if stream == 0 and device >= 0:
+                _on_device(device, _rt.streamWaitEvent, stream, ev, 0)
+            else:
+                _rt.streamWaitEvent(stream, ev, 0)
+        finally:
+            _ready.release(ev)
+
+    def synchronize(self) -> None:
+        ev = _ready.record(self.device, self.stream)
+        try:
+            _rt.eventSynchronize(ev)
+        finally:
+            _ready.release(ev)
+
+    def query(self) -> bool:
+        ev = _ready.record(self.device, self.stream)
+        try:
+            return _rt.eventQuery(ev) == 0
+        finally:
+            _ready.release(ev)
 
 
 def _on_device(device: int, fn: Callable[..., Any], *args: Any) -> Any:
