@@ -3,9 +3,11 @@
 current stream (`--impl cupy`, CUDA only, needs mpi4py), each followed by a host wait for the
 device. Prints the median per-op time, the median time until the call returned (its host
 cost) and the mean over blocks of 1000 ops. Also the target of a sampling profiler (py-spy)
-for the per-op host time.
+for the per-op host time. `--impl ab` runs, in the same processes, alternating blocks of
+ringvod on the caller's stream (the default), ringvod on its engine's stream
+(`--engine-stream`'s path) and torch.distributed, and prints each one's median.
 
-    mpirun -np 2 python tools/lone_loop.py --device cuda [--impl torch|cupy]
+    mpirun -np 2 python tools/lone_loop.py --device cuda [--impl torch|cupy|ab]
     mpirun -np 2 py-spy record -f raw -o prof.txt -- python tools/lone_loop.py
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--impl", choices=["ringvod", "torch", "cupy"], default="ringvod")
+    p.add_argument("--impl", choices=["ringvod", "torch", "cupy", "ab"], default="ringvod")
     p.add_argument("--bytes", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20000)
     p.add_argument("--port", type=int, default=29541)
@@ -35,6 +37,8 @@ def main() -> int:
     cuda = a.device == "cuda"
     if a.impl == "cupy" and not cuda:
         p.error("--impl cupy needs --device cuda (NCCL reduces device memory)")
+    if a.impl == "ab":
+        return _ab(a)
     if a.impl == "ringvod":
         import frameworks.torch as hvd
         if a.engine_stream:
@@ -98,6 +102,56 @@ def main() -> int:
         hvd.shutdown()
     elif a.impl == "torch":
         dist.destroy_process_group()
+    return 0
+
+
+def _ab(a: argparse.Namespace) -> int:
+    """Alternating blocks of 500 ops: ringvod on the caller's stream, ringvod on the engine's
+    stream, torch.distributed; medians per series over every op of its blocks."""
+    import torch.distributed as dist
+
+    import frameworks.torch as hvd
+    from collective.engines import device
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{a.port}",
+                            rank=rank, world_size=size)
+    x = torch.ones(a.bytes // 4, device=a.device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def ringvod() -> None:
+        hvd.allreduce_(x, op=hvd.Sum, name="lone")
+
+    series = {"ringvod caller stream": (True, ringvod), "ringvod engine stream": (False, ringvod),
+              "torch.distributed": (True, lambda: dist.all_reduce(x))}
+    per_op: dict[str, list[float]] = {k: [] for k in series}
+    returned: dict[str, list[float]] = {k: [] for k in series}
+    now = time.perf_counter
+    for block in range(-1, max(a.iters // 1500, 1)):
+        for label, (caller, op) in series.items():
+            device.CALLER_STREAM = caller
+            for _ in range(500):
+                t = now()
+                op()
+                t1 = now()
+                sync()
+                if block >= 0:  # block -1 warms up
+                    per_op[label].append(now() - t)
+                    returned[label].append(t1 - t)
+    device.CALLER_STREAM = True
+    if rank == 0:
+        base = statistics.median(per_op["torch.distributed"])
+        for label in series:
+            m = statistics.median(per_op[label])
+            print(f"lone_loop ab size={size} device={a.device} bytes={a.bytes} {label}: median "
+                  f"{m * 1e6:.1f} us per op (call returned after "
+                  f"{statistics.median(returned[label]) * 1e6:.1f}), {m / base:.2f}x "
+                  "torch.distributed", flush=True)
+    dist.destroy_process_group()
+    hvd.shutdown()
     return 0
 
 
