@@ -120,6 +120,13 @@ class _Runtime(types.ModuleType):
         _count("eventRecord")
         _check_record(event, stream)
 
+    def eventQuery(self, event: int) -> int:
+        _count("eventQuery")
+        return 0  # fake work is finished at once
+
+    def eventSynchronize(self, event: int) -> None:
+        _count("eventSynchronize")
+
     def eventDestroy(self, event: int) -> None:
         _count("eventDestroy")
 

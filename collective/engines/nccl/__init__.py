@@ -14,8 +14,9 @@ docs/gpu.md ("How it works") describes it; in short:
   scaling, the NCCL call and unpack, and records one completion event per op; the handle
   completes on the host at once and its `DeviceResult` orders the caller's stream. A
   synchronous op in the express lane (an `OnStream` marker instead of a ready event) runs on
-  its caller's stream instead, with no events at all; an op launched on another stream than
-  the communicator's latest waits for that one first, so its kernels never overlap. Nothing
+  its caller's stream instead, with one event recorded after it and no waits; an op launched
+  on another stream than the communicator's latest waits for that one first, so its kernels
+  never overlap. Nothing
   blocks the host except a staging slot still in use (`CopyStager`) and `close()`.
 * Memory: outputs and the fusion buffer come from the entry's allocator with the engine stream
   as allocation stream; an op's entries stay referenced until its completion event fired.

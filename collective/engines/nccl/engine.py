@@ -44,6 +44,7 @@ _SUM, _PROD, _MAX, _MIN, _AVG = 0, 1, 2, 3, 4
 _NCCL_OP = {ReduceOp.SUM: _SUM, ReduceOp.PRODUCT: _PROD, ReduceOp.MAX: _MAX,
             ReduceOp.MIN: _MIN}
 _D2D = 3  # cudaMemcpyKind
+_DISABLE_TIMING = 2  # cudaEventDisableTiming
 _FREE_EVENTS = 64  # completion events kept for reuse
 # Finished ops are reaped (entries released, events recycled) once this many are in flight; an
 # op that finds no free event makes one (a lone op's loop then cycles through this many). An
@@ -122,6 +123,7 @@ class NCCLEngine(Engine):
         # (`_on_caller_stream`). An op launched on another stream first waits for it, so the
         # communicator's kernels never overlap.
         self._tail = 0
+        self._caller_done: int | None = None  # event recorded after each caller-stream op
         self._allocated: set[int] = set()  # ids of entries whose output the engine allocated
         self._zero_ids: set[int] = set()  # ids of zero tensors made for joined ranks
         self._check: Callable[[], None] | None = None  # the communicator's check_async_error
@@ -235,7 +237,7 @@ class NCCLEngine(Engine):
                     if len(entries) == 1 and self._caller_stream_ok(label, e, args):
                         self._on_caller_stream(ev.stream, fn, entries, args)
                         return
-                    ev = e.ready_event = _ready.record(self.device, ev.stream)
+                    ev = e.ready_event = _ready.record(ev.device, ev.stream)
                 if ev is not None:
                     ev = _event_ptr(ev)
                     if ev != last:  # entries sharing one event are adjacent
@@ -284,13 +286,13 @@ class NCCLEngine(Engine):
         tail, self._tail = self._tail, stream
         if not tail:
             return
-        done = self._last_done
-        if tail == self._sp and type(done) is _Completion:
-            _rt.streamWaitEvent(stream, done.event.ptr, 0)  # recorded after that op
-            return
-        ev = _ready.record(self.device, tail)
-        _rt.streamWaitEvent(stream, ev, 0)
-        _ready.release(ev)
+        if tail != self._sp:  # a caller's stream
+            ev = self._caller_done
+        else:
+            done = self._last_done
+            ev = done.event.ptr if type(done) is _Completion else None
+        if ev is not None:  # recorded right after that op
+            _rt.streamWaitEvent(stream, ev, 0)
 
     def _caller_stream_ok(self, label: str, e: Entry, args: tuple) -> bool:
         """Whether a synchronous op can run on its caller's stream: an allreduce without
@@ -311,8 +313,9 @@ class NCCLEngine(Engine):
                           args: tuple) -> None:
         """Runs a synchronous op on its caller's stream (an `OnStream` marker): the tensor is
         ready in that stream's order and the caller orders itself after the op there anyway, so
-        no ready event, completion event or wait is needed (cheaper on the host than the
-        engine stream's path). Outputs are allocated on that stream."""
+        neither a ready event nor a stream wait is needed, and one event after the op stands
+        for its completion (cheaper on the host than the engine stream's path). Outputs are
+        allocated on that stream."""
         if self._tail != stream:
             self._follow(stream)
         sp = self._sp
@@ -321,7 +324,14 @@ class NCCLEngine(Engine):
             fn(entries, *args)
         finally:
             self._sp = sp
-        self._last_done = _StreamDone(stream, self.device)
+        # One event after the op, for whatever runs elsewhere later (`_follow`, a wait from
+        # another stream): nothing is recorded on the caller's stream afterwards, which may be
+        # gone by then.
+        ev = self._caller_done
+        if ev is None:
+            ev = self._caller_done = int(_rt.eventCreateWithFlags(_DISABLE_TIMING))
+        _rt.eventRecord(ev, stream)
+        self._last_done = _StreamDone(stream, self.device, ev)
 
     def _other_device(self, e: Entry) -> HorovodInternalError:
         """The error for an op whose tensor is not on the device this process set's
@@ -567,8 +577,7 @@ class NCCLEngine(Engine):
             self._inflight.clear()
             return
         if self._tail and self._tail != self._sp and self._broken is None:
-            with cupy.cuda.Device(self.device):
-                self._follow(self._sp)  # drain what ran on a caller's stream too
+            self._follow(self._sp)  # drain what ran on a caller's stream too
         if not _drain(self.stream, self.device, f"ranks {self.control.global_ranks}"):
             self.abort()
             return

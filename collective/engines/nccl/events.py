@@ -45,42 +45,31 @@ class _Completion:
 
 
 class _StreamDone:
-    """The completion of an op the engine ran on the caller's stream (`OnStream`): it is done
-    in that stream's order. Waiting from the same stream costs nothing; from another, or from
-    the host, an event is recorded on the stream at that moment (it may cover later work of
-    the stream too: a later point, never an earlier one)."""
+    """The completion of an op the engine ran on the caller's stream (`OnStream`): done in that
+    stream's order, and marked by `event`, recorded right after it (the engine re-records that
+    event after each such op: a wait made later may cover a later op too, never less).
+    Waiting from the same stream costs nothing."""
 
-    __slots__ = ("stream", "device")
+    __slots__ = ("stream", "device", "event")
 
-    def __init__(self, stream: int, device: int) -> None:
+    def __init__(self, stream: int, device: int, event: int) -> None:
         self.stream = stream
         self.device = device
+        self.event = event
 
     def wait_on(self, stream: int, device: int = -1) -> None:
         if stream == self.stream and (stream or device in (-1, self.device)):
             return
-        ev = _ready.record(self.device, self.stream)
-        try:
-            if stream == 0 and device >= 0:
-                _on_device(device, _rt.streamWaitEvent, stream, ev, 0)
-            else:
-                _rt.streamWaitEvent(stream, ev, 0)
-        finally:
-            _ready.release(ev)
+        if stream == 0 and device >= 0:
+            _on_device(device, _rt.streamWaitEvent, stream, self.event, 0)
+        else:
+            _rt.streamWaitEvent(stream, self.event, 0)
 
     def synchronize(self) -> None:
-        ev = _ready.record(self.device, self.stream)
-        try:
-            _rt.eventSynchronize(ev)
-        finally:
-            _ready.release(ev)
+        _rt.eventSynchronize(self.event)
 
     def query(self) -> bool:
-        ev = _ready.record(self.device, self.stream)
-        try:
-            return _rt.eventQuery(ev) == 0
-        finally:
-            _ready.release(ev)
+        return _rt.eventQuery(self.event) == 0
 
 
 def _on_device(device: int, fn: Callable[..., Any], *args: Any) -> Any:
