@@ -13,15 +13,16 @@ The protocol between an adapter and the NCCL engine (`collective/engines/nccl/`)
   adapters one from the engine's pool once the engine is loaded (recycled after use).
   A synchronous op (one the caller waits for at once, `collective.ops.run_one`) may carry an
   `OnStream` marker instead: the tensor is ready in the order of the caller's current stream,
-  and the engine may run the op on that stream itself (no ready event, no completion event,
-  nothing for the caller's stream to wait on); where it does not, a ready event is recorded on
-  that stream then (`ready_now`, or the engine when it runs the op);
+  and the engine may run the op on that stream itself (no ready event, nothing for the
+  caller's stream to wait on); where it does not, a ready event is recorded on that stream
+  then (`ready_now`, or the engine when it runs the op);
 * `Entry.allocate(shape, like)` makes an output on the tensor's device. The engine calls it with
   its own stream made the *allocation stream* (`allocation_stream()`), so that an allocator with
   per-stream pools (PyTorch's caching allocator) hands out memory that is safe to write on the
-  engine's stream;
+  engine's stream (an op run on the caller's stream allocates on that stream);
 * the handle's result is a `DeviceResult`: the output object plus a completion event on the
-  engine's stream. `wait(stream)` makes the caller's stream wait on it (no host block);
+  engine's stream (on the caller's stream for an op run there). `wait(stream)` makes the
+  caller's stream wait on it (no host block; nothing for the stream the op ran on);
   `value()` is what the numpy API would return (the output, or (output, received_splits)).
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = ["DeviceBuffer", "DeviceResult", "DeviceOpError", "OnStream", "allocat
 # Synchronous device ops may run on the caller's stream (`OnStream`); False: every device op
 # runs on the engine's stream behind a ready event (benchmarks compare the two).
 CALLER_STREAM = True
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread
 
 
 
@@ -211,15 +213,18 @@ class OnStream:
 
 def on_stream(device: int, stream: int) -> OnStream | None:
     """The marker for a synchronous op's tensor on `stream` of `device`; None (record a ready
-    event instead) before the NCCL engine is loaded or with `CALLER_STREAM` off."""
-    if _ready_events is None or not CALLER_STREAM:
+    event instead) before the NCCL engine is loaded, with `CALLER_STREAM` off, or for the
+    per-thread default stream (handle 2 means another stream on each thread, and the op may
+    run on another thread than its caller's)."""
+    if _ready_events is None or not CALLER_STREAM or stream == _PER_THREAD_STREAM:
         return None
     return OnStream(stream, device)
 
 
 def ready_now(entry: Any) -> None:
     """Replaces an `OnStream` marker by a ready event recorded on its stream now, for an op
-    that leaves the caller's thread (queued for a cycle). Call on the thread that made it."""
+    that is queued for a cycle instead of taking the express lane (any thread may record on
+    a marker's stream: `on_stream` makes none for the per-thread default stream)."""
     ev = entry.ready_event
     if type(ev) is OnStream:
         entry.ready_event = _ready_events.record(ev.device, ev.stream)

@@ -342,14 +342,16 @@ def express_ops_switch_streams_only_when_needed(n: int) -> None:
 def synchronous_ops_run_on_the_callers_stream(n: int) -> None:
     # A synchronous op with an OnStream marker (what the torch adapter's run_one passes) runs
     # on the caller's stream in the express lane: no ready event and no waits, one event
-    # recorded after it. The first switch from the engine's stream waits once for its latest
-    # op; an op on the engine's stream afterwards waits once for the caller's stream. Ops the
-    # caller's stream cannot run (scaling kernels) get a ready event recorded on it instead.
+    # recorded after it. The communicator's ops never overlap: the first switch from the
+    # engine's stream waits for its latest op, an op on the engine's stream afterwards waits
+    # for the caller's event, and so does a caller's op after an engine op that failed before
+    # its launch. Stream 0 (the legacy default stream) is a caller's stream like any other.
+    # Ops the caller's stream cannot run (scaling kernels) get a ready event recorded on it.
     from collective import _current as runtime
     from collective import global_process_set
     from collective.engines import device
     from collective.engines.nccl import engine as engine_mod
-    from collective.engines.nccl.events import _StreamDone
+    from collective.engines.nccl.events import _Completion, _StreamDone
 
     launched: dict[int, list[int]] = {}  # communicator rank -> streams of its allreduces
     inner = _fakecuda.NcclCommunicator.allReduce
@@ -358,70 +360,94 @@ def synchronous_ops_run_on_the_callers_stream(n: int) -> None:
         launched.setdefault(self.rank, []).append(stream)
         return inner(self, send, recv, count, dt, op, stream)
 
-    def sync(x, fa, mine, name, post=1.0):
-        marker = device.on_stream(0, mine.ptr)
+    def sync(rank, stream, name, post=1.0):
+        x = np.full(4, float(rank + 1), np.float32)
+        marker = device.on_stream(0, stream)
         assert type(marker) is device.OnStream, marker
-        res = collective.adapter.run_one(RequestType.ALLREDUCE, fa, fa, name, global_process_set,
-                                         ReduceOp.SUM, 1.0, post, -1, DataType.FLOAT32, x.shape,
-                                         0, marker, None)
+        res = collective.adapter.run_one(RequestType.ALLREDUCE, FakeArray.of(x), None, name,
+                                         global_process_set, ReduceOp.SUM, 1.0, post, -1,
+                                         DataType.FLOAT32, x.shape, 0, marker,
+                                         lambda shape, like: _fakecuda.empty(shape, np.float32))
+        want = np.full(4, n * (n + 1) / 2 * post, np.float32)
+        assert np.array_equal(value(res), want), (name, value(res), want)
         return res
+
+    def waited(stream, event, since):
+        return (stream, event) in _fakecuda.wait_log[since:]
 
     def body(rank: int) -> None:
         rt = runtime.current()
         mine = _fakecuda.Stream(non_blocking=True).use()
-        x = np.full(4, float(rank + 1), np.float32)
-        fa = FakeArray.of(x)
-        total = n * (n + 1) / 2
-        sync(x, fa, mine, "first")  # binds the GPU on the coordinator thread
-        eng = rt.member_sets()[0].device_engine
-        streams = launched.setdefault(rank, [])
-        for i in range(20):
-            fa = FakeArray.of(x)
-            before = len(_fakecuda.waits())
-            del streams[:]
-            res = sync(x, fa, mine, "lone")
-            assert np.array_equal(value(res), np.full(4, total, np.float32)), (i, value(res))
-            if i == 0:
-                continue  # a new name: negotiated in full, on the engine's stream
-            assert streams == [mine.ptr], (i, streams, mine.ptr)
-            assert type(res._done) is _StreamDone, res._done
-            res.wait(mine.ptr, 0)  # the caller's own stream: nothing to wait for
-            if i >= 2:  # the first one waited once for the engine stream's latest op
-                assert _fakecuda.waits()[before:] == [], _fakecuda.waits()[before:]
-        # The result is marked by the engine's one caller-stream event; waits from another
-        # stream or the host use it (nothing is recorded on the caller's stream afterwards).
-        assert res._done.event == eng._caller_done
         other = _fakecuda.Stream(non_blocking=True)
-        res.wait(other.ptr, 0)
-        assert _fakecuda.waits()[-1] == (other.ptr, 0)
+        streams = launched.setdefault(rank, [])
+        sync(rank, mine.ptr, "first")  # binds the GPU on the coordinator thread
+        eng = rt.member_sets()[0].device_engine
+        for k, caller in enumerate((mine.ptr, 0)):
+            name = f"lone{k}"  # names match across ranks; the streams do not
+            sync(rank, caller, name)  # a new name: negotiated in full, on the engine's stream
+            assert type(eng._last_done) is _Completion and eng._tail == eng._sp
+            latest = eng._last_done.event.ptr
+            for i in range(12):
+                since = len(_fakecuda.wait_log)
+                del streams[:]
+                res = sync(rank, caller, name)
+                assert streams == [caller], (i, streams, caller)
+                assert type(res._done) is _StreamDone and res._done.event == eng._caller_done
+                assert eng._caller_inflight, "the op's tensors were not kept until it ran"
+                res.wait(caller, 0)  # the caller's own stream: nothing to wait for
+                mine_waits = [w for w in _fakecuda.wait_log[since:]
+                              if w[1] in (latest, eng._caller_done)]
+                # The first waits for the engine stream's latest op, the others for nothing.
+                assert mine_waits == ([(caller, latest)] if i == 0 else []), (i, mine_waits)
+            assert eng._tail == caller
+            # An op on the engine's stream waits for the caller's event first.
+            since = len(_fakecuda.wait_log)
+            y = np.full(3, float(rank), np.float32)
+            collective.synchronize(enq(RequestType.ALLREDUCE, [y], DataType.FLOAT32,
+                                       op=ReduceOp.SUM, name=f"async{k}", inplace=True))
+            assert eng._tail == eng._sp
+            assert waited(eng._sp, eng._caller_done, since), _fakecuda.wait_log[since:]
+        # A cached scaled op (a kernel on the engine's stream): the engine records the ready
+        # event on the caller's stream itself, and launches on its own.
+        sync(rank, mine.ptr, "scaled", post=0.5)
+        since = len(_fakecuda.record_log)
+        del streams[:]
+        res = sync(rank, mine.ptr, "scaled", post=0.5)
+        assert streams == [eng._sp], streams
+        assert type(res._done) is _Completion
+        assert any(st == mine.ptr for _, st in _fakecuda.record_log[since:]), "no ready event"
+        # An engine op that fails before its launch (no NCCL int16) after a caller's op: the
+        # next caller's op on another stream still waits for the first one's event.
+        for nm, st in (("a", mine.ptr), ("b", other.ptr), ("a", mine.ptr), ("b", other.ptr),
+                       ("a", mine.ptr)):
+            sync(rank, st, nm)
+        assert eng._tail == mine.ptr
+        bad = enq(RequestType.ALLREDUCE, [np.ones(3, np.int16)], DataType.INT16,
+                  op=ReduceOp.SUM, name="bad", inplace=True)
+        try:
+            collective.synchronize(bad)
+        except engine_mod.UnsupportedOnGPUError:
+            pass
+        else:
+            raise AssertionError("an int16 allreduce on the fake GPU did not fail")
+        since = len(_fakecuda.wait_log)
+        sync(rank, other.ptr, "b")
+        assert waited(other.ptr, eng._caller_done, since), _fakecuda.wait_log[since:]
+        # Entries of caller-stream ops stay referenced until their event fired: a few at most.
+        assert len(eng._caller_inflight) <= engine_mod._REAP_AT + 1, len(eng._caller_inflight)
+        other_stream = _fakecuda.Stream(non_blocking=True)
+        res.wait(other_stream.ptr, 0)
+        res = sync(rank, mine.ptr, "a")
         res.synchronize()
         assert res.done()
-        assert eng._tail == mine.ptr
-        # An op on the engine's stream now waits for the caller's stream first.
-        follows: list[tuple[int, int]] = []  # (stream about to launch, the previous tail)
-        follow = eng._follow
-        eng._follow = lambda stream: (follows.append((stream, eng._tail)), follow(stream))
-        y = np.full(3, float(rank), np.float32)
-        h = enq(RequestType.ALLREDUCE, [y], DataType.FLOAT32, op=ReduceOp.SUM, name="async",
-                inplace=True)
-        collective.synchronize(h)
-        del eng._follow
-        assert eng._tail == eng._sp
-        assert follows == [(eng._sp, mine.ptr)], (follows, eng._sp, mine.ptr)
-        # Postscale needs a kernel on the engine's stream: a ready event instead.
-        fa = FakeArray.of(x)
-        del streams[:]
-        res = sync(x, fa, mine, "scaled", post=0.5)
-        assert np.array_equal(value(res), np.full(4, total * 0.5, np.float32)), value(res)
-        assert streams == [eng._sp], streams
-        assert type(res._done) is not _StreamDone
-        # With the switch off, synchronous ops get ready events as before.
+        # With the switch off, synchronous ops get ready events as before; never a marker for
+        # the per-thread default stream (another stream on each thread).
+        assert device.on_stream(0, 2) is None
         device.CALLER_STREAM = False
         try:
             assert device.on_stream(0, mine.ptr) is None
         finally:
             device.CALLER_STREAM = True
-        assert engine_mod.NCCLEngine is type(eng)
 
     _fakecuda.NcclCommunicator.allReduce = spy
     try:

@@ -24,6 +24,8 @@ _tls = threading.local()
 _lock = threading.Lock()
 _worlds: dict[bytes, "_World"] = {}
 calls: dict[str, int] = {}  # NCCL call counts by name, for tests
+wait_log: list[tuple[int, int]] = []  # (stream, event) of every stream wait, for tests
+record_log: list[tuple[int, int]] = []  # (event, stream) of every event record, for tests
 
 
 def _count(name: str) -> None:
@@ -102,6 +104,8 @@ class _Runtime(types.ModuleType):
     def streamWaitEvent(self, stream: int, event: int, flags: int = 0) -> None:
         assert isinstance(event, int) and event != 0, f"bad event handle {event!r}"
         _count("streamWaitEvent")  # a stream may wait on another device's event
+        with _lock:
+            wait_log.append((stream, event))
         if not hasattr(_tls, "waits"):
             _tls.waits = []
         _tls.waits.append((stream, _stream_device(stream)))
@@ -119,6 +123,8 @@ class _Runtime(types.ModuleType):
         assert isinstance(event, int) and event != 0, f"bad event handle {event!r}"
         _count("eventRecord")
         _check_record(event, stream)
+        with _lock:
+            record_log.append((event, stream))
 
     def eventQuery(self, event: int) -> int:
         _count("eventQuery")

@@ -19,7 +19,8 @@ docs/gpu.md ("How it works") describes it; in short:
   never overlap. Nothing
   blocks the host except a staging slot still in use (`CopyStager`) and `close()`.
 * Memory: outputs and the fusion buffer come from the entry's allocator with the engine stream
-  as allocation stream; an op's entries stay referenced until its completion event fired.
+  as allocation stream (the caller's stream for an op run there); an op's entries stay
+  referenced until its completion event fired.
 * Fusion: one batched-copy launch packs a fused response, one NCCL call reduces it, one more
   launch unpacks it (`kernels.py`).
 * Failures: a dtype NCCL cannot reduce fails that op on every rank; a CUDA/NCCL error fails the

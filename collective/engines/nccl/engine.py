@@ -19,7 +19,7 @@ from ..base import ControlPlane, Engine
 from ..device import DeviceOpError, DeviceResult, OnStream, pointer_of, set_allocation_stream
 from . import layouts as _layouts
 from .comm import _abort_comm, _drain, exchange_unique_id, init_communicator, versions
-from .events import _Completion, _StreamDone, _event_ptr, _ready
+from .events import _Completion, _StreamDone, _event_ptr, _on_device, _ready
 from .kernels import CopyStager, Kernels
 from .layouts import _pad16
 
@@ -122,8 +122,13 @@ class NCCLEngine(Engine):
         # The stream the communicator's latest op was launched on: the engine's, or a caller's
         # (`_on_caller_stream`). An op launched on another stream first waits for it, so the
         # communicator's kernels never overlap.
-        self._tail = 0
+        # (None: no op yet. A raw handle, and 0 is a real one: the legacy default stream. A
+        # caller's stream destroyed with its op still running and its handle reused for a new
+        # stream would look like the same stream; torch's streams are pooled, never destroyed.)
+        self._tail: int | None = None
         self._caller_done: int | None = None  # event recorded after each caller-stream op
+        # Entries of caller-stream ops, kept (tensors alive) until `_caller_done` fired.
+        self._caller_inflight: list[list[Entry]] = []
         self._allocated: set[int] = set()  # ids of entries whose output the engine allocated
         self._zero_ids: set[int] = set()  # ids of zero tensors made for joined ranks
         self._check: Callable[[], None] | None = None  # the communicator's check_async_error
@@ -284,14 +289,16 @@ class NCCLEngine(Engine):
         """Makes `stream` wait for the communicator's latest op if that was launched on another
         stream, before an op is launched on `stream`."""
         tail, self._tail = self._tail, stream
-        if not tail:
+        if tail is None:
             return
-        if tail != self._sp:  # a caller's stream
-            ev = self._caller_done
+        done = self._last_done
+        if tail == self._sp and type(done) is _Completion:
+            ev = done.event.ptr  # recorded right after the engine stream's latest op
         else:
-            done = self._last_done
-            ev = done.event.ptr if type(done) is _Completion else None
-        if ev is not None:  # recorded right after that op
+            # A caller's stream; or the engine's stream whose op failed before its launch
+            # (`_OpError`) after waiting on this event: either way, what it stands for.
+            ev = self._caller_done
+        if ev is not None:
             _rt.streamWaitEvent(stream, ev, 0)
 
     def _caller_stream_ok(self, label: str, e: Entry, args: tuple) -> bool:
@@ -316,6 +323,9 @@ class NCCLEngine(Engine):
         neither a ready event nor a stream wait is needed, and one event after the op stands
         for its completion (cheaper on the host than the engine stream's path). Outputs are
         allocated on that stream."""
+        keep = self._caller_inflight
+        if len(keep) >= _REAP_AT and _rt.eventQuery(self._caller_done) == 0:
+            keep.clear()  # the latest is done, so are the others (the ops are in order)
         if self._tail != stream:
             self._follow(stream)
         sp = self._sp
@@ -331,6 +341,7 @@ class NCCLEngine(Engine):
         if ev is None:
             ev = self._caller_done = int(_rt.eventCreateWithFlags(_DISABLE_TIMING))
         _rt.eventRecord(ev, stream)
+        keep.append(entries)
         self._last_done = _StreamDone(stream, self.device, ev)
 
     def _other_device(self, e: Entry) -> HorovodInternalError:
@@ -568,22 +579,34 @@ class NCCLEngine(Engine):
                 f"the NCCL communicator of ranks {self.control.global_ranks} was aborted")
         if comm is not None:
             _abort_comm(comm, self.device)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drops the in-flight ops' entries and the caller-stream event (CUDA frees a pending
+        event's resources once it fires)."""
         self._inflight.clear()
+        self._caller_inflight.clear()
+        ev, self._caller_done = self._caller_done, None
+        if ev is not None:
+            try:
+                _on_device(self.device, _rt.eventDestroy, ev)
+            except Exception:  # noqa: BLE001 - best effort (the context may be gone)
+                pass
 
     def close(self) -> None:
         """Destroys the communicator once the stream drained; aborts it after CLOSE_TIMEOUT."""
         comm = self.comm
         if comm is None:
-            self._inflight.clear()
+            self._forget()
             return
-        if self._tail and self._tail != self._sp and self._broken is None:
+        if self._tail is not None and self._tail != self._sp and self._broken is None:
             self._follow(self._sp)  # drain what ran on a caller's stream too
         if not _drain(self.stream, self.device, f"ranks {self.control.global_ranks}"):
             self.abort()
             return
         with cupy.cuda.Device(self.device):
             self.comm = None
-            self._inflight.clear()
+            self._forget()
             self._fusion_obj = None
             try:
                 comm.destroy()
