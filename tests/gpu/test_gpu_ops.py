@@ -302,6 +302,54 @@ def test_stream_ordering(hvd) -> None:
 
 
 @pytest.mark.spmd
+def test_synchronous_ops_on_the_callers_stream(hvd) -> None:
+    """Synchronous ops that take the express lane run on the caller's stream: each is ordered
+    after the caller's earlier work there (a long sleep before the write), before its later
+    work, and against async ops on the engine's stream launched from another stream just
+    before and after; on the default stream (handle 0) and on a side stream; in place, with
+    a new output, and a broadcast."""
+    from collective import _current
+
+    r, n = hvd.rank(), hvd.size()
+    side = torch.cuda.Stream()
+    total = float(sum(q + 1 for q in range(n)))
+    for it in range(6):
+        for stream in (torch.cuda.default_stream(), side):
+            other = torch.cuda.Stream()
+            with torch.cuda.stream(other):
+                a = torch.full((1 << 18,), float(r + it), device="cuda")
+                ha = hvd.allreduce_async_(a, op=hvd.Sum, name="caller.before")
+            with torch.cuda.stream(stream):
+                x = torch.empty(1 << 20, device="cuda")
+                torch.cuda._sleep(10_000_000)
+                x.fill_(float(r + 1))
+                hvd.allreduce_(x, op=hvd.Sum, name="caller.inplace")
+                got = x.sum()
+                torch.cuda._sleep(5_000_000)
+                z = torch.full((1 << 16,), float(r + 2), device="cuda")
+                out = hvd.allreduce(z, op=hvd.Sum, name="caller.out")
+                got_out = out.sum()
+                b = torch.full((1 << 16,), float(r + it), device="cuda")
+                hvd.broadcast_(b, root_rank=n - 1, name="caller.bcast")
+                got_b = b.sum()
+            with torch.cuda.stream(other):
+                c = torch.full((1 << 18,), float(r), device="cuda")
+                hc = hvd.allreduce_async_(c, op=hvd.Sum, name="caller.after")
+                hvd.synchronize(ha)
+                hvd.synchronize(hc)
+                got_a, got_c = a.sum(), c.sum()
+            stream.synchronize()
+            other.synchronize()
+            assert got.item() == total * (1 << 20), (it, got.item())
+            assert got_out.item() == float(sum(q + 2 for q in range(n))) * (1 << 16)
+            assert got_b.item() == float(n - 1 + it) * (1 << 16)
+            assert got_a.item() == float(sum(q + it for q in range(n))) * (1 << 18)
+            assert got_c.item() == float(sum(range(n))) * (1 << 18)
+    eng = _current.current().member_sets()[0].device_engine
+    assert eng._caller_done is not None, "no synchronous op ran on its caller's stream"
+
+
+@pytest.mark.spmd
 def test_large_async_ops_start_at_once_in_any_order(hvd) -> None:
     """Async allreduces of `collective.ops.EAGER_BYTES` or more are negotiated and launched by
     the call itself (the express lane on the caller's thread); started in opposite orders on
