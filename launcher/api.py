@@ -83,11 +83,13 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
     Each process may call `hvd.init()` and collectives; the function and its arguments must
     be picklable (cloudpickle is used when installed, so lambdas and closures work).
 
-    Elastic form: with `min_num_proc`, `max_num_proc` or `host_discovery_script` the job runs
-    under the elastic driver (as `hvdrun --min-np ...`); `num_proc` is the size to start with,
-    `slots`, `reset_limit` and `cooldown_range` are the `--slots-per-host`, `--reset-limit`
-    and `--blacklist-cooldown-range` values, and the results are those of the last round's
-    ranks. `func` then typically wraps its training in `hvd.elastic.run`.
+    Elastic form: with `min_num_proc` or `host_discovery_script` the job runs under the
+    elastic driver (as `hvdrun --min-np ...`); `num_proc` is the size to start with,
+    `max_num_proc`, `slots`, `reset_limit` and `cooldown_range` are the `--max-np`,
+    `--slots-per-host`, `--reset-limit` and `--blacklist-cooldown-range` values, and the
+    results are those of the last round's ranks. `func` then typically wraps its training in
+    `hvd.elastic.run`. Without either, those four have no effect (a RuntimeWarning), as in
+    Horovod.
 
     `num_proc` defaults to 1 (to `min_num_proc` in an elastic run). `np`, `min_np`, `max_np`
     and `network_interface` are Horovod's deprecated spellings of `num_proc`, `min_num_proc`,
@@ -131,7 +133,8 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
                                ("max_num_proc", max_num_proc, 1), ("slots", slots, 1),
                                ("reset_limit", reset_limit, 0), ("ssh_port", ssh_port, 0)):
         _count(name, value, least)
-    elastic = any(v is not None for v in (min_num_proc, max_num_proc, host_discovery_script))
+    # Elastic as Horovod decides it: max_num_proc alone leaves a static run (warned below).
+    elastic = min_num_proc is not None or host_discovery_script is not None
     if num_proc is None:
         num_proc = min_num_proc if elastic and min_num_proc is not None else 1
     if elastic:
@@ -150,9 +153,10 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
             if not 1 <= lo <= hi <= 3600:
                 raise ValueError(f"horovod.run: cooldown_range=({lo}, {hi}): need 1 <= min <= "
                                  "max <= 3600 (seconds)")
-    if not elastic and any(v is not None for v in (slots, reset_limit, cooldown_range)):
-        warnings.warn("horovod.run(slots=/reset_limit=/cooldown_range=) has no effect in "
-                      "ringvod unless the run is elastic (min_num_proc, max_num_proc or "
+    if not elastic and any(v is not None for v in (max_num_proc, slots, reset_limit,
+                                                   cooldown_range)):
+        warnings.warn("horovod.run(max_num_proc=/slots=/reset_limit=/cooldown_range=) has no "
+                      "effect unless the run is elastic (min_num_proc or "
                       "host_discovery_script)", RuntimeWarning, stacklevel=2)
     from .network import split_interfaces  # noqa: PLC0415
 
@@ -161,8 +165,8 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
          else list(network_interface or ())) + list(network_interfaces or ()))
     py = executable or sys.executable
     if elastic and use_mpi:
-        raise ValueError("elastic horovod.run (min_num_proc/max_num_proc/"
-                         "host_discovery_script) needs the tcp mode; drop use_mpi")
+        raise ValueError("elastic horovod.run (min_num_proc/host_discovery_script) needs the "
+                         "tcp mode; drop use_mpi")
     settings = LaunchSettings(
         num_proc=num_proc, hosts=tuple(_hosts(num_proc, hosts, hostfile)),
         mode=MODE_TCP if elastic else _mode(use_gloo, use_mpi),

@@ -331,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int,
                     help="elastic: the fewest processes the job runs with (default: -np)")
     el.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int,
-                    help="elastic: the most processes (default: every discovered slot)")
+                    help="elastic (with --min-np or --host-discovery-script): the most "
+                         "processes (default: every available slot)")
     el.add_argument("--slots-per-host", dest="slots", type=int,
                     help="elastic: slots of a host the discovery script names without ':N'")
     el.add_argument("--reset-limit", type=int,
@@ -445,7 +446,8 @@ def _given(args: argparse.Namespace, dest: str) -> bool:
     return value is not None and value is not False and value != ""
 
 
-_ELASTIC_ONLY = (("slots", "--slots-per-host"), ("reset_limit", "--reset-limit"),
+_ELASTIC_ONLY = (("max_num_proc", "--max-np"), ("slots", "--slots-per-host"),
+                 ("reset_limit", "--reset-limit"),
                  ("blacklist_cooldown_range", "--blacklist-cooldown-range"),
                  ("elastic_timeout", "--elastic-timeout"))
 _MPI_ONLY = (("mpi_args", "--mpi-args"), ("binding_args", "--binding-args"),
@@ -461,7 +463,7 @@ def ignored_flags(args: argparse.Namespace, mode: str, elastic: bool,
 
     Args:
         mode: the job's mode (`MODE_TCP` or `MODE_MPI`).
-        elastic: an elastic job (`--min-np`, `--max-np` or `--host-discovery-script`).
+        elastic: an elastic job (`--min-np` or `--host-discovery-script`).
         environ: hvdrun's environment (default `os.environ`): HOROVOD_AUTOTUNE /
             HOROVOD_TIMELINE there switch autotune / the timeline on as the flags do.
     """
@@ -489,8 +491,8 @@ def ignored_flags(args: argparse.Namespace, mode: str, elastic: bool,
     if not elastic:
         for dest, flag in _ELASTIC_ONLY:
             if _given(args, dest):
-                warn(flag, "it only applies to elastic jobs (--host-discovery-script, "
-                           "--min-np or --max-np)")
+                warn(flag, "it only applies to elastic jobs (--host-discovery-script or "
+                           "--min-np); this job is static, as with horovodrun")
     elif _given(args, "slots") and not _given(args, "host_discovery_script"):
         warn("--slots-per-host", "it only applies with --host-discovery-script (give the "
                                  "slots of -H/--hostfile hosts there, as host:N)")
@@ -615,8 +617,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .check_build import check_build_text  # noqa: PLC0415
         print(check_build_text(version()))
         return 0
-    if args.min_num_proc is not None or args.max_num_proc is not None \
-            or args.host_discovery_script:
+    # Elastic as horovodrun decides it: `--max-np` alone leaves a static job (and is ignored,
+    # with a warning).
+    if args.min_num_proc is not None or args.host_discovery_script:
         from .elastic.cli import elastic_settings_from_args, launch_elastic  # noqa: PLC0415
         try:
             settings, elastic = elastic_settings_from_args(args)

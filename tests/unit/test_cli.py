@@ -129,6 +129,7 @@ IGNORED = [
      "--stall-check-shutdown-time-seconds", "--no-stall-check"),
     (["--slots-per-host", "2"], "tcp", False, "--slots-per-host", "--host-discovery-script"),
     (["--reset-limit", "3"], "mpi", False, "--reset-limit", "--min-np"),
+    (["--max-np", "8"], "tcp", False, "--max-np", "--host-discovery-script or --min-np"),
     (["--blacklist-cooldown-range", "1", "5"], "tcp", False, "--blacklist-cooldown-range",
      "elastic"),
     (["--elastic-timeout", "60"], "tcp", False, "--elastic-timeout", "elastic"),
@@ -284,6 +285,34 @@ def test_ignored_flags_of_an_elastic_job_are_warned(monkeypatch, capsys):
         "hvdrun: warning: ignoring --slots-per-host: it only applies with "
         "--host-discovery-script (give the slots of -H/--hostfile hosts there, as host:N)"]
     assert seen[0].reset_limit == 2
+
+
+def test_max_np_alone_runs_a_static_job(monkeypatch, capsys):
+    # horovodrun is elastic only with --host-discovery-script or --min-np: `-np 2 --max-np 4`
+    # is a static job of 2 (ringvod started an elastic job there).
+    import launcher.elastic.cli as elastic_cli
+    static, elastic = [], []
+    monkeypatch.setattr(cli, "_launch", lambda settings, quiet=False: static.append(settings) or 0)
+    monkeypatch.setattr(elastic_cli, "launch_elastic",
+                        lambda settings, el: elastic.append(el) or 0)
+    assert cli.main(["-np", "2", "--max-np", "4", "true"]) == 0
+    assert elastic == [] and static[0].num_proc == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "hvdrun: warning: ignoring --max-np: it only applies to elastic jobs "
+        "(--host-discovery-script or --min-np); this job is static, as with horovodrun"]
+    assert cli.main(["-np", "2", "--min-np", "1", "--max-np", "4", "-H", "a:2,b:2", "true"]) == 0
+    assert elastic[0].max_np == 4 and len(static) == 1
+
+
+def test_horovod_run_max_num_proc_alone_is_static(monkeypatch):
+    from launcher import api
+    seen = {}
+    monkeypatch.setattr(api, "_run_tcp", lambda settings, blob: seen.setdefault("s", settings))
+    monkeypatch.setattr(api, "_run_elastic", lambda *a, **k: seen.setdefault("elastic", True))
+    with pytest.warns(RuntimeWarning, match=r"max_num_proc=.*has no effect unless the run is "
+                                             r"elastic \(min_num_proc or host_discovery_script"):
+        api.run(print, num_proc=2, max_num_proc=4, use_gloo=True)
+    assert "elastic" not in seen and seen["s"].num_proc == 2
 
 
 def test_config_file_values_without_their_companion_warn(tmp_path):

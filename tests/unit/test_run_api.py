@@ -39,7 +39,7 @@ def test_signature_matches_horovods_order():
 @pytest.mark.parametrize("old,new,value,extra", [
     ("np", "num_proc", 2, {}),
     ("min_np", "min_num_proc", 2, {"hosts": "a:2,b:2"}),
-    ("max_np", "max_num_proc", 3, {"hosts": "a:2,b:2", "num_proc": 2}),
+    ("max_np", "max_num_proc", 3, {"hosts": "a:2,b:2", "num_proc": 2, "min_num_proc": 2}),
     ("network_interface", "network_interfaces", "lo", {}),
 ])
 def test_deprecated_names_warn_naming_the_replacement(launched, old, new, value, extra):
@@ -84,7 +84,7 @@ def test_deprecated_name_wins_as_in_horovod(launched):
      "horovod.run: min_num_proc must be at least 1 (got 0)"),
     ({"num_proc": 2, "min_num_proc": 3, "hosts": "a:2,b:2"},
      "horovod.run: need min_num_proc (3) <= num_proc (2) <= max_num_proc (unlimited)"),
-    ({"num_proc": 2, "max_num_proc": 1, "hosts": "a:1,b:1"},
+    ({"num_proc": 2, "min_num_proc": 2, "max_num_proc": 1, "hosts": "a:1,b:1"},
      "horovod.run: need min_num_proc (2) <= num_proc (2) <= max_num_proc (1)"),
     ({"num_proc": 2, "host_discovery_script": "./d.sh", "slots": 0},
      "horovod.run: slots must be at least 1 (got 0)"),
