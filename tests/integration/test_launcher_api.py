@@ -110,7 +110,7 @@ def test_run_reset_limit_warns_that_it_has_no_effect():
         """)
     assert r.returncode == 0, explain(r)
     assert "RESULT [7]" in r.stdout, explain(r)
-    assert "has no effect in ringvod unless the run is elastic" in r.stdout, explain(r)
+    assert "has no effect unless the run is elastic" in r.stdout, explain(r)
 
 
 @pytest.mark.timeout(180)
