@@ -22,7 +22,8 @@ Measures, per size (float32, Sum, in place):
   the per-op host cost without fusion or overlap;
 * with `--eager-ab`: more ringvod in-flight series, each with `collective.ops.EAGER_BYTES` set
   to a value (0 turns the large-op rule off; a trailing `d` launches through a driven cycle
-  instead of the express lane), alternating with the others;
+  instead of the express lane), alternating with the others; `--alone-ab` and `--direct-ab`
+  do the same for `collective.fusion.ALONE_BYTES` and the NCCL engine's `DIRECT_BYTES`;
 * lone: one synchronous op (`hvd.allreduce_`, `dist.all_reduce`) followed by a host wait for
   the GPU, repeated; the median (what a program that needs the value at once sees).
 """
@@ -94,6 +95,9 @@ def main() -> int:
                    "(collective.engines.device.CALLER_STREAM off) instead of the caller's")
     p.add_argument("--alone-ab", default="", help="A/B: extra ringvod in-flight series with "
                    "collective.fusion.ALONE_BYTES set to each of these values (0 = fuse all)")
+    p.add_argument("--direct-ab", default="", help="A/B: extra ringvod in-flight series with "
+                   "the NCCL engine's DIRECT_BYTES set to each of these values (0 = every "
+                   "member of a fused allreduce through the fusion buffer)")
     a = p.parse_args()
     if a.fuse_all:
         import collective.fusion
@@ -172,19 +176,24 @@ def main() -> int:
     impls = [("ringvod", ringvod_block), ("CuPy NCCL", each(raw)),
              ("torch.distributed", each(torchdist))]
     import collective.fusion as cfusion
-    default_alone = cfusion.ALONE_BYTES
+    from collective.engines.nccl import engine as cengine
+    default_alone, default_direct = cfusion.ALONE_BYTES, cengine.DIRECT_BYTES
 
-    def with_alone(v):
+    def with_setting(module, attr, v):  # ringvod's block with module.attr = int(v)
         def block(pool, names):
-            cfusion.ALONE_BYTES = int(v)
+            saved = getattr(module, attr)
+            setattr(module, attr, int(v))
             try:
                 ringvod_block(pool, names)
             finally:
-                cfusion.ALONE_BYTES = default_alone
+                setattr(module, attr, saved)
         return block
 
     impls += [(f"ringvod eager={v}", with_eager(v)) for v in a.eager_ab.split(",") if v]
-    impls += [(f"ringvod alone={v}", with_alone(v)) for v in a.alone_ab.split(",") if v]
+    impls += [(f"ringvod alone={v}", with_setting(cfusion, "ALONE_BYTES", v))
+              for v in a.alone_ab.split(",") if v]
+    impls += [(f"ringvod direct={v}", with_setting(cengine, "DIRECT_BYTES", v))
+              for v in a.direct_ab.split(",") if v]
     sizes = [int(x) for x in a.sizes.split(",") if x] or SIZES
     for nb in [s for s in sizes if a.min_bytes <= s <= a.max_bytes]:
         # ~20 ms of GPU time per block at ~300 GB/s (at least 20 ops, at most 200).
@@ -255,7 +264,7 @@ def main() -> int:
                            " ".join(f"{v:.0f}" for v in rv["rounds_us"]),
                            " ".join(f"{v:.0f}" for v in base["rounds_us"])])
             print(f"A/B in flight: {label} against ringvod (EAGER_BYTES={default_eager}, "
-                  f"ALONE_BYTES={default_alone}):")
+                  f"ALONE_BYTES={default_alone}, DIRECT_BYTES={default_direct}):")
             print(format_table(["size", "variant us", "ringvod us", "torch us", "var/torch",
                                 "rv/torch", "variant rounds", "ringvod rounds"], vt))
         lt = []

@@ -9,7 +9,8 @@
   a raw event from the engine's recycled pool (`collective.adapter.record_ready`), or a
   `torch.cuda.Event` before the engine is loaded. For a synchronous op (`sync=True`) an
   `OnStream` marker of that stream instead (`collective.adapter.on_stream`): the engine may run
-  the op on the caller's stream, which then needs no event and no wait. Outputs whose shape negotiation decides come
+  the op on the caller's stream, which then needs no ready event and no stream wait (one event
+  recorded after the op stands for its completion). Outputs whose shape negotiation decides come
   from `allocate(shape, like)`, which allocates through torch's caching allocator on the
   stream the engine names (`collective.adapter.allocation_stream()`), so that memory
   the allocator recycles is never written by the engine while older work still uses it.

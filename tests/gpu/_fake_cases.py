@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -140,6 +141,53 @@ def allreduce_fused_scaled_inplace(n: int) -> None:
     before = _fakecuda.calls.get("ringvod_batched_copy", 0)
     run_loopback(n, body)
     assert _fakecuda.calls.get("ringvod_batched_copy", 0) > before
+
+
+@case
+def large_members_of_a_fused_allreduce_skip_the_fusion_buffer(n: int) -> None:
+    # Members of DIRECT_BYTES or more get an NCCL call of their own in the fused op's group
+    # (in place, or into an allocated output); the rest still go through the fusion buffer.
+    from collective.engines.nccl import engine as eng
+    shapes = [(40,), (3,), (0,), (64,), (5, 2), (100,)]
+    runs = ((DataType.FLOAT32, True), (DataType.FLOAT32, False), (DataType.BFLOAT16, True),
+            (DataType.INT32, False))
+
+    def body(rank: int) -> None:
+        for dt, inplace in runs:
+            xs = [data(rank, s, dt, i) for i, s in enumerate(shapes)]
+            fas = [FakeArray.of(x) for x in xs]
+            h = collective.adapter.enqueue(
+                RequestType.ALLREDUCE, fas, device=0, dtypes=[dt] * len(fas), shapes=shapes,
+                outputs=fas if inplace else None, grouped=True, op=ReduceOp.AVERAGE,
+                prescale=0.5, postscale=3.0, name=f"direct.{dt.name}.{inplace}")
+            res = h.wait(10)
+            for i, s in enumerate(shapes):
+                want = reference([data(r, s, dt, i) for r in range(n)], dt, ReduceOp.AVERAGE,
+                                 0.5, 3.0)
+                got = fas[i].a if inplace else value(res[i])
+                assert got.shape == tuple(s), (dt, i, got.shape)
+                assert close(got, want, dt), (dt, i, got, want)
+                if not inplace:
+                    assert np.array_equal(fas[i].a, xs[i]), "the input was written"
+    saved = eng.DIRECT_BYTES
+    eng.DIRECT_BYTES = 100  # float32/int32: 160, 256 and 400 bytes; bfloat16: 128 and 200
+    before = dict(_fakecuda.calls)
+    path = os.path.join(tempfile.mkdtemp(), "timeline.json")
+    try:
+        run_loopback(n, body, timeline=path)
+    finally:
+        eng.DIRECT_BYTES = saved
+    with open(path) as f:
+        trace = f.read()
+    for activity in ("NCCL_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER"):
+        assert activity in trace, activity
+    big = [sum(1 for s in shapes if int(np.prod(s)) * dt.itemsize >= 100) for dt, _ in runs]
+    assert min(big) >= 2
+    calls = _fakecuda.calls.get("allReduce", 0) - before.get("allReduce", 0)
+    assert calls == n * sum(b + 1 for b in big), (big, calls)  # one more for the buffer
+    copies = (_fakecuda.calls.get("ringvod_batched_copy", 0)
+              - before.get("ringvod_batched_copy", 0))
+    assert copies == n * 2 * len(runs), copies  # pack and unpack of the small members only
 
 
 @case

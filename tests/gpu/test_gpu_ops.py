@@ -182,6 +182,16 @@ def test_allreduce_inplace_fused_scaled(hvd) -> None:
         for i, s in enumerate(shapes):
             same(xs[i], reference([make(q, s, dt, i) for q in range(n)], hvd.Average, n, 0.5,
                                   4.0, hvd))
+        # Out of place, members of 1 MiB and more reduced by NCCL calls of their own in the
+        # fused op's group (the engine's DIRECT_BYTES), the others through the fusion buffer.
+        zs = [make(r, s, dt, 20 + i).cuda() for i, s in enumerate(shapes + [(2 ** 19 + 1,)])]
+        outs = hvd.grouped_allreduce(zs, op=hvd.Average, prescale_factor=0.5,
+                                     postscale_factor=4.0, name=f"grp.out.{dt}")
+        for i, z in enumerate(zs):
+            s = tuple(z.shape)
+            same(outs[i], reference([make(q, s, dt, 20 + i) for q in range(n)], hvd.Average, n,
+                                    0.5, 4.0, hvd))
+            assert torch.equal(z.cpu(), make(r, s, dt, 20 + i))  # input unchanged
         # Many separate in-place allreduces submitted together fuse in the coordinator.
         ys = [make(r, s, dt, 10 + i).cuda() for i, s in enumerate(shapes)]
         hs = [hvd.allreduce_async_(y, op=hvd.Sum, name=f"sep.{dt}.{i}") for i, y in enumerate(ys)]

@@ -52,6 +52,11 @@ _FREE_EVENTS = 64  # completion events kept for reuse
 # it is not done per op.
 _REAP_AT = 4
 
+# A member of a fused allreduce of this many bytes or more is reduced in place by an NCCL call
+# of its own inside the fused op's NCCL group, instead of through the fusion buffer (whose two
+# copies cost GPU time in proportion to its bytes); 0 packs every member.
+DIRECT_BYTES = 1 << 20
+
 _rt = cupy.cuda.runtime
 
 
@@ -510,14 +515,24 @@ class NCCLEngine(Engine):
             kern.scale(dst, count, dt, post)
             return
         srcs, dsts, sizes, offs = [], [], [], []
+        direct: list[tuple[int, int, int]] | None = None
         off = 0
         for e in entries:
             p, nb = pointer_of(e.tensor)
+            if DIRECT_BYTES and nb >= DIRECT_BYTES:
+                if direct is None:
+                    direct = []
+                direct.append((p, self._out_ptr(e, e.request.shape), nb // item))
+                continue
             srcs.append(p)
             sizes.append(nb)
             dsts.append(self._out_ptr(e, e.request.shape))
             offs.append(off)
             off += _pad16(nb)
+        if direct is not None:
+            self._grouped(entries, direct, (srcs, dsts, sizes, offs, off), dt, ntype, op, pre,
+                          post)
+            return
         if off == 0:
             return
         buf = self._fusion_buffer(off, entries[0])
@@ -530,6 +545,53 @@ class NCCLEngine(Engine):
             kern.scale(buf, count, dt, post)
         self._staged(entries, (srcs, fused, sizes), (fused, dsts, sizes), "NCCL_ALLREDUCE",
                      reduce)
+
+    def _grouped(self, entries: list[Entry], direct: list[tuple[int, int, int]],
+                 packed: tuple[list[int], list[int], list[int], list[int], int], dt: DataType,
+                 ntype: int, op: int, pre: float, post: float) -> None:
+        """A fused allreduce whose members of `DIRECT_BYTES` or more are reduced where they
+        lie, each its own NCCL call, and the rest through the fusion buffer, all in one NCCL
+        group (one launch): the large members skip the two copies through the buffer."""
+        kern, comm, sp, item = self._kernels, self.comm, self._sp, dt.itemsize
+        assert kern is not None
+        srcs, dsts, sizes, offs, off = packed
+        if pre != 1.0:
+            for i, (src, dst, count) in enumerate(direct):
+                if dst != src:
+                    _rt.memcpyAsync(dst, src, count * item, _D2D, sp)
+                    direct[i] = (dst, dst, count)
+                kern.scale(dst, count, dt, pre)
+        buf = count = 0
+        run_unpack = None
+        small = entries
+        if off and self.timeline is not None:  # the copies' activities name their members
+            small = [e for e in entries if pointer_of(e.tensor)[1] < DIRECT_BYTES]
+        if off:
+            buf = self._fusion_buffer(off, entries[0])
+            fused = [buf + o for o in offs]
+            act = self._activity(small, "MEMCPY_IN_FUSION_BUFFER")
+            run_unpack = self._copies((srcs, fused, sizes), (fused, dsts, sizes))
+            self._activity_end(act)
+            count = off // item
+            kern.scale(buf, count, dt, pre)
+        act = self._activity(entries, "NCCL_ALLREDUCE")
+        nccl.groupStart()
+        try:
+            for src, dst, n in direct:
+                comm.allReduce(src, dst, n, ntype, op, sp)
+            if count:
+                comm.allReduce(buf, buf, count, ntype, op, sp)
+        finally:
+            nccl.groupEnd()
+        self._activity_end(act)
+        if post != 1.0:
+            for _, dst, n in direct:
+                kern.scale(dst, n, dt, post)
+        if run_unpack is not None:
+            kern.scale(buf, count, dt, post)
+            act = self._activity(small, "MEMCPY_OUT_FUSION_BUFFER")
+            run_unpack()
+            self._activity_end(act)
 
     def _broadcast(self, entries: list[Entry], root: int) -> None:
         e = entries[0]
