@@ -149,26 +149,52 @@ def large_members_of_a_fused_allreduce_skip_the_fusion_buffer(n: int) -> None:
     # (in place, or into an allocated output); the rest still go through the fusion buffer.
     from collective.engines.nccl import engine as eng
     shapes = [(40,), (3,), (0,), (64,), (5, 2), (100,)]
-    runs = ((DataType.FLOAT32, True), (DataType.FLOAT32, False), (DataType.BFLOAT16, True),
-            (DataType.INT32, False))
+    # (dtype, in place, op, prescale, postscale); the last: every member direct
+    runs = ((DataType.FLOAT32, True, ReduceOp.AVERAGE, 0.5, 3.0, shapes),
+            (DataType.FLOAT32, False, ReduceOp.AVERAGE, 0.5, 3.0, shapes),
+            (DataType.BFLOAT16, True, ReduceOp.AVERAGE, 0.5, 3.0, shapes),
+            (DataType.INT32, False, ReduceOp.SUM, 1.0, 1.0, shapes),
+            (DataType.FLOAT32, False, ReduceOp.SUM, 1.0, 2.0, [(40,), (64,)]))
 
     def body(rank: int) -> None:
-        for dt, inplace in runs:
-            xs = [data(rank, s, dt, i) for i, s in enumerate(shapes)]
+        for k, (dt, inplace, op, pre, post, shp) in enumerate(runs):
+            xs = [data(rank, s, dt, i) for i, s in enumerate(shp)]
             fas = [FakeArray.of(x) for x in xs]
             h = collective.adapter.enqueue(
-                RequestType.ALLREDUCE, fas, device=0, dtypes=[dt] * len(fas), shapes=shapes,
-                outputs=fas if inplace else None, grouped=True, op=ReduceOp.AVERAGE,
-                prescale=0.5, postscale=3.0, name=f"direct.{dt.name}.{inplace}")
+                RequestType.ALLREDUCE, fas, device=0, dtypes=[dt] * len(fas), shapes=shp,
+                outputs=fas if inplace else None, grouped=True, op=op, prescale=pre,
+                postscale=post, name=f"direct.{k}")
             res = h.wait(10)
-            for i, s in enumerate(shapes):
-                want = reference([data(r, s, dt, i) for r in range(n)], dt, ReduceOp.AVERAGE,
-                                 0.5, 3.0)
+            for i, s in enumerate(shp):
+                want = reference([data(r, s, dt, i) for r in range(n)], dt, op, pre, post)
                 got = fas[i].a if inplace else value(res[i])
                 assert got.shape == tuple(s), (dt, i, got.shape)
                 assert close(got, want, dt), (dt, i, got, want)
                 if not inplace:
                     assert np.array_equal(fas[i].a, xs[i]), "the input was written"
+        # The same tensor twice, and two overlapping views: every member gets the sum, as
+        # through the fusion buffer (NCCL calls of their own would race on shared memory).
+        x = data(rank, (64,), DataType.FLOAT32, 9)
+        fa = FakeArray.of(x)
+        small = FakeArray.of(data(rank, (3,), DataType.FLOAT32, 10))
+        collective.adapter.enqueue(
+            RequestType.ALLREDUCE, [fa, fa, small], device=0, dtypes=[DataType.FLOAT32] * 3,
+            shapes=[(64,), (64,), (3,)], outputs=[fa, fa, small], grouped=True,
+            op=ReduceOp.SUM, name="direct.twice").wait(10)
+        want = reference([data(r, (64,), DataType.FLOAT32, 9) for r in range(n)],
+                         DataType.FLOAT32, ReduceOp.SUM)
+        assert close(fa.a, want, DataType.FLOAT32), (fa.a, want)
+        y = data(rank, (80,), DataType.FLOAT32, 11)
+        whole = FakeArray.of(y)
+        part = FakeArray.wrap(whole.a[20:70])
+        collective.adapter.enqueue(
+            RequestType.ALLREDUCE, [whole, part], device=0, dtypes=[DataType.FLOAT32] * 2,
+            shapes=[(80,), (50,)], outputs=[whole, part], grouped=True, op=ReduceOp.SUM,
+            name="direct.views").wait(10)
+        want = reference([data(r, (80,), DataType.FLOAT32, 11) for r in range(n)],
+                         DataType.FLOAT32, ReduceOp.SUM)
+        assert close(whole.a, want, DataType.FLOAT32), (whole.a, want)
+
     saved = eng.DIRECT_BYTES
     eng.DIRECT_BYTES = 100  # float32/int32: 160, 256 and 400 bytes; bfloat16: 128 and 200
     before = dict(_fakecuda.calls)
@@ -177,17 +203,22 @@ def large_members_of_a_fused_allreduce_skip_the_fusion_buffer(n: int) -> None:
         run_loopback(n, body, timeline=path)
     finally:
         eng.DIRECT_BYTES = saved
+
+    def delta(name: str) -> int:
+        return _fakecuda.calls.get(name, 0) - before.get(name, 0)
+    big = [[int(np.prod(s)) * r[0].itemsize >= 100 for s in r[5]] for r in runs]
+    assert min(sum(b) for b in big) >= 2 and all(big[-1])
+    # One call per direct member, one for the buffer when a member is packed; the two ops
+    # whose members share memory go through the buffer alone.
+    calls = sum(sum(b) + (not all(b)) for b in big) + 2
+    assert delta("allReduce") == n * calls, (calls, delta("allReduce"))
+    packed = sum(int(np.prod(s)) * r[0].itemsize for r, b in zip(runs, big)
+                 for s, d in zip(r[5], b) if not d) + 4 * (64 + 64 + 3) + 4 * (80 + 50)
+    assert delta("batched_copy_bytes") == n * 2 * packed, (packed, delta("batched_copy_bytes"))
     with open(path) as f:
         trace = f.read()
     for activity in ("NCCL_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER"):
         assert activity in trace, activity
-    big = [sum(1 for s in shapes if int(np.prod(s)) * dt.itemsize >= 100) for dt, _ in runs]
-    assert min(big) >= 2
-    calls = _fakecuda.calls.get("allReduce", 0) - before.get("allReduce", 0)
-    assert calls == n * sum(b + 1 for b in big), (big, calls)  # one more for the buffer
-    copies = (_fakecuda.calls.get("ringvod_batched_copy", 0)
-              - before.get("ringvod_batched_copy", 0))
-    assert copies == n * 2 * len(runs), copies  # pack and unpack of the small members only
 
 
 @case

@@ -98,6 +98,7 @@ class _Runtime(types.ModuleType):
 
     def memcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> None:
         _count("memcpyAsync")
+        _outside_group("memcpyAsync")
         _check_current(stream, "memcpyAsync")
         ctypes.memmove(dst, src, size)
 
@@ -220,6 +221,13 @@ class FakeArray:
         f.a[...] = arr
         return f
 
+    @classmethod
+    def wrap(cls, arr: np.ndarray) -> "FakeArray":
+        """A device array over `arr`'s memory, without a copy (e.g. a view of another)."""
+        f = cls.__new__(cls)
+        f.a, f.shape, f.dtype, f.nbytes = arr, arr.shape, arr.dtype, arr.nbytes
+        return f
+
     @property
     def __cuda_array_interface__(self) -> dict:
         return {"shape": self.a.shape, "typestr": self.a.dtype.str,
@@ -264,6 +272,7 @@ class _Kernel:
         assert get_current_stream().engine, f"{self.name} launched off the engine's stream"
         _check_current(get_current_stream().ptr, f"kernel {self.name}")
         _count(self.name)
+        _outside_group(self.name)
         if self.name == "ringvod_batched_copy":
             tab_ptr, n, chunk = int(args[0]), int(args[1]), int(args[2])
             tab = _read(tab_ptr, (4 * n + 1) * 8, np.uint64)
@@ -272,6 +281,9 @@ class _Kernel:
             for i in range(n):
                 assert int(first[i + 1]) - int(first[i]) == -(-int(size[i]) // chunk)
                 ctypes.memmove(int(dst[i]), int(src[i]), int(size[i]))
+            with _lock:
+                calls["batched_copy_bytes"] = calls.get("batched_copy_bytes", 0) + int(
+                    size[:n].sum())
             return
         dt = _SCALE_DT[self.name[len("ringvod_scale_"):]]
         ptr, count, f = int(args[0]), int(args[1]), float(args[2])
@@ -378,30 +390,42 @@ class NcclCommunicator:
 
     def allReduce(self, send: int, recv: int, count: int, dt: int, op: int, stream: int) -> None:
         _count("allReduce")
-        data = _read(send, count * self._item(dt), _NP[dt])
-        allv = self.world.exchange(self.rank, data)
-        _write(recv, _reduce(allv, dt, op, self.n))
+
+        def run() -> None:
+            data = _read(send, count * self._item(dt), _NP[dt])
+            allv = self.world.exchange(self.rank, data)
+            _write(recv, _reduce(allv, dt, op, self.n))
+        _collective(run)
 
     def allGather(self, send: int, recv: int, count: int, dt: int, stream: int) -> None:
         _count("allGather")
         nb = count * self._item(dt)
-        allv = self.world.exchange(self.rank, _read(send, nb))
-        _write(recv, np.concatenate(allv))
+
+        def run() -> None:
+            allv = self.world.exchange(self.rank, _read(send, nb))
+            _write(recv, np.concatenate(allv))
+        _collective(run)
 
     def broadcast(self, send: int, recv: int, count: int, dt: int, root: int,
                   stream: int) -> None:
         _count("broadcast")
         nb = count * self._item(dt)
-        allv = self.world.exchange(self.rank, _read(send, nb) if self.rank == root else None)
-        _write(recv, allv[root])
+
+        def run() -> None:
+            allv = self.world.exchange(self.rank, _read(send, nb) if self.rank == root else None)
+            _write(recv, allv[root])
+        _collective(run)
 
     def reduceScatter(self, send: int, recv: int, count: int, dt: int, op: int,
                       stream: int) -> None:
         _count("reduceScatter")
-        data = _read(send, count * self.n * self._item(dt), _NP[dt])
-        allv = self.world.exchange(self.rank, data)
-        r = _reduce(allv, dt, op, self.n)
-        _write(recv, r[self.rank * count:(self.rank + 1) * count])
+
+        def run() -> None:
+            data = _read(send, count * self.n * self._item(dt), _NP[dt])
+            allv = self.world.exchange(self.rank, data)
+            r = _reduce(allv, dt, op, self.n)
+            _write(recv, r[self.rank * count:(self.rank + 1) * count])
+        _collective(run)
 
     def send(self, buf: int, count: int, dt: int, peer: int, stream: int) -> None:
         _count("send")
@@ -421,12 +445,32 @@ class NcclCommunicator:
         pass
 
 
+def _collective(run: Any) -> None:
+    """Runs a collective now, or at `groupEnd` inside a group (as NCCL launches a group's
+    work there: each collective reads its input then, not when it was called)."""
+    group = getattr(_tls, "group", None)
+    if group is None:
+        run()
+    else:
+        group.append(("collective", run))
+
+
+def _outside_group(what: str) -> None:
+    # A kernel or copy issued inside an NCCL group would run before the group's collectives
+    # on the GPU, whatever its place between groupStart and groupEnd: a bug in the engine.
+    assert getattr(_tls, "group", None) is None, f"{what} launched inside an NCCL group"
+
+
 def groupStart() -> None:
     _tls.group = []
 
 
 def groupEnd() -> None:
-    ops, _tls.group = getattr(_tls, "group", []), []
+    ops, _tls.group = getattr(_tls, "group", None) or [], None
+    for op in ops:
+        if op[0] == "collective":
+            op[1]()
+    ops = [op for op in ops if op[0] != "collective"]
     for kind, comm, buf, nb, peer in ops:
         if kind == "send":
             comm.world.post(comm.rank, peer, _read(buf, nb))

@@ -21,9 +21,10 @@ docs/gpu.md ("How it works") describes it; in short:
 * Memory: outputs and the fusion buffer come from the entry's allocator with the engine stream
   as allocation stream (the caller's stream for an op run there); an op's entries stay
   referenced until its completion event fired.
-* Fusion: a fused response is one NCCL group: each member of `DIRECT_BYTES` (1 MiB) or more
-  is reduced in place by an NCCL call of its own; one batched-copy launch packs the others,
-  one NCCL call reduces them, one more launch unpacks them (`kernels.py`).
+* Fusion: one batched-copy launch packs a fused response, one NCCL call reduces it, one more
+  launch unpacks it (`kernels.py`); a fused allreduce's members of `DIRECT_BYTES` (1 MiB) or
+  more skip the buffer, each reduced where it lies by an NCCL call of its own in one NCCL
+  group with the buffer's call, unless members share memory.
 * Failures: a dtype NCCL cannot reduce fails that op on every rank; a CUDA/NCCL error fails the
   op's handles with `HorovodInternalError`, aborts the communicator and ends the coordinator
   loop; `abort()` (ncclCommAbort) frees kernels stuck on a dead peer; `close()` destroys the

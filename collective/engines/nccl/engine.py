@@ -52,9 +52,10 @@ _FREE_EVENTS = 64  # completion events kept for reuse
 # it is not done per op.
 _REAP_AT = 4
 
-# A member of a fused allreduce of this many bytes or more is reduced in place by an NCCL call
-# of its own inside the fused op's NCCL group, instead of through the fusion buffer (whose two
-# copies cost GPU time in proportion to its bytes); 0 packs every member.
+# A member of a fused allreduce of this many bytes or more is reduced where it lies by an NCCL
+# call of its own inside the fused op's NCCL group, instead of through the fusion buffer (whose
+# two copies cost GPU time in proportion to its bytes); 0 packs every member. Each rank splits
+# its members by this value, so it must be the same on every rank.
 DIRECT_BYTES = 1 << 20
 
 _rt = cupy.cuda.runtime
@@ -99,6 +100,22 @@ def guest_exit() -> None:
         if int(_rt.getDevice()) != dev:
             _rt.setDevice(dev)
         stream.use()
+
+def _disjoint(srcs: list[int], dsts: list[int], sizes: list[int]) -> bool:
+    """Whether no two members of a fused op share memory (inputs, and outputs apart from their
+    own input). Members reduced by NCCL calls of their own in one group must not: the calls
+    run concurrently, where the fusion buffer's copies give the same tensor twice, or two
+    views of one tensor, their sum."""
+    spans = [(s, s + n) for s, n in zip(srcs, sizes) if n]
+    spans += [(d, d + n) for s, d, n in zip(srcs, dsts, sizes) if n and d != s]
+    spans.sort()
+    end = 0
+    for a, b in spans:
+        if a < end:
+            return False
+        end = b
+    return True
+
 
 class NCCLEngine(Engine):
     """GPU collectives for one process set. See the module docstring."""
@@ -515,23 +532,21 @@ class NCCLEngine(Engine):
             kern.scale(dst, count, dt, post)
             return
         srcs, dsts, sizes, offs = [], [], [], []
-        direct: list[tuple[int, int, int]] | None = None
-        off = 0
+        direct: list[int] | None = None  # indices of members reduced where they lie
+        off, limit = 0, DIRECT_BYTES
         for e in entries:
             p, nb = pointer_of(e.tensor)
-            if DIRECT_BYTES and nb >= DIRECT_BYTES:
+            if nb >= limit > 0:
                 if direct is None:
                     direct = []
-                direct.append((p, self._out_ptr(e, e.request.shape), nb // item))
-                continue
+                direct.append(len(srcs))
             srcs.append(p)
             sizes.append(nb)
             dsts.append(self._out_ptr(e, e.request.shape))
             offs.append(off)
             off += _pad16(nb)
-        if direct is not None:
-            self._grouped(entries, direct, (srcs, dsts, sizes, offs, off), dt, ntype, op, pre,
-                          post)
+        if direct is not None and _disjoint(srcs, dsts, sizes):
+            self._grouped(entries, direct, srcs, dsts, sizes, dt, (ntype, op, pre, post))
             return
         if off == 0:
             return
@@ -546,50 +561,63 @@ class NCCLEngine(Engine):
         self._staged(entries, (srcs, fused, sizes), (fused, dsts, sizes), "NCCL_ALLREDUCE",
                      reduce)
 
-    def _grouped(self, entries: list[Entry], direct: list[tuple[int, int, int]],
-                 packed: tuple[list[int], list[int], list[int], list[int], int], dt: DataType,
-                 ntype: int, op: int, pre: float, post: float) -> None:
-        """A fused allreduce whose members of `DIRECT_BYTES` or more are reduced where they
-        lie, each its own NCCL call, and the rest through the fusion buffer, all in one NCCL
-        group (one launch): the large members skip the two copies through the buffer."""
+    def _grouped(self, entries: list[Entry], direct: list[int], srcs: list[int],
+                 dsts: list[int], sizes: list[int], dt: DataType,
+                 reduction: tuple[int, int, float, float]) -> None:
+        """A fused allreduce whose `direct` members are reduced where they lie (or into their
+        outputs), each by an NCCL call of its own, and the others through the fusion buffer,
+        all in one NCCL group (one launch): the large members skip the two copies through
+        the buffer. The members' memory does not overlap (`_disjoint`)."""
         kern, comm, sp, item = self._kernels, self.comm, self._sp, dt.itemsize
         assert kern is not None
-        srcs, dsts, sizes, offs, off = packed
-        if pre != 1.0:
-            for i, (src, dst, count) in enumerate(direct):
-                if dst != src:
-                    _rt.memcpyAsync(dst, src, count * item, _D2D, sp)
-                    direct[i] = (dst, dst, count)
-                kern.scale(dst, count, dt, pre)
+        ntype, op, pre, post = reduction
+        big = set(direct)
+        small = [i for i in range(len(entries)) if i not in big]
         buf = count = 0
         run_unpack = None
-        small = entries
-        if off and self.timeline is not None:  # the copies' activities name their members
-            small = [e for e in entries if pointer_of(e.tensor)[1] < DIRECT_BYTES]
-        if off:
-            buf = self._fusion_buffer(off, entries[0])
-            fused = [buf + o for o in offs]
-            act = self._activity(small, "MEMCPY_IN_FUSION_BUFFER")
-            run_unpack = self._copies((srcs, fused, sizes), (fused, dsts, sizes))
-            self._activity_end(act)
-            count = off // item
-            kern.scale(buf, count, dt, pre)
+        if small:
+            offs, off = [], 0
+            for i in small:
+                offs.append(off)
+                off += _pad16(sizes[i])
+            if off:
+                buf = self._fusion_buffer(off, entries[0])
+                fused = [buf + o for o in offs]
+                ps, pd, pn = [srcs[i] for i in small], [dsts[i] for i in small], \
+                    [sizes[i] for i in small]
+                names = [entries[i] for i in small]
+                act = self._activity(names, "MEMCPY_IN_FUSION_BUFFER")
+                run_unpack = self._copies((ps, fused, pn), (fused, pd, pn))
+                self._activity_end(act)
+                count = off // item
         act = self._activity(entries, "NCCL_ALLREDUCE")
+        if pre != 1.0:
+            for i in direct:
+                if dsts[i] != srcs[i]:
+                    _rt.memcpyAsync(dsts[i], srcs[i], sizes[i], _D2D, sp)
+                kern.scale(dsts[i], sizes[i] // item, dt, pre)
+            kern.scale(buf, count, dt, pre)
+        src_of = dsts if pre != 1.0 else srcs  # prescaled members were copied to their outputs
         nccl.groupStart()
         try:
-            for src, dst, n in direct:
-                comm.allReduce(src, dst, n, ntype, op, sp)
+            for i in direct:
+                comm.allReduce(src_of[i], dsts[i], sizes[i] // item, ntype, op, sp)
             if count:
                 comm.allReduce(buf, buf, count, ntype, op, sp)
-        finally:
-            nccl.groupEnd()
-        self._activity_end(act)
+        except BaseException:
+            try:
+                nccl.groupEnd()
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+            raise
+        nccl.groupEnd()
         if post != 1.0:
-            for _, dst, n in direct:
-                kern.scale(dst, n, dt, post)
-        if run_unpack is not None:
+            for i in direct:
+                kern.scale(dsts[i], sizes[i] // item, dt, post)
             kern.scale(buf, count, dt, post)
-            act = self._activity(small, "MEMCPY_OUT_FUSION_BUFFER")
+        self._activity_end(act)
+        if run_unpack is not None:
+            act = self._activity([entries[i] for i in small], "MEMCPY_OUT_FUSION_BUFFER")
             run_unpack()
             self._activity_end(act)
 
