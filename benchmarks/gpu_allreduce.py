@@ -22,8 +22,8 @@ Measures, per size (float32, Sum, in place):
   the per-op host cost without fusion or overlap;
 * with `--eager-ab`: more ringvod in-flight series, each with `collective.ops.EAGER_BYTES` set
   to a value (0 turns the large-op rule off; a trailing `d` launches through a driven cycle
-  instead of the express lane), alternating with the others; `--alone-ab` and `--direct-ab`
-  do the same for `collective.fusion.ALONE_BYTES` and the NCCL engine's `DIRECT_BYTES`;
+  instead of the express lane), alternating with the others; `--direct-ab` does the same for
+  the NCCL engine's `DIRECT_BYTES`;
 * lone: one synchronous op (`hvd.allreduce_`, `dist.all_reduce`) followed by a host wait for
   the GPU, repeated; the median (what a program that needs the value at once sees).
 """
@@ -86,22 +86,15 @@ def main() -> int:
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--quick", action="store_true", help="fewer iterations")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per size")
-    p.add_argument("--fuse-all", action="store_true", help="A/B: fuse large device allreduces "
-                   "too (collective.fusion.ALONE_BYTES = 0)")
     p.add_argument("--eager-ab", default="", help="A/B: extra ringvod in-flight series with "
                    "collective.ops.EAGER_BYTES set to each of these values (0 = off)")
     p.add_argument("--stream-ab", action="store_true", help="A/B: a second ringvod lone series "
                    "with synchronous ops on the engine's stream behind a ready event "
                    "(collective.engines.device.CALLER_STREAM off) instead of the caller's")
-    p.add_argument("--alone-ab", default="", help="A/B: extra ringvod in-flight series with "
-                   "collective.fusion.ALONE_BYTES set to each of these values (0 = fuse all)")
     p.add_argument("--direct-ab", default="", help="A/B: extra ringvod in-flight series with "
                    "the NCCL engine's DIRECT_BYTES set to each of these values (0 = every "
                    "member of a fused allreduce through the fusion buffer)")
     a = p.parse_args()
-    if a.fuse_all:
-        import collective.fusion
-        collective.fusion.ALONE_BYTES = 0
     hvd.init()
     rank, n = hvd.rank(), hvd.size()
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
@@ -175,25 +168,20 @@ def main() -> int:
 
     impls = [("ringvod", ringvod_block), ("CuPy NCCL", each(raw)),
              ("torch.distributed", each(torchdist))]
-    import collective.fusion as cfusion
     from collective.engines.nccl import engine as cengine
-    default_alone, default_direct = cfusion.ALONE_BYTES, cengine.DIRECT_BYTES
+    default_direct = cengine.DIRECT_BYTES
 
-    def with_setting(module, attr, v):  # ringvod's block with module.attr = int(v)
+    def with_direct(v):
         def block(pool, names):
-            saved = getattr(module, attr)
-            setattr(module, attr, int(v))
+            cengine.DIRECT_BYTES = int(v)
             try:
                 ringvod_block(pool, names)
             finally:
-                setattr(module, attr, saved)
+                cengine.DIRECT_BYTES = default_direct
         return block
 
     impls += [(f"ringvod eager={v}", with_eager(v)) for v in a.eager_ab.split(",") if v]
-    impls += [(f"ringvod alone={v}", with_setting(cfusion, "ALONE_BYTES", v))
-              for v in a.alone_ab.split(",") if v]
-    impls += [(f"ringvod direct={v}", with_setting(cengine, "DIRECT_BYTES", v))
-              for v in a.direct_ab.split(",") if v]
+    impls += [(f"ringvod direct={v}", with_direct(v)) for v in a.direct_ab.split(",") if v]
     sizes = [int(x) for x in a.sizes.split(",") if x] or SIZES
     for nb in [s for s in sizes if a.min_bytes <= s <= a.max_bytes]:
         # ~20 ms of GPU time per block at ~300 GB/s (at least 20 ops, at most 200).
@@ -247,8 +235,7 @@ def main() -> int:
                           f"{td['busbw_gbs']:.1f}",
                           f"{rv['busbw_gbs'] / cp['busbw_gbs'] * 100:.0f}%",
                           f"{rv['busbw_gbs'] / td['busbw_gbs']:.2f}x", f"{dp['time_us']:.1f}"])
-        print(f"allreduce float32, {n} GPUs ({torch.cuda.get_device_name()}), {versions()}"
-              + (", --fuse-all (large device allreduces fused too)" if a.fuse_all else ""))
+        print(f"allreduce float32, {n} GPUs ({torch.cuda.get_device_name()}), {versions()}")
         print("ops in flight (us per op, median block; ringvod fuses the ops in flight), and "
               "ringvod's dependent ops (each waited for before the next):")
         print(format_table(["size", "in flight", "ringvod us", "busbw", "cupy us", "busbw",
@@ -264,7 +251,7 @@ def main() -> int:
                            " ".join(f"{v:.0f}" for v in rv["rounds_us"]),
                            " ".join(f"{v:.0f}" for v in base["rounds_us"])])
             print(f"A/B in flight: {label} against ringvod (EAGER_BYTES={default_eager}, "
-                  f"ALONE_BYTES={default_alone}, DIRECT_BYTES={default_direct}):")
+                  f"DIRECT_BYTES={default_direct}):")
             print(format_table(["size", "variant us", "ringvod us", "torch us", "var/torch",
                                 "rv/torch", "variant rounds", "ringvod rounds"], vt))
         lt = []

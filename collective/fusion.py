@@ -9,12 +9,9 @@ fuses by per-rank byte sums. A non-matching response is skipped (kept for later,
 while the accumulated plus skipped bytes still fit. BROADCAST, ALLTOALL, JOIN, BARRIER and ERROR
 never fuse; JOIN, BARRIER and ERROR also stop the look-ahead.
 
-One rule of ringvod's own: a device allreduce of `ALONE_BYTES` or more is never fused. It
-reaches NCCL's full bandwidth on its own, in place, whereas in a fusion buffer it costs two
-extra copies of its bytes (`benchmarks/gpu_allreduce.py`: ops of 16 MiB and more in flight ran
-about a fifth to a quarter slower fused than alone). Below that size a launch of its own costs
-more host time than the copies cost GPU time (8 MiB ops in flight ran 12-20% faster fused than
-alone; 1-4 MiB ones up to twice as fast). Host buffers fuse as before.
+Device allreduces fuse whatever their size: the NCCL engine reduces a fused op's members of
+1 MiB or more where they lie, each by an NCCL call of its own in the op's NCCL group, so fusing
+costs a large member no copies through the fusion buffer (`engines/nccl/engine.py`).
 """
 from __future__ import annotations
 
@@ -27,15 +24,7 @@ from .types import Response, ResponseType
 __all__ = ["plan_fusion", "response_bytes"]
 
 _REDUCTIONS = (ResponseType.ALLREDUCE, ResponseType.ADASUM, ResponseType.REDUCESCATTER)
-# A device allreduce this large runs alone (see the module docstring); 0 = fuse everything.
-ALONE_BYTES = 16 * 1024 * 1024
 _BARRIERS = (ResponseType.JOIN, ResponseType.BARRIER, ResponseType.ERROR)
-
-
-def _alone(r: Response, nbytes: int) -> bool:
-    """A device allreduce of `ALONE_BYTES` or more: planned on its own, never fused."""
-    return (r.type == ResponseType.ALLREDUCE and r.device >= 0 and ALONE_BYTES > 0
-            and nbytes >= ALONE_BYTES)
 
 
 def _pad(n: int, align: int) -> int:
@@ -115,9 +104,6 @@ def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
         # Allgather fits when every rank's summed share fits (as in Horovod).
         ranks_used = _per_rank(head, group_size, align) if gather else []
         used = response_bytes(head, group_size, align)
-        if _alone(head, used):
-            out.append(head)
-            continue
         skipped: list[Response] = []
         skipped_bytes = 0
         while queue:
@@ -125,7 +111,7 @@ def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
             if nxt.type in _BARRIERS:
                 break
             nb = response_bytes(nxt, group_size, align)
-            if _compatible(head, nxt, disable_group_fusion) and not _alone(nxt, nb):
+            if _compatible(head, nxt, disable_group_fusion):
                 if gather:
                     summed = [a + b for a, b in zip(ranks_used, _per_rank(nxt, group_size,
                                                                           align))]

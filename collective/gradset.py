@@ -17,8 +17,7 @@ wait for the GIL. A gradient set moves that work out of the step:
 * **negotiation** (collective/coordinator/negotiate.py): each set adds one bit per member to the
   round's AND vector, after the response cache's bits. Members set on every rank are agreed;
   every rank cuts them, in member order, into fused ops of up to the fusion threshold (the
-  same rules as `fusion.plan_fusion`: one dtype per op, a device member of `ALONE_BYTES` or more
-  alone), so no rank-0 plan travels;
+  same rules as `fusion.plan_fusion`: one dtype per op), so no rank-0 plan travels;
 * **execution** (collective/coordinator/execute.py): an agreed chunk runs on the engine like a
   fused response, in place; a device member's ready event (recorded by its hook) orders the
   engine's stream after the kernels that produced it;
@@ -48,7 +47,6 @@ from . import _current, _log
 from .engines.device import release_events
 from .entry import Entry, default_allocate
 from .errors import MismatchError
-from .fusion import ALONE_BYTES
 from .handle import Handle
 from .negotiation import bit_indices, words_to_int
 from .types import CPU_DEVICE, DataType, ReduceOp, Request, RequestType, Response, ResponseType
@@ -319,15 +317,8 @@ class GradientSet:
         cur: list[int] = []
         cur_bytes = 0
         dtype = None
-        alone = ALONE_BYTES if self.device != CPU_DEVICE and ALONE_BYTES > 0 else 0
         for i in members:
             nb = self.nbytes[i]
-            if alone and nb >= alone:
-                if cur:
-                    chunks.append(cur)
-                    cur, cur_bytes = [], 0
-                chunks.append([i])
-                continue
             if cur and (self.dtypes[i] != dtype or cur_bytes + nb > threshold):
                 chunks.append(cur)
                 cur, cur_bytes = [], 0

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from collective.errors import ShutdownError
-from collective.fusion import ALONE_BYTES
 from collective.gradset import GradientSet, _compare, _fingerprint
 from collective.types import DataType, ReduceOp
 
@@ -44,14 +43,14 @@ def test_submitted_members_become_bits_and_agreed_ones_leave():
 
 
 def test_chunks_follow_the_fusion_rules():
-    big = ALONE_BYTES // 4
+    big = (64 << 20) // 4
     gs = _set([(10,), (10,), (big,), (10,), (10,), (10,)], [F32, F32, F32, F32, F16, F16])
     for i in range(6):
         gs.submit(i, i)
     gs.take(0.0)
     chunks = gs.agree(_all_ones(gs), False, 1 << 30)
-    # the large device member alone, a dtype change cuts
-    assert [c.indices for c in chunks] == [[0, 1], [2], [3], [4, 5]]
+    # a large device member fuses as any other; a dtype change cuts
+    assert [c.indices for c in chunks] == [[0, 1, 2, 3], [4, 5]]
     # threshold: 40 + 40 bytes > 60 cuts after each member
     gs2 = _set([(10,)] * 3)
     for i in range(3):
