@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 import struct
 import time
 from collections import OrderedDict
@@ -395,8 +396,24 @@ def _ranks_str(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
+_MEMBER = re.compile(r"_(\d+)of(\d+)$")  # a grouped op's member: `<group>_<i>of<n>` (ops.py)
+
+
+def _group_of(name: str) -> tuple[str, int] | None:
+    """(group name, member count) of a grouped op's member name, else None."""
+    if not name.startswith("grouped_"):
+        return None
+    m = _MEMBER.search(name)
+    return None if m is None else (name[:m.start()], int(m.group(2)))
+
+
 class MessageTable:
-    """Rank 0 of a process set: counts requests per name and builds validated responses."""
+    """Rank 0 of a process set: counts requests per name and builds validated responses.
+
+    A grouped op's members carry the group's size in their names (`g_1of3`), so ranks that
+    pass different numbers of tensors to one grouped op submit names no other rank does:
+    instead of waiting forever, the group fails on every rank once two ranks are seen to
+    disagree (`_group_mismatch`)."""
 
     def __init__(self, size: int, global_ranks: list[int]) -> None:
         self.size = size
@@ -406,6 +423,8 @@ class MessageTable:
         self.first_seen: dict[str, float] = {}
         self.joined: set[int] = set()
         self.last_joined = -1
+        # group name -> {member count: pending member names}, for grouped ops' members
+        self._groups_pending: dict[str, dict[int, int]] = {}
 
     @property
     def join_active(self) -> bool:
@@ -424,6 +443,7 @@ class MessageTable:
         ready: list[str] = []
         joined_now = False
         now = time.monotonic()
+        grouped: set[str] = set()  # groups with a new member name this round
         for rank, reqs in enumerate(request_lists):
             for req in reqs:
                 if req.type == RequestType.JOIN:
@@ -437,6 +457,12 @@ class MessageTable:
                     self.first_seen[req.name] = now
                     if on_first is not None:
                         on_first(req.name, req.type)
+                    g = _group_of(req.name)
+                    if g is not None:
+                        counts = self._groups_pending.setdefault(g[0], {})
+                        counts[g[1]] = counts.get(g[1], 0) + 1
+                        if len(counts) > 1:
+                            grouped.add(g[0])
                 slot[rank] = req
                 if on_rank is not None:
                     on_rank(req.name, self.global_ranks[rank])
@@ -446,7 +472,14 @@ class MessageTable:
             for name, slot in self.table.items():
                 if name not in ready and len(slot.keys() | self.joined) == self.size:
                     ready.append(name)
-        responses = [self._construct(name) for name in ready]
+        failed: list[Response] = []
+        for group in grouped:
+            err = self._group_mismatch(group)
+            if err is not None:
+                failed.append(err)
+                gone = set(err.names)
+                ready = [n for n in ready if n not in gone]
+        responses = failed + [self._construct(name) for name in ready]
         if len(self.joined) == self.size:
             responses.append(Response(type=ResponseType.JOIN, names=["join.noname"],
                                       last_joined_rank=self.last_joined))
@@ -465,8 +498,7 @@ class MessageTable:
         leave the table; a later request of the same name starts a new entry."""
         out = []
         for name in [n for n, slot in self.table.items() if not ranks <= slot.keys()]:
-            slot = self.table.pop(name)
-            self.first_seen.pop(name, None)
+            slot = self._take(name)
             first = slot[min(slot)]
             joined = _ranks_str(sorted(self.global_ranks[r] for r in ranks - slot.keys()))
             sent = _ranks_str(sorted(self.global_ranks[r] for r in slot))
@@ -484,6 +516,49 @@ class MessageTable:
     def _error(self, name: str, message: str) -> Response:
         return Response(type=ResponseType.ERROR, names=[name], error=message)
 
+    def _take(self, name: str) -> dict[int, Request]:
+        """Removes a pending name from the table; returns its requests."""
+        self.first_seen.pop(name, None)
+        g = _group_of(name)
+        if g is not None:
+            counts = self._groups_pending.get(g[0])
+            if counts is not None and g[1] in counts:
+                counts[g[1]] -= 1
+                if not counts[g[1]]:
+                    del counts[g[1]]
+                if not counts:
+                    del self._groups_pending[g[0]]
+        return self.table.pop(name)
+
+    def _group_mismatch(self, group: str) -> Response | None:
+        """One ERROR response for every pending member of `group` when two ranks passed it
+        different numbers of tensors: some rank submitted members of an n1-tensor group that
+        another rank did not, and that rank members of an n2-tensor group the first did not.
+        (A rank one step ahead with the same group of another size has also submitted the
+        size the others are at, so it never looks like this.)"""
+        names: dict[int, list[str]] = {}
+        ranks: dict[int, set[int]] = {}
+        for n in self._groups_pending.get(group, {}):
+            for i in range(1, n + 1):
+                slot = self.table.get(f"{group}_{i}of{n}")
+                if slot is not None:
+                    names.setdefault(n, []).append(f"{group}_{i}of{n}")
+                    ranks.setdefault(n, set()).update(slot)
+        if not any(ranks[a] - ranks[b] and ranks[b] - ranks[a]
+                   for a in ranks for b in ranks if a < b):
+            return None
+        all_names = [nm for n in sorted(names) for nm in names[n]]
+        for nm in all_names:
+            self._take(nm)
+        sent = "; ".join(
+            f"rank(s) {_ranks_str(sorted(self.global_ranks[r] for r in ranks[n]))} passed {n} "
+            f"tensor{'s' if n != 1 else ''}" for n in sorted(ranks))
+        kind = group[len("grouped_"):].split(".", 1)[0]
+        return Response(type=ResponseType.ERROR, names=all_names, error=(
+            f"Mismatched grouped {kind} sizes: {sent} (group {quote_name(group)}). Every rank "
+            "must pass the same number of tensors to a grouped op under one name (e.g. the "
+            "same model's gradients, in the same order)."))
+
     def _groups(self, reqs: dict[int, Request], key) -> str | None:
         """'rank(s) 0, 2 sent X; rank(s) 1 sent Y' when ranks disagree on key, else None."""
         by_value: dict = {}
@@ -494,8 +569,7 @@ class MessageTable:
         return "; ".join(f"rank(s) {_ranks_str(rs)} sent {v}" for v, rs in by_value.items())
 
     def _construct(self, name: str) -> Response:
-        reqs = self.table.pop(name)
-        self.first_seen.pop(name, None)
+        reqs = self._take(name)
         ranks = sorted(reqs)
         first = reqs[ranks[0]]
 

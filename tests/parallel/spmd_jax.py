@@ -200,6 +200,11 @@ def test_error_paths():
                           name="mismatch.dtype")
         with pytest.raises(hvd.HorovodInternalError):
             hvd.allreduce_gradients({"w": jnp.ones(me + 1)}, name="mismatch.tree")
+        # Gradient trees with different leaf counts (one grouped op of another size per rank):
+        # an error on every rank, not a stall.
+        grads = {"w": jnp.ones(2), "b": jnp.ones(1)} if me == 0 else {"w": jnp.ones(2)}
+        with pytest.raises(hvd.HorovodInternalError, match="Mismatched grouped allreduce sizes"):
+            hvd.allreduce_gradients(grads, name="mismatch.leaves")
         # Trees of another structure (a leaf only rank 0 has): an error on every rank, not a
         # broadcast that only some ranks submit.
         tree = {"w": jnp.ones(2), "b": jnp.zeros(1)} if me == 0 else {"w": jnp.ones(2)}

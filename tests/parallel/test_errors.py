@@ -156,6 +156,15 @@ def test_mismatch_inside_group_fails_the_group_on_every_rank():
                     r"Mismatched ALLREDUCE tensor shapes", "grp")
 
 
+def test_mismatched_group_sizes_fail_the_group_on_every_rank():
+    # Ranks that pass a grouped op different numbers of tensors submit member names no other
+    # rank does (grpsize_1of1 against grpsize_1of2, grpsize_2of2): an error, not a stall.
+    ts = [np.ones(3) for _ in range(1 + hvd.rank() % 2)]
+    expect_mismatch(lambda: hvd.grouped_allreduce(ts, op=hvd.Sum, name="grpsize"),
+                    r"^Mismatched grouped allreduce sizes: rank\(s\) [0-9, ]+ passed 1 tensor; "
+                    r"rank\(s\) [0-9, ]+ passed 2 tensors", "grpsize")
+
+
 def test_duplicate_name_raises_at_enqueue():
     h = hvd.allreduce_async(np.ones(2), op=hvd.Sum, name="dup")
     with pytest.raises(ValueError) as info:

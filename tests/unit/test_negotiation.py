@@ -166,6 +166,37 @@ def mismatch(reqs0, reqs1, size=2, joined=None):
     return out[0].error
 
 
+def test_group_size_mismatch_fails_every_member_at_once():
+    t = table(3)
+    g = "grouped_allreduce.g"
+    assert t.process([[req(0, f"{g}_1of2"), req(0, f"{g}_2of2")], [], []]) == []
+    out = t.process([[], [req(1, f"{g}_1of1")], [req(2, f"{g}_1of2")]])
+    assert len(out) == 1 and out[0].type == ResponseType.ERROR, out
+    assert out[0].names == [f"{g}_1of1", f"{g}_1of2", f"{g}_2of2"]
+    assert out[0].error.startswith("Mismatched grouped allreduce sizes: rank(s) 1 passed 1 "
+                                   "tensor; rank(s) 0, 2 passed 2 tensors (group "
+                                   "'grouped_allreduce.g').")
+    assert t.pending() == {}
+    # The rest of the group, arriving later, starts afresh (and waits for the others).
+    assert t.process([[], [], [req(2, f"{g}_2of2")]]) == []
+
+
+def test_a_rank_ahead_with_another_group_size_is_no_mismatch():
+    # Rank 0 is a step ahead: it submitted this step's two-tensor group and the next step's
+    # one-tensor group of the same name; rank 1 is at the two-tensor group. Both complete.
+    t = table(2, [4, 5])
+    g = "grouped_allreduce.g"
+    assert t.process([[req(0, f"{g}_1of2"), req(0, f"{g}_2of2"), req(0, f"{g}_1of1")],
+                      []]) == []
+    out = t.process([[], [req(1, f"{g}_1of2"), req(1, f"{g}_2of2")]])
+    assert [r.names for r in out] == [[f"{g}_1of2"], [f"{g}_2of2"]]
+    out = t.process([[], [req(1, f"{g}_1of1")]])
+    assert [r.names for r in out] == [[f"{g}_1of1"]] and out[0].type == ResponseType.ALLREDUCE
+    # Names that only look grouped (no grouped_ prefix) are ordinary tensors.
+    out = t.process([[req(0, "allreduce.x_1of2")], [req(1, "allreduce.x_1of3")]])
+    assert [r.type for r in out] == []
+
+
 def test_dtype_mismatch_text():
     err = mismatch(req(0, "t", dtype=DataType.FLOAT32), req(1, "t", dtype=DataType.INT64))
     assert err.startswith("Mismatched data types: One rank had type float32, but another rank "
