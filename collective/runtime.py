@@ -17,7 +17,7 @@ from .config import Config, read_env
 from .coordinator import HELD, Coordinator, ProcessSetState, shutdown_error
 from .engines import create_backend, create_engine
 from .entry import Entry
-from .errors import DuplicateNameError, ShutdownError
+from .errors import DuplicateNameError
 from .handle import Handle
 from .process_sets import ProcessSet, global_process_set
 from .wire import MAX_STR_BYTES, WireError
@@ -84,6 +84,8 @@ class Runtime:
         self._head_msg: tuple[Handle, list] | None = None
         self.shut_down = False
         self.cause: BaseException | None = None
+        # Other global ranks that asked for the clean shutdown, and why (`shutdown_error`)
+        self.shut_down_by: dict[int, str] = {}
         try:
             self._topology()
             _log.configure(config.log_level, config.log_hide_time, self.rank,
@@ -365,7 +367,7 @@ class Runtime:
 
     def _check_running(self) -> None:
         if self.shut_down:
-            raise shutdown_error(self.cause) if self.cause else ShutdownError()
+            raise shutdown_error(self.cause, self.shut_down_by)
 
     def submit(self, state: ProcessSetState, entries: list[Entry], wake: bool = True) -> None:
         """Queues entries atomically (a grouped op negotiates as one). `wake=False`: the caller
@@ -393,7 +395,7 @@ class Runtime:
                 state.table[e.name] = e
                 state.queue.append(e.request)
         if self.shut_down:  # raced with the loop's exit: fail what we just queued
-            state.fail_all(shutdown_error(self.cause))
+            state.fail_all(shutdown_error(self.cause, self.shut_down_by))
         if wake:
             self.coordinator.wake(held=all(e.request.device >= 0 and e.request.type in HELD
                                            for e in entries))
@@ -431,11 +433,13 @@ class Runtime:
                 ps._invalidate()
 
     def _on_loop_exit(self, cause: BaseException | None) -> None:
+        asked = self.coordinator.negotiator.shutdown_ranks
         with self._lock:
+            self.shut_down_by = {r: why for r, why in asked.items() if r != self.rank}
             self.shut_down = True
             self.cause = cause
             changes, self._ps_changes = self._ps_changes, []
-        exc = shutdown_error(cause)
+        exc = shutdown_error(cause, self.shut_down_by)
         for ps in self._members:
             ps.fail_all(exc)
         for _, _, h in changes:

@@ -260,11 +260,13 @@ class Coordinator(FastPaths):
     def _negotiate(self, ps: ProcessSetState) -> tuple[list[Response], bool]:
         if ps.is_root and check_stall(ps):
             self.shutdown_requested = True  # travels with the next global negotiation
+            self.negotiator.stall_shutdown = True
             ps.control.end_stalled_job(f"rank {self.rt.rank}: a rank stalled longer than "
                                        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
                                        self.rt.rank in ps.stall.shutdown_ranks)
         if ps.sets and any(s.stalled for s in ps.sets):
             self.shutdown_requested = True  # a gradient set's stall (collective/gradset.py)
+            self.negotiator.stall_shutdown = True
             ps.control.end_stalled_job(f"rank {self.rt.rank}: a rank stalled in a gradient "
                                        "set longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
                                        False)

@@ -49,6 +49,11 @@ class Negotiator:
         # Global ranks that have joined, as global rank 0's last slow-path round of the global
         # set said (empty when no join is active); other sets' rounds read it (`_note_joined`).
         self.joined: frozenset[int] = frozenset()
+        # The global ranks that asked for the shutdown the job's last round agreed on, and why:
+        # "stall" (this rank's stall check ended the job) or "shutdown" (hvd.shutdown(), the end
+        # of a program). The others' ShutdownError names them.
+        self.stall_shutdown = False  # set by the coordinator when its stall check ends the job
+        self.shutdown_ranks: dict[int, str] = {}
 
     def round(self, ps: ProcessSetState, tl: Any,
               want_shutdown: bool) -> tuple[list[Response], bool]:
@@ -129,6 +134,12 @@ class Negotiator:
         flags = int(res[0])
         any_shutdown = not flags & _NOT_SHUTDOWN
         any_uncached = not flags & _NOT_UNCACHED
+        if any_shutdown and ps.id == 0:
+            # The job's last round, on every rank: one byte each says who asked to end it.
+            mine = (b"s" if self.stall_shutdown else b"1") if want_shutdown else b"0"
+            asked = ps.control.allgather(mine)
+            self.shutdown_ranks = {ps.ranks[r]: "stall" if b == b"s" else "shutdown"
+                                   for r, b in enumerate(asked) if b in (b"s", b"1")}
         if not flags & _NOT_INVALID:
             inv = np.zeros_like(res)
             for bit in invalid:

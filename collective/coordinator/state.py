@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from .. import _log
 from ..engines.device import release_ready
 from ..entry import Entry
-from ..errors import HorovodInternalError, ShutdownError
+from ..errors import SHUT_DOWN_MESSAGE, HorovodInternalError, ShutdownError
 from ..negotiation import MessageTable, PendingHits, ResponseCache
 from ..stall import StallInspector
 from ..types import Request, RequestType
@@ -106,12 +106,23 @@ class ProcessSetState:
             s.fail(exc)
 
 
-def shutdown_error(cause: BaseException | None) -> BaseException:
+def shutdown_error(cause: BaseException | None, by: Mapping[int, str] | None = None
+                   ) -> BaseException:
     """What pending and later ops raise once the job ended because of `cause` (None: a clean
-    shutdown)."""
+    shutdown, which the global ranks in `by` asked for: rank -> "stall" or "shutdown")."""
     if isinstance(cause, HorovodInternalError):
         return cause
-    err = ShutdownError()
+    text = SHUT_DOWN_MESSAGE
+    if cause is None and by:
+        for why, what in (("stall", "shut the job down after a stall "
+                                    "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS; the stall warnings "
+                                    "in its log name the tensors and ranks)"),
+                          ("shutdown", "ended the job (hvd.shutdown(), or the end of its "
+                                       "program)")):
+            ranks = ", ".join(str(r) for r in sorted(by) if by[r] == why)
+            if ranks:
+                text += f" Rank(s) {ranks} {what}."
+    err = ShutdownError(text)
     err.__cause__ = cause
     return err
 

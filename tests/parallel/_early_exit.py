@@ -29,15 +29,17 @@ try:
     handle.wait(30)
 except hvd.ShutdownError as exc:
     dt = time.monotonic() - t0
-    assert str(exc) == SHUT_DOWN_MESSAGE, str(exc)
+    # Horovod's text, then the rank that ended the job.
+    assert str(exc) == (f"{SHUT_DOWN_MESSAGE} Rank(s) {n - 1} ended the job (hvd.shutdown(), "
+                        "or the end of its program)."), str(exc)
     assert dt < 5.0, f"the shutdown error came only after {dt:.1f} s"
     print(f"rank {me}: shutdown error after {dt:.2f} s", flush=True)
 else:
     raise AssertionError("the pending op completed although a rank left")
 try:
     hvd.allreduce(np.ones(1), name="later")
-except hvd.ShutdownError:
-    pass
+except hvd.ShutdownError as exc:
+    assert f"Rank(s) {n - 1} ended the job" in str(exc), str(exc)
 else:
     raise AssertionError("a new op succeeded after the job shut down")
 hvd.shutdown()

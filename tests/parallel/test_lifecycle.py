@@ -36,6 +36,15 @@ def test_rank_that_exits_fails_the_others(how):
 
 @pytest.mark.spmd_driver
 @pytest.mark.tcp
+@pytest.mark.timeout(90)
+def test_rank_that_exits_fails_the_others_in_tcp_mode():
+    """The same under `hvdrun --gloo`: the job's last round (which also tells every rank who
+    ended the job) runs over the tcp control plane."""
+    run_spmd(SCRIPT, np=2, timeout=60, mode="tcp", args=["shutdown-exit"])
+
+
+@pytest.mark.spmd_driver
+@pytest.mark.tcp
 @pytest.mark.timeout(150)
 def test_failed_init_in_tcp_mode():
     """The failed-init tests below under `hvdrun --gloo`, whose connections and threads
@@ -127,9 +136,11 @@ def test_one_rank_shutdown_fails_pending_ops_everywhere():
             dt = time.monotonic() - t0
             assert dt < 5.0, f"pending op failed only after {dt:.1f} s"
             assert isinstance(info.value, hvd.ShutdownError)
-            assert str(info.value) == SHUT_DOWN_MESSAGE
+            # Horovod's text, then the rank that ended the job.
+            assert str(info.value) == (f"{SHUT_DOWN_MESSAGE} Rank(s) {n - 1} ended the job "
+                                       "(hvd.shutdown(), or the end of its program).")
             # New ops on a shut-down runtime fail at once with the same error.
-            with pytest.raises(hvd.ShutdownError):
+            with pytest.raises(hvd.ShutdownError, match=rf"Rank\(s\) {n - 1} ended the job"):
                 hvd.allreduce(np.ones(1), name="after_shutdown")
     finally:
         hvd.shutdown()

@@ -223,7 +223,10 @@ def test_rank_stall_shutdown():
     hvd.init()
     if hvd.rank() == 1:
         h = hvd.allreduce_async(np.ones(2, np.float32), name="lonely", op=hvd.Sum)
-        with pytest.raises(hvd.HorovodInternalError):
+        # The error names the rank whose stall check ended the job, and why.
+        with pytest.raises(hvd.HorovodInternalError,
+                           match=r"Rank\(s\) 0 shut the job down after a stall "
+                                 r"\(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"):
             hvd.synchronize(h)
     else:
         # Rank 0 never submits "lonely"; the stall inspector shuts the job down after 2-3 s.
