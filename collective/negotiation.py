@@ -412,8 +412,8 @@ class MessageTable:
 
     A grouped op's members carry the group's size in their names (`g_1of3`), so ranks that
     pass different numbers of tensors to one grouped op submit names no other rank does:
-    instead of waiting forever, the group fails on every rank once two ranks are seen to
-    disagree (`_group_mismatch`)."""
+    instead of waiting forever, the group fails on every rank once every rank has submitted
+    some of it and two ranks are seen to disagree (`_group_mismatch`)."""
 
     def __init__(self, size: int, global_ranks: list[int]) -> None:
         self.size = size
@@ -423,8 +423,8 @@ class MessageTable:
         self.first_seen: dict[str, float] = {}
         self.joined: set[int] = set()
         self.last_joined = -1
-        # group name -> {member count: pending member names}, for grouped ops' members
-        self._groups_pending: dict[str, dict[int, int]] = {}
+        # group name -> {member count: its pending member names}, for grouped ops' members
+        self._groups_pending: dict[str, dict[int, set[str]]] = {}
 
     @property
     def join_active(self) -> bool:
@@ -443,7 +443,7 @@ class MessageTable:
         ready: list[str] = []
         joined_now = False
         now = time.monotonic()
-        grouped: set[str] = set()  # groups with a new member name this round
+        grouped: set[str] = set()  # groups pending in more than one size with a new request
         for rank, reqs in enumerate(request_lists):
             for req in reqs:
                 if req.type == RequestType.JOIN:
@@ -459,10 +459,12 @@ class MessageTable:
                         on_first(req.name, req.type)
                     g = _group_of(req.name)
                     if g is not None:
-                        counts = self._groups_pending.setdefault(g[0], {})
-                        counts[g[1]] = counts.get(g[1], 0) + 1
-                        if len(counts) > 1:
-                            grouped.add(g[0])
+                        self._groups_pending.setdefault(g[0], {}).setdefault(
+                            g[1], set()).add(req.name)
+                if req.name.startswith("grouped_"):
+                    g = _group_of(req.name)
+                    if g is not None and len(self._groups_pending.get(g[0], ())) > 1:
+                        grouped.add(g[0])
                 slot[rank] = req
                 if on_rank is not None:
                     on_rank(req.name, self.global_ranks[rank])
@@ -472,6 +474,7 @@ class MessageTable:
             for name, slot in self.table.items():
                 if name not in ready and len(slot.keys() | self.joined) == self.size:
                     ready.append(name)
+            grouped.update(g for g, counts in self._groups_pending.items() if len(counts) > 1)
         failed: list[Response] = []
         for group in grouped:
             err = self._group_mismatch(group)
@@ -522,9 +525,10 @@ class MessageTable:
         g = _group_of(name)
         if g is not None:
             counts = self._groups_pending.get(g[0])
-            if counts is not None and g[1] in counts:
-                counts[g[1]] -= 1
-                if not counts[g[1]]:
+            names = counts.get(g[1]) if counts is not None else None
+            if names is not None:
+                names.discard(name)
+                if not names:
                     del counts[g[1]]
                 if not counts:
                     del self._groups_pending[g[0]]
@@ -535,15 +539,16 @@ class MessageTable:
         different numbers of tensors: some rank submitted members of an n1-tensor group that
         another rank did not, and that rank members of an n2-tensor group the first did not.
         (A rank one step ahead with the same group of another size has also submitted the
-        size the others are at, so it never looks like this.)"""
-        names: dict[int, list[str]] = {}
-        ranks: dict[int, set[int]] = {}
-        for n in self._groups_pending.get(group, {}):
-            for i in range(1, n + 1):
-                slot = self.table.get(f"{group}_{i}of{n}")
-                if slot is not None:
-                    names.setdefault(n, []).append(f"{group}_{i}of{n}")
-                    ranks.setdefault(n, set()).update(slot)
+        size the others are at, so it never looks like this.) Only once every rank has
+        submitted some member (or joined): the error then reaches every rank's entries in the
+        same response, and no rank submits its part after the group failed elsewhere."""
+        counts = self._groups_pending.get(group, {})
+        names = {n: sorted(members, key=lambda nm: int(_MEMBER.search(nm).group(1)))
+                 for n, members in counts.items()}
+        ranks = {n: set().union(*(self.table[nm].keys() for nm in members))
+                 for n, members in names.items()}
+        if len(set().union(*ranks.values()) | self.joined) < self.size:
+            return None
         if not any(ranks[a] - ranks[b] and ranks[b] - ranks[a]
                    for a in ranks for b in ranks if a < b):
             return None

@@ -84,7 +84,7 @@ class Runtime:
         self._head_msg: tuple[Handle, list] | None = None
         self.shut_down = False
         self.cause: BaseException | None = None
-        # Other global ranks that asked for the clean shutdown, and why (`shutdown_error`)
+        # Global ranks that asked for the clean shutdown, and why (`shutdown_error`)
         self.shut_down_by: dict[int, str] = {}
         try:
             self._topology()
@@ -435,7 +435,9 @@ class Runtime:
     def _on_loop_exit(self, cause: BaseException | None) -> None:
         asked = self.coordinator.negotiator.shutdown_ranks
         with self._lock:
-            self.shut_down_by = {r: why for r, why in asked.items() if r != self.rank}
+            # This rank's own shutdown needs no naming; its own stall shutdown does.
+            self.shut_down_by = {r: why for r, why in asked.items()
+                                 if r != self.rank or why == "stall"}
             self.shut_down = True
             self.cause = cause
             changes, self._ps_changes = self._ps_changes, []

@@ -116,8 +116,8 @@ def shutdown_error(cause: BaseException | None, by: Mapping[int, str] | None = N
     if cause is None and by:
         for why, what in (("stall", "shut the job down after a stall "
                                     "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS; the stall warnings "
-                                    "in its log name the tensors and ranks)"),
-                          ("shutdown", "ended the job (hvd.shutdown(), or the end of its "
+                                    "in the log of that rank name what waited)"),
+                          ("shutdown", "ended the job (hvd.shutdown(), or the end of the "
                                        "program)")):
             ranks = ", ".join(str(r) for r in sorted(by) if by[r] == why)
             if ranks:

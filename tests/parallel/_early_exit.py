@@ -31,7 +31,7 @@ except hvd.ShutdownError as exc:
     dt = time.monotonic() - t0
     # Horovod's text, then the rank that ended the job.
     assert str(exc) == (f"{SHUT_DOWN_MESSAGE} Rank(s) {n - 1} ended the job (hvd.shutdown(), "
-                        "or the end of its program)."), str(exc)
+                        "or the end of the program)."), str(exc)
     assert dt < 5.0, f"the shutdown error came only after {dt:.1f} s"
     print(f"rank {me}: shutdown error after {dt:.2f} s", flush=True)
 else:

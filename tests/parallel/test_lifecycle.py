@@ -138,7 +138,7 @@ def test_one_rank_shutdown_fails_pending_ops_everywhere():
             assert isinstance(info.value, hvd.ShutdownError)
             # Horovod's text, then the rank that ended the job.
             assert str(info.value) == (f"{SHUT_DOWN_MESSAGE} Rank(s) {n - 1} ended the job "
-                                       "(hvd.shutdown(), or the end of its program).")
+                                       "(hvd.shutdown(), or the end of the program).")
             # New ops on a shut-down runtime fail at once with the same error.
             with pytest.raises(hvd.ShutdownError, match=rf"Rank\(s\) {n - 1} ended the job"):
                 hvd.allreduce(np.ones(1), name="after_shutdown")

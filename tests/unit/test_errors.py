@@ -36,6 +36,25 @@ def test_exact_texts():
         "in the log before the first shutdown message.")
 
 
+def test_shutdown_error_names_who_ended_the_job():
+    from collective.coordinator import shutdown_error
+    plain = str(errors.ShutdownError())
+    assert str(shutdown_error(None)) == plain
+    assert str(shutdown_error(None, {})) == plain
+    err = shutdown_error(None, {3: "shutdown", 0: "stall", 2: "shutdown"})
+    assert isinstance(err, errors.ShutdownError)
+    assert str(err) == (plain + " Rank(s) 0 shut the job down after a stall "
+                        "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS; the stall warnings in the log of "
+                        "that rank name what waited). Rank(s) 2, 3 ended the job "
+                        "(hvd.shutdown(), or the end of the program).")
+    # A job that ended on an error keeps that error; another cause is chained.
+    cause = errors.MismatchError("boom")
+    assert shutdown_error(cause, {1: "shutdown"}) is cause
+    other = OSError("gone")
+    err = shutdown_error(other, {1: "shutdown"})
+    assert str(err) == plain and err.__cause__ is other
+
+
 def test_hosts_updated_interrupt_skip_sync():
     assert errors.HostsUpdatedInterrupt().skip_sync is False
     assert errors.HostsUpdatedInterrupt(True).skip_sync is True

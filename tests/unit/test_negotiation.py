@@ -181,6 +181,37 @@ def test_group_size_mismatch_fails_every_member_at_once():
     assert t.process([[], [], [req(2, f"{g}_2of2")]]) == []
 
 
+def test_group_size_mismatch_waits_for_every_rank():
+    # The error goes out only once every rank has submitted part of the group, so that every
+    # rank gets it in the same response (a rank arriving later would wait for ever).
+    t = table(3)
+    g = "grouped_allreduce.g"
+    assert t.process([[req(0, f"{g}_1of1")], [req(1, f"{g}_1of2"), req(1, f"{g}_2of2")],
+                      []]) == []
+    out = t.process([[], [], [req(2, f"{g}_1of1")]])
+    assert [r.type for r in out] == [ResponseType.ERROR]
+    assert out[0].names == [f"{g}_1of1", f"{g}_1of2", f"{g}_2of2"]
+    assert "rank(s) 0, 2 passed 1 tensor; rank(s) 1 passed 2 tensors" in out[0].error
+    # A rank that joined counts as having submitted.
+    t = table(3)
+    t.process([[], [], [req(2, "join.noname", JOIN)]])
+    out = t.process([[req(0, f"{g}_1of1")], [req(1, f"{g}_1of2"), req(1, f"{g}_2of2")], []])
+    assert [r.type for r in out] == [ResponseType.ERROR]
+
+
+def test_group_size_mismatch_found_when_a_rank_joins_an_existing_name():
+    # Rank 0 is ahead (a two-tensor group, then a one-tensor group of the same name); rank 1
+    # passed one tensor and rank 2 two: the last request lands in existing names.
+    t = table(3)
+    g = "grouped_allreduce.g"
+    assert t.process([[req(0, f"{g}_1of2"), req(0, f"{g}_2of2"), req(0, f"{g}_1of1")], [],
+                      []]) == []
+    assert t.process([[], [req(1, f"{g}_1of1")], []]) == []
+    out = t.process([[], [], [req(2, f"{g}_1of2"), req(2, f"{g}_2of2")]])
+    assert [r.type for r in out] == [ResponseType.ERROR]
+    assert out[0].names == [f"{g}_1of1", f"{g}_1of2", f"{g}_2of2"]
+
+
 def test_a_rank_ahead_with_another_group_size_is_no_mismatch():
     # Rank 0 is a step ahead: it submitted this step's two-tensor group and the next step's
     # one-tensor group of the same name; rank 1 is at the two-tensor group. Both complete.
