@@ -10,7 +10,7 @@ Categories:
 | `MismatchError` | ranks disagree on a tensor's dtype/shape/op/root/scale factors | no: a bug of the script, which every world meets again; `elastic.run` raises it |
 | `ShutdownError` | the runtime was shut down (here or on another rank) | yes |
 | `CollectiveTimeoutError` | a peer did not answer within the configured timeout | yes |
-| `StallError` | the stall inspector shut the job down | yes |
+| `StallError` (a `ShutdownError`) | a stall check shut the job down (`HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`) | yes |
 | `EngineUnavailableError` (ImportError) | an engine's backend package is not installed | no |
 | `HostsUpdatedInterrupt` (RuntimeError) | elastic membership changed; reset without restore | special |
 """
@@ -75,8 +75,9 @@ class CollectiveTimeoutError(HorovodInternalError, TimeoutError):
     """Raised when a peer does not answer within the configured timeout (dead or hung peer)."""
 
 
-class StallError(HorovodInternalError):
-    """Raised when the stall inspector shuts the job down (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."""
+class StallError(ShutdownError):
+    """Raised for pending and new ops on every rank once a stall check shut the job down
+    (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS); a `ShutdownError`."""
 
 
 class EngineUnavailableError(CollectiveError, ImportError):

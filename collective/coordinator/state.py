@@ -12,7 +12,7 @@ import numpy as np
 from .. import _log
 from ..engines.device import release_ready
 from ..entry import Entry
-from ..errors import SHUT_DOWN_MESSAGE, HorovodInternalError, ShutdownError
+from ..errors import SHUT_DOWN_MESSAGE, HorovodInternalError, ShutdownError, StallError
 from ..negotiation import MessageTable, PendingHits, ResponseCache
 from ..stall import StallInspector
 from ..types import Request, RequestType
@@ -112,7 +112,7 @@ def shutdown_error(cause: BaseException | None, by: Mapping[int, str] | None = N
     shutdown, which the global ranks in `by` asked for: rank -> "stall" or "shutdown")."""
     if isinstance(cause, HorovodInternalError):
         return cause
-    text = SHUT_DOWN_MESSAGE
+    text, cls = SHUT_DOWN_MESSAGE, ShutdownError
     if cause is None and by:
         for why, what in (("stall", "shut the job down after a stall "
                                     "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS; the stall warnings "
@@ -122,7 +122,9 @@ def shutdown_error(cause: BaseException | None, by: Mapping[int, str] | None = N
             ranks = ", ".join(str(r) for r in sorted(by) if by[r] == why)
             if ranks:
                 text += f" Rank(s) {ranks} {what}."
-    err = ShutdownError(text)
+        if "stall" in by.values():
+            cls = StallError
+    err = cls(text)
     err.__cause__ = cause
     return err
 

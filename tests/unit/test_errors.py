@@ -41,8 +41,9 @@ def test_shutdown_error_names_who_ended_the_job():
     plain = str(errors.ShutdownError())
     assert str(shutdown_error(None)) == plain
     assert str(shutdown_error(None, {})) == plain
+    assert type(shutdown_error(None, {1: "shutdown"})) is errors.ShutdownError
     err = shutdown_error(None, {3: "shutdown", 0: "stall", 2: "shutdown"})
-    assert isinstance(err, errors.ShutdownError)
+    assert isinstance(err, errors.StallError) and isinstance(err, errors.ShutdownError)
     assert str(err) == (plain + " Rank(s) 0 shut the job down after a stall "
                         "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS; the stall warnings in the log of "
                         "that rank name what waited). Rank(s) 2, 3 ended the job "
