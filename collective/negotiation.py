@@ -451,20 +451,18 @@ class MessageTable:
                     self.last_joined = self.global_ranks[rank]
                     joined_now = True
                     continue
+                g = _group_of(req.name)
                 slot = self.table.get(req.name)
                 if slot is None:
                     slot = self.table[req.name] = {}
                     self.first_seen[req.name] = now
                     if on_first is not None:
                         on_first(req.name, req.type)
-                    g = _group_of(req.name)
                     if g is not None:
                         self._groups_pending.setdefault(g[0], {}).setdefault(
                             g[1], set()).add(req.name)
-                if req.name.startswith("grouped_"):
-                    g = _group_of(req.name)
-                    if g is not None and len(self._groups_pending.get(g[0], ())) > 1:
-                        grouped.add(g[0])
+                if g is not None and len(self._groups_pending[g[0]]) > 1:
+                    grouped.add(g[0])
                 slot[rank] = req
                 if on_rank is not None:
                     on_rank(req.name, self.global_ranks[rank])
