@@ -41,7 +41,7 @@ _BOOL = DataType.BOOL
 
 # An async device allreduce this large, started by a user's call (`enqueue(eager=True)`), is
 # negotiated and launched on the caller's thread (`_start_now`).
-EAGER_BYTES = 16 << 20
+EAGER_BYTES = 64 << 20
 
 _PREFIX = {RequestType.ALLREDUCE: "allreduce", RequestType.ALLGATHER: "allgather",
            RequestType.BROADCAST: "broadcast", RequestType.ALLTOALL: "alltoall",

@@ -101,6 +101,7 @@ def guest_exit() -> None:
             _rt.setDevice(dev)
         stream.use()
 
+
 def _disjoint(srcs: list[int], dsts: list[int], sizes: list[int]) -> bool:
     """Whether no two members of a fused op share memory (inputs, and outputs apart from their
     own input). Members reduced by NCCL calls of their own in one group must not: the calls
@@ -573,6 +574,7 @@ class NCCLEngine(Engine):
         ntype, op, pre, post = reduction
         big = set(direct)
         small = [i for i in range(len(entries)) if i not in big]
+        packed = [entries[i] for i in small]
         buf = count = 0
         run_unpack = None
         if small:
@@ -583,10 +585,9 @@ class NCCLEngine(Engine):
             if off:
                 buf = self._fusion_buffer(off, entries[0])
                 fused = [buf + o for o in offs]
-                ps, pd, pn = [srcs[i] for i in small], [dsts[i] for i in small], \
-                    [sizes[i] for i in small]
-                names = [entries[i] for i in small]
-                act = self._activity(names, "MEMCPY_IN_FUSION_BUFFER")
+                ps, pd, pn = ([srcs[i] for i in small], [dsts[i] for i in small],
+                              [sizes[i] for i in small])
+                act = self._activity(packed, "MEMCPY_IN_FUSION_BUFFER")
                 run_unpack = self._copies((ps, fused, pn), (fused, pd, pn))
                 self._activity_end(act)
                 count = off // item
@@ -617,7 +618,7 @@ class NCCLEngine(Engine):
             kern.scale(buf, count, dt, post)
         self._activity_end(act)
         if run_unpack is not None:
-            act = self._activity([entries[i] for i in small], "MEMCPY_OUT_FUSION_BUFFER")
+            act = self._activity(packed, "MEMCPY_OUT_FUSION_BUFFER")
             run_unpack()
             self._activity_end(act)
 
