@@ -69,7 +69,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Starts reducing `tensor` across the process set into a new tensor; returns a handle.
-    A CUDA tensor of 16 MiB or more (`collective.ops.EAGER_BYTES`) is negotiated and launched
+    A CUDA tensor of 64 MiB or more (`collective.ops.EAGER_BYTES`) is negotiated and launched
     before the call returns, once every rank has taken part in that round (docs/torch.md).
 
     Raises:
