@@ -23,8 +23,10 @@ from .types import Response, ResponseType
 
 __all__ = ["plan_fusion", "response_bytes"]
 
-_REDUCTIONS = (ResponseType.ALLREDUCE, ResponseType.ADASUM, ResponseType.REDUCESCATTER)
-_BARRIERS = (ResponseType.JOIN, ResponseType.BARRIER, ResponseType.ERROR)
+_ALLGATHER, _REDUCESCATTER = ResponseType.ALLGATHER, ResponseType.REDUCESCATTER
+_REDUCTIONS = frozenset((ResponseType.ALLREDUCE, ResponseType.ADASUM, _REDUCESCATTER))
+_FUSABLE = _REDUCTIONS | {_ALLGATHER}
+_BARRIERS = frozenset((ResponseType.JOIN, ResponseType.BARRIER, ResponseType.ERROR))
 
 
 def _pad(n: int, align: int) -> int:
@@ -51,11 +53,13 @@ def _per_rank(r: Response, group_size: int, align: int) -> list[int]:
 
 def response_bytes(r: Response, group_size: int, align: int = 0) -> int:
     """Bytes the response adds to a fusion buffer (allgather: the largest per-rank share)."""
-    item = r.dtype.itemsize
-    if r.type in _REDUCTIONS:
-        pad = 0 if r.type == ResponseType.REDUCESCATTER else align
-        return sum(_pad(n * item, pad) for n in r.sizes)
-    if r.type == ResponseType.ALLGATHER:
+    t = r.type
+    if t in _REDUCTIONS:
+        item = r.dtype.itemsize
+        if align <= 1 or t == _REDUCESCATTER:  # reducescatter members are not padded
+            return sum(r.sizes) * item
+        return sum((n * item + align - 1) // align * align for n in r.sizes)
+    if t == _ALLGATHER:
         return max(_per_rank(r, group_size, align), default=0)
     return 0
 
@@ -76,7 +80,7 @@ def _compatible(a: Response, b: Response, by_group: bool) -> bool:
         return False
     if by_group and group_key(a.names[0]) != group_key(b.names[0]):
         return False
-    if a.type == ResponseType.ALLGATHER:
+    if a.type == _ALLGATHER:
         return True
     return (a.reduce_op == b.reduce_op and a.prescale == b.prescale
             and a.postscale == b.postscale)
@@ -91,26 +95,27 @@ def _merge(into: Response, other: Response) -> None:
 def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
                 align: int = 0, disable_group_fusion: bool = False) -> list[Response]:
     """Returns the fused responses in execution order. Inputs are not modified."""
-    queue = deque(responses)
+    if threshold <= 0:
+        return list(responses)
+    # (response, its bytes), each size computed once: a response skipped by one head's
+    # look-ahead is looked at again by the next.
+    queue = deque((r, response_bytes(r, group_size, align)) for r in responses)
     out: list[Response] = []
     while queue:
-        head = queue.popleft()
-        merged = False  # head is copied before its first merge, so inputs stay untouched
-        fusable = head.type in _REDUCTIONS or head.type == ResponseType.ALLGATHER
-        if not fusable or threshold <= 0:
+        head, used = queue.popleft()
+        if head.type not in _FUSABLE:
             out.append(head)
             continue
-        gather = head.type == ResponseType.ALLGATHER
+        merged = False  # head is copied before its first merge, so inputs stay untouched
+        gather = head.type == _ALLGATHER
         # Allgather fits when every rank's summed share fits (as in Horovod).
         ranks_used = _per_rank(head, group_size, align) if gather else []
-        used = response_bytes(head, group_size, align)
-        skipped: list[Response] = []
+        skipped: list[tuple[Response, int]] = []
         skipped_bytes = 0
         while queue:
-            nxt = queue[0]
+            nxt, nb = queue[0]
             if nxt.type in _BARRIERS:
                 break
-            nb = response_bytes(nxt, group_size, align)
             if _compatible(head, nxt, disable_group_fusion):
                 if gather:
                     summed = [a + b for a, b in zip(ranks_used, _per_rank(nxt, group_size,
@@ -118,17 +123,14 @@ def plan_fusion(responses: Iterable[Response], threshold: int, group_size: int,
                     if max(summed, default=0) > threshold:
                         break
                     ranks_used = summed
-                    if not merged:
-                        head, merged = _copy(head), True
-                    _merge(head, queue.popleft())
                     used = max(summed, default=0)
-                    continue
-                if used + nb > threshold:
+                elif used + nb > threshold:
                     break
+                else:
+                    used += nb
                 if not merged:
                     head, merged = _copy(head), True
-                _merge(head, queue.popleft())
-                used += nb
+                _merge(head, queue.popleft()[0])
             elif used + skipped_bytes + nb <= threshold:
                 skipped.append(queue.popleft())
                 skipped_bytes += nb
