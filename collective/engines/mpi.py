@@ -199,9 +199,9 @@ class MPIControlPlane(ControlPlane):
     def end_stalled_job(self, reason: str, stalled_here: bool) -> None:
         # A stalled rank never reaches MPI_Finalize, and Open MPI's finalize waits for every
         # rank: without this, the others hung there after their ShutdownError, and mpirun,
-        # seeing no rank exit, never ended the job. Two guards, each firing only while the
-        # job is stuck, so ranks that all end by themselves (or take their time to save
-        # something after the error) exit as they would:
+        # seeing no rank exit, never ended the job. Two guards, so that ranks that all end by
+        # themselves exit as they would (a rank still running STALL_ABORT_GRACE s after this
+        # one exited is taken for stuck, even one saving something after the error):
         # * at exit, MPI_Finalize (after the atexit handlers) not returning within
         #   STALL_ABORT_GRACE s: SIGALRM, left at its default action, ends this process, and
         #   mpirun the job;
