@@ -383,7 +383,7 @@ def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
     rt: Any = _current.current()
     if rt.shut_down:
         from .coordinator.state import shutdown_error  # the coordinator imports this module
-        raise shutdown_error(rt.cause)
+        raise shutdown_error(rt.cause, rt.shut_down_by)
     if rt.dynamic_process_sets:
         return None
     state = rt.process_set_state(process_set, "DistributedOptimizer")

@@ -539,20 +539,21 @@ class MessageTable:
         (A rank one step ahead with the same group of another size has also submitted the
         size the others are at, so it never looks like this.) Only once every rank has
         submitted some member (or joined): the error then reaches every rank's entries in the
-        same response, and no rank submits its part after the group failed elsewhere."""
+        same response, and no rank submits its part after the group failed elsewhere.
+        The response names every member of every size seen, pending here or not: a rank's
+        other members may still wait as cache hits (`execute.perform` drops them too)."""
         counts = self._groups_pending.get(group, {})
-        names = {n: sorted(members, key=lambda nm: int(_MEMBER.search(nm).group(1)))
-                 for n, members in counts.items()}
         ranks = {n: set().union(*(self.table[nm].keys() for nm in members))
-                 for n, members in names.items()}
+                 for n, members in counts.items()}
         if len(set().union(*ranks.values()) | self.joined) < self.size:
             return None
         if not any(ranks[a] - ranks[b] and ranks[b] - ranks[a]
                    for a in ranks for b in ranks if a < b):
             return None
-        all_names = [nm for n in sorted(names) for nm in names[n]]
+        all_names = [f"{group}_{i}of{n}" for n in sorted(ranks) for i in range(1, n + 1)]
         for nm in all_names:
-            self._take(nm)
+            if nm in self.table:
+                self._take(nm)
         sent = "; ".join(
             f"rank(s) {_ranks_str(sorted(self.global_ranks[r] for r in ranks[n]))} passed {n} "
             f"tensor{'s' if n != 1 else ''}" for n in sorted(ranks))

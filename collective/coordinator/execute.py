@@ -52,6 +52,7 @@ def perform(ps: ProcessSetState, resp: Response, tl: Any, device_engine: str,
             if tl is not None:
                 tl.end_error(name)
             if e is not None:
+                ps.forget(e.request)
                 e.handle._set_exception(exc)
                 failed.append(e)
         release_ready(failed)

@@ -94,12 +94,15 @@ class Negotiator:
                 if state is CacheState.INVALID:
                     invalid.add(bit)
                 uncached.append(req)
-        limit = self.config.stall_check_time
-        if hits and not self.config.stall_check_disable and limit > 0:
-            # Hits waiting for other ranks go to the slow path, where rank 0's stall inspector
-            # sees them, after a tenth of the warning time (at most 1 s): the warning then comes
-            # at most that much after the setting.
-            for bit in hits.older_than(now - min(limit / 10, 1.0)):
+        if hits:
+            # Hits waiting for other ranks go to the slow path after a tenth of the stall
+            # warning time (at most 1 s; 1 s with the stall check off): there rank 0's stall
+            # inspector sees them (the warning comes at most that much after the setting), and
+            # its message table meets them with another rank's members of the same grouped op
+            # passed another number of tensors (other names, never a cache hit: a mismatch).
+            limit = self.config.stall_check_time
+            age = 1.0 if self.config.stall_check_disable or limit <= 0 else min(limit / 10, 1.0)
+            for bit in hits.older_than(now - age):
                 uncached.append(hits.pop(bit))
                 invalid.add(bit)
         words = hits.vector(ps.cache.num_bits if cache_on else 0)

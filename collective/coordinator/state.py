@@ -13,7 +13,7 @@ from .. import _log
 from ..engines.device import release_ready
 from ..entry import Entry
 from ..errors import SHUT_DOWN_MESSAGE, HorovodInternalError, ShutdownError, StallError
-from ..negotiation import MessageTable, PendingHits, ResponseCache
+from ..negotiation import CacheState, MessageTable, PendingHits, ResponseCache
 from ..stall import StallInspector
 from ..types import Request, RequestType
 
@@ -90,6 +90,17 @@ class ProcessSetState:
     def pop(self, name: str) -> Entry | None:
         with self.lock:
             return self.table.pop(name, None)
+
+    def forget(self, req: Request) -> None:
+        """Drops a failed entry's request from what this rank still negotiates: a pending cache
+        hit or a carried request (coordinator thread). A grouped op's members can fail while
+        some of them wait as cache hits (`MessageTable._group_mismatch`)."""
+        if self.hits:
+            state, bit = self.cache.lookup(req)
+            if state is CacheState.HIT and bit in self.hits:
+                self.hits.pop(bit)
+        if self.carry:
+            self.carry = [r for r in self.carry if r is not req]
 
     def drain(self) -> list[Request]:
         with self.lock:

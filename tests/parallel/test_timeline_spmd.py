@@ -228,6 +228,11 @@ def test_rank_stall_shutdown():
                            match=r"Rank\(s\) 0 shut the job down after a stall "
                                  r"\(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"):
             hvd.synchronize(h)
+        # So does registering a gradient set (DistributedOptimizer's first per-gradient step).
+        from collective import DataType, adapter
+        with pytest.raises(hvd.StallError, match=r"Rank\(s\) 0 shut the job down after a"):
+            adapter.gradient_set(["allreduce.w"], [(2,)], [DataType.FLOAT32], -1,
+                                 hvd.global_process_set, hvd.Sum, 1.0, 1.0)
     else:
         # Rank 0 never submits "lonely"; the stall inspector shuts the job down after 2-3 s.
         time.sleep(4)

@@ -306,6 +306,42 @@ def test_mismatch_fails_every_rank():
     run_loopback(3, body)
 
 
+def _group_size_mismatch(rank: int) -> tuple[str, list[str]]:
+    # Step 1 caches the three-tensor group "g" on both ranks; at step 2 rank 1 passes two
+    # tensors: rank 0's members (some or all of them cache hits) and rank 1's (new names)
+    # must fail on both ranks, leaving nothing pending. Cycles run here (start=False), one
+    # round at a time on both ranks.
+    coord = current().coordinator
+    ts = [np.ones(2), np.ones(3), np.ones(4)]
+    h = hvd.grouped_allreduce_async(ts, op=hvd.Sum, name="g")
+    assert coord.run_cycle()
+    for out in h.wait(0):
+        np.testing.assert_allclose(out, 2.0)
+    h = hvd.grouped_allreduce_async(ts if rank == 0 else ts[:2], op=hvd.Sum, name="g")
+    ps = current().member_sets()[0]
+    for _ in range(30):  # 1.5 s: waiting cache hits reach the slow path after 1 s
+        assert coord.run_cycle()
+        time.sleep(0.05)
+    with pytest.raises(hvd.HorovodInternalError) as info:
+        h.wait(0)
+    return str(info.value), sorted(ps.table) + [str(b) for b in ps.hits._by_bit]
+
+
+@pytest.mark.parametrize("config", [{"cache_capacity": 2}, {"stall_check_disable": True}],
+                         ids=["some-members-cached", "stall-check-off"])
+def test_group_size_mismatch_with_cached_members_fails_every_member(config):
+    # some-members-cached: a cache of two evicted the first member at step 1, so rank 0's
+    # step-2 group is split between a new request and two cache hits; the error fails the
+    # hits too (they waited for ever). stall-check-off: all of rank 0's members are cache
+    # hits, which reach rank 0's message table (and meet rank 1's other names) after 1 s
+    # also without the stall check (they never did).
+    for text, pending in run_loopback(2, _group_size_mismatch, start=False, timeout=20,
+                                      **config):
+        assert text.startswith("Mismatched grouped allreduce sizes: rank(s) 1 passed 2 tensors; "
+                               "rank(s) 0 passed 3 tensors"), text
+        assert pending == []
+
+
 def test_duplicate_name_raises_value_error_at_enqueue():
     def body(rank):
         h = hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="dup")
