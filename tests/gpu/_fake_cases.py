@@ -173,7 +173,8 @@ def large_members_of_a_fused_allreduce_skip_the_fusion_buffer(n: int) -> None:
                 if not inplace:
                     assert np.array_equal(fas[i].a, xs[i]), "the input was written"
         # The same tensor twice, and two overlapping views: every member gets the sum, as
-        # through the fusion buffer (NCCL calls of their own would race on shared memory).
+        # through the fusion buffer (NCCL calls of their own would race on shared memory; the
+        # packed members get the calls they would have had, which other ranks may make).
         x = data(rank, (64,), DataType.FLOAT32, 9)
         fa = FakeArray.of(x)
         small = FakeArray.of(data(rank, (3,), DataType.FLOAT32, 10))
@@ -209,8 +210,9 @@ def large_members_of_a_fused_allreduce_skip_the_fusion_buffer(n: int) -> None:
     big = [[int(np.prod(s)) * r[0].itemsize >= 100 for s in r[5]] for r in runs]
     assert min(sum(b) for b in big) >= 2 and all(big[-1])
     # One call per direct member, one for the buffer when a member is packed; the two ops
-    # whose members share memory go through the buffer alone.
-    calls = sum(sum(b) + (not all(b)) for b in big) + 2
+    # whose members share memory go through the buffer, with the same calls (two large
+    # members and a small one; two large ones).
+    calls = sum(sum(b) + (not all(b)) for b in big) + 3 + 2
     assert delta("allReduce") == n * calls, (calls, delta("allReduce"))
     packed = sum(int(np.prod(s)) * r[0].itemsize for r, b in zip(runs, big)
                  for s, d in zip(r[5], b) if not d) + 4 * (64 + 64 + 3) + 4 * (80 + 50)
@@ -219,6 +221,46 @@ def large_members_of_a_fused_allreduce_skip_the_fusion_buffer(n: int) -> None:
         trace = f.read()
     for activity in ("NCCL_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER"):
         assert activity in trace, activity
+
+
+@case
+def members_sharing_memory_make_the_calls_of_a_rank_whose_members_do_not(n: int) -> None:
+    # The last rank joined: its zeros for a fused op are separate arrays, so its large members
+    # get NCCL calls of their own. The others pass the same tensor twice (members sharing
+    # memory go through the fusion buffer), yet must make the same NCCL calls, one per large
+    # member and one for the rest: else the ranks' calls differ (on a GPU, a hang).
+    from collective.engines.nccl import engine as eng
+
+    def body(rank: int) -> None:
+        enq(RequestType.ALLREDUCE, [np.ones(4, np.float32)], DataType.FLOAT32,
+            name="bind").wait(10)
+        if rank == n - 1:
+            collective.ops.join(0)
+            return
+        x = data(rank, (64,), DataType.FLOAT32, 1)
+        fa = FakeArray.of(x)
+        small = FakeArray.of(data(rank, (3,), DataType.FLOAT32, 2))
+        collective.adapter.enqueue(
+            RequestType.ALLREDUCE, [fa, small, fa], device=0, dtypes=[DataType.FLOAT32] * 3,
+            shapes=[(64,), (3,), (64,)], outputs=[fa, small, fa], grouped=True,
+            op=ReduceOp.AVERAGE, postscale=2.0, name="shared.join").wait(10)
+        # Joined ranks contribute zeros; Average divides by every rank.
+        for got, s, i in ((fa.a, (64,), 1), (small.a, (3,), 2)):
+            parts = [data(r, s, DataType.FLOAT32, i) for r in range(n - 1)]
+            want = reference(parts + [np.zeros(s, np.float32)], DataType.FLOAT32,
+                             ReduceOp.AVERAGE, 1.0, 2.0)
+            assert close(got, want, DataType.FLOAT32), (s, got, want)
+        collective.ops.join(0)
+
+    saved = eng.DIRECT_BYTES
+    eng.DIRECT_BYTES = 100  # the 64-element members (256 bytes)
+    before = _fakecuda.calls.get("allReduce", 0)
+    try:
+        run_loopback(n, body)
+    finally:
+        eng.DIRECT_BYTES = saved
+    # Every rank: the bind op, then three calls (two large members, the small one).
+    assert _fakecuda.calls.get("allReduce", 0) - before == n * 4
 
 
 @case

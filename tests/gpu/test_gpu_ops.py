@@ -203,6 +203,25 @@ def test_allreduce_inplace_fused_scaled(hvd) -> None:
 
 
 @pytest.mark.spmd
+def test_fused_members_sharing_memory_while_a_rank_joins(hvd) -> None:
+    # The last rank joined: its zeros for a fused op are separate buffers, so its members of
+    # 1 MiB or more get NCCL calls of their own. The others pass one such tensor twice
+    # (members sharing memory go through the fusion buffer) and must make the same NCCL
+    # calls (one per large member, one for the rest), or the ranks' NCCL calls differ: a hang.
+    r, n = hvd.rank(), hvd.size()
+    if r == n - 1:
+        hvd.join()
+        return
+    x = make(r, (2 ** 18 + 5,), torch.float32, 30).cuda()
+    small = make(r, (7,), torch.float32, 31).cuda()
+    hvd.grouped_allreduce_([x, small, x], op=hvd.Sum, name="shared.join")
+    for got, s, salt in ((x, (2 ** 18 + 5,), 30), (small, (7,), 31)):
+        parts = [make(q, s, torch.float32, salt) for q in range(n - 1)]
+        same(got, reference(parts + [torch.zeros(s)], hvd.Sum, n, hvd=hvd))
+    hvd.join()
+
+
+@pytest.mark.spmd
 def test_allgather_uneven_and_grouped(hvd) -> None:
     r, n = hvd.rank(), hvd.size()
     for dt in DTYPES:

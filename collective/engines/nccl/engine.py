@@ -55,7 +55,8 @@ _REAP_AT = 4
 # A member of a fused allreduce of this many bytes or more is reduced where it lies by an NCCL
 # call of its own inside the fused op's NCCL group, instead of through the fusion buffer (whose
 # two copies cost GPU time in proportion to its bytes); 0 packs every member. Each rank splits
-# its members by this value, so it must be the same on every rank.
+# its members by this value, so it must be the same on every rank: the split decides the NCCL
+# calls, one per such member and one for the rest, which must match across ranks.
 DIRECT_BYTES = 1 << 20
 
 _rt = cupy.cuda.runtime
@@ -532,35 +533,67 @@ class NCCLEngine(Engine):
             self._activity_end(act)
             kern.scale(dst, count, dt, post)
             return
-        srcs, dsts, sizes, offs = [], [], [], []
-        direct: list[int] | None = None  # indices of members reduced where they lie
-        off, limit = 0, DIRECT_BYTES
+        srcs, dsts, sizes = [], [], []
+        direct: list[int] = []  # indices of the members with an NCCL call of their own
+        limit = DIRECT_BYTES
         for e in entries:
             p, nb = pointer_of(e.tensor)
             if nb >= limit > 0:
-                if direct is None:
-                    direct = []
                 direct.append(len(srcs))
             srcs.append(p)
             sizes.append(nb)
             dsts.append(self._out_ptr(e, e.request.shape))
-            offs.append(off)
-            off += _pad16(nb)
-        if direct is not None and _disjoint(srcs, dsts, sizes):
+        if direct and _disjoint(srcs, dsts, sizes):
             self._grouped(entries, direct, srcs, dsts, sizes, dt, (ntype, op, pre, post))
             return
+        # Through the fusion buffer. With members of DIRECT_BYTES or more that share memory on
+        # this rank (the same tensor twice, overlapping views), every member is packed, but
+        # the NCCL calls stay those of `_grouped`, which the other ranks may be making (their
+        # members need not overlap, e.g. a joined rank's zeros): the packed members first, as
+        # `_grouped` packs them, then each large one, one call for each.
+        big = set(direct)
+        order = [i for i in range(len(entries)) if i not in big]
+        small = sum(_pad16(sizes[i]) for i in order)  # the packed members' part of the buffer
+        offs = [0] * len(entries)
+        off = 0
+        for i in order + direct:
+            offs[i] = off
+            off += _pad16(sizes[i])
         if off == 0:
             return
         buf = self._fusion_buffer(off, entries[0])
         fused = [buf + o for o in offs]
         count = off // item
+        calls = [(fused[i], fused[i], sizes[i] // item) for i in direct]
+        if small:
+            calls.append((buf, buf, small // item))
 
         def reduce() -> None:
             kern.scale(buf, count, dt, pre)
-            comm.allReduce(buf, buf, count, ntype, op, sp)
+            self._nccl_group(calls, ntype, op)
             kern.scale(buf, count, dt, post)
         self._staged(entries, (srcs, fused, sizes), (fused, dsts, sizes), "NCCL_ALLREDUCE",
                      reduce)
+
+    def _nccl_group(self, calls: list[tuple[int, int, int]], ntype: int, op: int) -> None:
+        """In-place or out-of-place allreduces (source, destination, count) on the engine's
+        stream, in one NCCL group when there are several."""
+        comm, sp = self.comm, self._sp
+        if len(calls) == 1:
+            src, dst, count = calls[0]
+            comm.allReduce(src, dst, count, ntype, op, sp)
+            return
+        nccl.groupStart()
+        try:
+            for src, dst, count in calls:
+                comm.allReduce(src, dst, count, ntype, op, sp)
+        except BaseException:
+            try:
+                nccl.groupEnd()
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+            raise
+        nccl.groupEnd()
 
     def _grouped(self, entries: list[Entry], direct: list[int], srcs: list[int],
                  dsts: list[int], sizes: list[int], dt: DataType,
@@ -569,7 +602,7 @@ class NCCLEngine(Engine):
         outputs), each by an NCCL call of its own, and the others through the fusion buffer,
         all in one NCCL group (one launch): the large members skip the two copies through
         the buffer. The members' memory does not overlap (`_disjoint`)."""
-        kern, comm, sp, item = self._kernels, self.comm, self._sp, dt.itemsize
+        kern, sp, item = self._kernels, self._sp, dt.itemsize
         assert kern is not None
         ntype, op, pre, post = reduction
         big = set(direct)
@@ -599,19 +632,10 @@ class NCCLEngine(Engine):
                 kern.scale(dsts[i], sizes[i] // item, dt, pre)
             kern.scale(buf, count, dt, pre)
         src_of = dsts if pre != 1.0 else srcs  # prescaled members were copied to their outputs
-        nccl.groupStart()
-        try:
-            for i in direct:
-                comm.allReduce(src_of[i], dsts[i], sizes[i] // item, ntype, op, sp)
-            if count:
-                comm.allReduce(buf, buf, count, ntype, op, sp)
-        except BaseException:
-            try:
-                nccl.groupEnd()
-            except Exception:  # noqa: BLE001 - the first error is the one to report
-                pass
-            raise
-        nccl.groupEnd()
+        calls = [(src_of[i], dsts[i], sizes[i] // item) for i in direct]
+        if count:
+            calls.append((buf, buf, count))
+        self._nccl_group(calls, ntype, op)
         if post != 1.0:
             for i in direct:
                 kern.scale(dsts[i], sizes[i] // item, dt, post)
