@@ -563,8 +563,13 @@ def join(device: int = -1) -> int:
     it (HorovodInternalError naming the tensor, the set and the joined ranks; the joined rank
     logs it) instead of waiting for it. Finish the ops of other process sets before calling
     `join`.
+
+    `device`: the GPU whose zeros this rank contributes to device ops while it is joined (as
+    Horovod's; -1: the current device of the thread that runs them, which the torch adapter
+    replaces with the caller's current CUDA device once CUDA is in use).
     """
-    return synchronize(_control_op(RequestType.JOIN, "join.noname", global_process_set))
+    return synchronize(_control_op(RequestType.JOIN, "join.noname", global_process_set,
+                                   device))
 
 
 def poll(handle: Handle) -> bool:

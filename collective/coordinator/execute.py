@@ -67,11 +67,14 @@ def perform(ps: ProcessSetState, resp: Response, tl: Any, device_engine: str,
     engine = engine_for(ps, device, device_engine, config)
     with ps.lock:
         popped = [ps.table.pop(name, None) for name in resp.names]
+    zeros_on = None
     for i, name in enumerate(resp.names):
         e = popped[i]
         if e is None:  # this rank joined: contribute zeros of the agreed size
             shape = resp.shapes[i] if resp.shapes else (resp.sizes[i],)
-            z = engine.zeros(shape, resp.dtype, device)
+            if zeros_on is None:  # the device this rank named at its join (not the peers')
+                zeros_on = device if device == CPU_DEVICE else ps.join_device()
+            z = engine.zeros(shape, resp.dtype, zeros_on)
             e = Entry(Request(rank=ps.rank, type=RequestType(int(resp.type)), name=name,
                               dtype=resp.dtype, shape=shape, device=device),
                       z, Handle(name), output=z)

@@ -83,6 +83,14 @@ class ProcessSetState:
         return np.frombuffer(flags.to_bytes(8 * flag_words(len(self.sets)), "little"),
                              dtype="<u8")
 
+    def join_device(self) -> int:
+        """The device this rank's pending join named for its zeros (`collective.join`), else
+        -1 (the engine's choice)."""
+        for e in list(self.table.values()):
+            if e.request.type == RequestType.JOIN:
+                return e.request.device
+        return -1
+
     def joined_here(self) -> bool:
         """This rank has joined (its join op is pending) and contributes zeros."""
         return any(e.request.type == RequestType.JOIN for e in list(self.table.values()))

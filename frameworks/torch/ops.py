@@ -311,6 +311,9 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 
 def join(device: int = -1) -> int:
+    if device < 0 and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # A rank that joins before its first GPU op contributes zeros on its own GPU.
+        device = torch.cuda.current_device()
     return collective.join(device)
 
 

@@ -224,6 +224,30 @@ def large_members_of_a_fused_allreduce_skip_the_fusion_buffer(n: int) -> None:
 
 
 @case
+def a_rank_joined_before_its_first_device_op_uses_the_device_it_named(n: int) -> None:
+    # The last rank joins at once, naming its GPU (the torch adapter names the caller's
+    # current one): its zeros for the others' device op, its first device work, are made
+    # there, not on the device the peers' response names (which another rank owns).
+    from collective import _current as runtime
+
+    def body(rank: int) -> int:
+        if rank == n - 1:
+            collective.ops.join(5)
+        else:
+            x = data(rank, (6,), DataType.FLOAT32, 1)
+            got = value(enq(RequestType.ALLREDUCE, [x], DataType.FLOAT32, op=ReduceOp.SUM,
+                            name="early.join").wait(10))
+            parts = [data(r, (6,), DataType.FLOAT32, 1) for r in range(n - 1)]
+            want = reference(parts + [np.zeros(6, np.float32)], DataType.FLOAT32, ReduceOp.SUM)
+            assert close(got, want, DataType.FLOAT32), (got, want)
+            collective.ops.join(-1)
+        return runtime.current().member_sets()[0].device_engine.device
+
+    devices = run_loopback(n, body)
+    assert devices[-1] == 5 and devices[0] == 0, devices
+
+
+@case
 def members_sharing_memory_make_the_calls_of_a_rank_whose_members_do_not(n: int) -> None:
     # The last rank joined: its zeros for a fused op are separate arrays, so its large members
     # get NCCL calls of their own. The others pass the same tensor twice (members sharing

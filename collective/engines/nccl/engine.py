@@ -666,8 +666,9 @@ class NCCLEngine(Engine):
 
     # -- results, zeros, lifecycle ------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype: DataType, device: int) -> Any:
-        """Zeros for a joined rank, on this engine's device (the response's device is not ours)."""
-        self._ensure_device(-1)
+        """Zeros for a joined rank, on this engine's device; on `device` (the one the rank
+        named at its join, -1: the current one) when they are its first device work."""
+        self._ensure_device(device)
         self._use()
         z = cupy.zeros(shape, dtype=numpy_dtype(dtype))
         self._zero_ids.add(id(z))
