@@ -406,24 +406,29 @@ def register(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
     req = Request(state.rank, RequestType.ALLGATHER, name, DataType.INT64, prints.shape)
     entry = Entry(req, prints.view(np.int64), Handle(name))
     verdict: list[str] = []
+    checked = threading.Event()
 
     def activate(h: Handle) -> None:
         # Runs where the allgather completes: inside the same round on every rank, so every
         # rank adds the set's bits to the same next round.
-        if h.exception() is not None:
-            return
-        problem = _compare(np.asarray(h._result).view(np.uint64), prints, gset.names,
-                           state.ranks, state.rank)
-        if problem:
-            state.set_count += 1  # completed on every rank, as a failure
-            verdict.append(problem)
-            return
-        state.set_count += 1
-        state.sets.append(gset)
+        try:
+            if h.exception() is not None:
+                return
+            problem = _compare(np.asarray(h._result).view(np.uint64), prints, gset.names,
+                               state.ranks, state.rank)
+            state.set_count += 1  # completed on every rank (as a failure, with a problem)
+            if problem:
+                verdict.append(problem)
+            else:
+                state.sets.append(gset)
+        finally:
+            checked.set()
 
     entry.handle.add_done_callback(activate)
     rt.submit(state, [entry])
     entry.handle.wait()
+    # The handle lets its waiter go before its callbacks run: wait for the check.
+    checked.wait()
     if verdict:
         raise ValueError(MISMATCH.format(detail=verdict[0]))
     return gset

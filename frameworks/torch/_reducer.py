@@ -34,6 +34,7 @@ per-gradient mode; with `groups=` or per-gradient mode there is no schedule.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -277,6 +278,9 @@ class GradientReducer:
         for s in members:
             s.queued = False  # nothing of this step is in the new set yet
         self.gset = gs
+        # An optimizer dropped by the program takes its set out of the rounds (once every rank
+        # dropped it), instead of adding its words to every later round.
+        weakref.finalize(self, gs.retire)
         return gs
 
     def _submit(self, slot: _Slot) -> None:

@@ -381,3 +381,46 @@ def test_a_set_retired_between_take_and_words_of_its_last_round_gives_back_its_e
     assert n._agree_sets(ps, sent, False, 1 << 20, None) == []
     assert ps.sets == []  # left the rounds: take() never runs for it again
     assert pool.free == [101] and gs.tensors == [None, None]
+
+
+def test_registration_returns_only_after_its_check(monkeypatch):
+    # The registration's allgather handle lets its waiter go before its callbacks run, and the
+    # check (which adds the set, or finds the ranks' parameters differ) is such a callback: a
+    # slow check (many parameters, many ranks) let `register` return a set that was never
+    # added (its synchronize() then waited for ever) where the other rank raised.
+    import time
+
+    import collective as hvd
+    from collective import adapter, gradset
+    from collective._current import current
+    from tests._spmd import run_loopback
+
+    compare = gradset._compare
+
+    def slow(*args):
+        time.sleep(0.2)
+        return compare(*args)
+    monkeypatch.setattr(gradset, "_compare", slow)
+
+    def body(rank):
+        names = ["allreduce.a", "allreduce.b" if rank == 0 else "allreduce.c"]
+        with pytest.raises(ValueError, match="differ"):
+            adapter.gradient_set(names, [(2,), (3,)], [F32, F32], -1, hvd.global_process_set,
+                                 ReduceOp.SUM, 1.0, 1.0)
+        gs = adapter.gradient_set(["allreduce.a"], [(2,)], [F32], -1, hvd.global_process_set,
+                                  ReduceOp.SUM, 1.0, 1.0)
+        return gs in current().member_sets()[0].sets, current().member_sets()[0].set_count
+
+    assert run_loopback(2, body) == [(True, 2), (True, 2)]
+
+
+def test_a_dropped_optimizers_set_is_retired(monkeypatch):
+    # A program that builds a new optimizer (e.g. every epoch) drops the old one: its set
+    # leaves the rounds once every rank dropped it, instead of adding words to each round.
+    import gc
+    gs = _set([(2,)] * 3)
+    r, _ = _reducer_with_members(monkeypatch, lambda *a, **k: gs)
+    assert r._live_set() is gs and not gs.retired
+    del r
+    gc.collect()
+    assert gs.retired
