@@ -549,6 +549,20 @@ def test_broadcast_callback_after_first_batch_and_metric_average():
     assert rec.logs[0]["rank_metric"] == pytest.approx((SIZE - 1) / 2)
 
 
+def test_broadcast_callback_leaves_each_ranks_dropout_masks():
+    # Keras 3 keeps a Dropout layer's random state in a variable of model.variables: broadcast,
+    # every rank would draw the root's masks for the rest of training.
+    drop = keras.layers.Dropout(0.5, seed=None)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), drop])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
+    x = np.random.RandomState(hvd.rank()).rand(8, 8).astype("float32")
+    model.fit(x, x, batch_size=4, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    state = drop._seed_generators[0].state.numpy()
+    states = hvd.allgather_object(state.tolist(), name="seed.states")
+    assert len({tuple(s) for s in states}) == SIZE, states
+
+
 def test_broadcast_callback_keeps_local_variables():
     """`local_variables` takes one variable (Horovod accepts a lone tf.Variable; iterating it
     used to raise) or a list, and a Keras variable's backing `tf.Variable` excludes it too."""

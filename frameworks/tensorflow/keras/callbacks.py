@@ -1,7 +1,8 @@
 """Horovod's Keras callbacks for Keras 3 (`hvd.callbacks.*`).
 
 * `BroadcastGlobalVariablesCallback(root_rank)`: at the end of the first batch (when the
-  optimizer's slots exist), sets every rank's model and optimizer variables to the root's, once.
+  optimizer's slots exist), sets every rank's model and optimizer variables to the root's, once
+  (not the random state of Keras' seed generators: dropout masks stay each rank's own).
 * `MetricAverageCallback()`: at each epoch's end, averages every numeric entry of `logs` across
   ranks (one allreduce, keys sorted). Put it before callbacks that read metrics.
 * `LearningRateScheduleCallback(initial_lr, multiplier, ...)`: lr = initial_lr * multiplier
@@ -38,7 +39,9 @@ def _is_variable(value: Any) -> bool:
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Broadcasts the model's and optimizer's variables from `root_rank` after the first batch.
 
-    `device` has no effect. Variables registered with `register_local_var` (or passed as
+    The random state of Keras 3's `SeedGenerator`s (Dropout's, for one) is not broadcast:
+    each rank keeps drawing its own dropout masks, as under tf.keras (whose model variables
+    held no random state). `device` has no effect. Variables registered with `register_local_var` (or passed as
     `local_variables`: one variable or a collection) keep each rank's own value; a Keras
     variable and the `tf.Variable` holding its value (`.value`) are the same variable.
 
@@ -72,9 +75,20 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             return
         opt = getattr(self.model, "optimizer", None)
         variables = list(self.model.variables) + (list(opt.variables) if opt is not None else [])
-        broadcast_variables([v for v in variables if _ref(v) not in self._local],
-                            self.root_rank)
+        skip = self._local | _seed_states(self.model)
+        broadcast_variables([v for v in variables if _ref(v) not in skip], self.root_rank)
         self.broadcast_done = True
+
+
+def _seed_states(model: Any) -> set[Any]:
+    """The state variables of the model's `SeedGenerator`s (their layers' random draws)."""
+    out = set()
+    for layer in model._flatten_layers():
+        for gen in getattr(layer, "_seed_generators", ()):
+            state = getattr(gen, "state", None)
+            if state is not None:
+                out.add(_ref(state))
+    return out
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
