@@ -58,7 +58,7 @@ def response_bytes(r: Response, group_size: int, align: int = 0) -> int:
         item = r.dtype.itemsize
         if align <= 1 or t == _REDUCESCATTER:  # reducescatter members are not padded
             return sum(r.sizes) * item
-        return sum((n * item + align - 1) // align * align for n in r.sizes)
+        return sum(_pad(n * item, align) for n in r.sizes)
     if t == _ALLGATHER:
         return max(_per_rank(r, group_size, align), default=0)
     return 0

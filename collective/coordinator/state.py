@@ -83,17 +83,22 @@ class ProcessSetState:
         return np.frombuffer(flags.to_bytes(8 * flag_words(len(self.sets)), "little"),
                              dtype="<u8")
 
+    def _join_request(self) -> Request | None:
+        """This rank's pending join, if it has joined."""
+        for e in list(self.table.values()):
+            if e.request.type == RequestType.JOIN:
+                return e.request
+        return None
+
     def join_device(self) -> int:
         """The device this rank's pending join named for its zeros (`collective.join`), else
         -1 (the engine's choice)."""
-        for e in list(self.table.values()):
-            if e.request.type == RequestType.JOIN:
-                return e.request.device
-        return -1
+        req = self._join_request()
+        return -1 if req is None else req.device
 
     def joined_here(self) -> bool:
         """This rank has joined (its join op is pending) and contributes zeros."""
-        return any(e.request.type == RequestType.JOIN for e in list(self.table.values()))
+        return self._join_request() is not None
 
     def pop(self, name: str) -> Entry | None:
         with self.lock:

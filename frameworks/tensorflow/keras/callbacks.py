@@ -41,9 +41,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     The random state of Keras 3's `SeedGenerator`s (Dropout's, for one) is not broadcast:
     each rank keeps drawing its own dropout masks, as under tf.keras (whose model variables
-    held no random state). `device` has no effect. Variables registered with `register_local_var` (or passed as
-    `local_variables`: one variable or a collection) keep each rank's own value; a Keras
-    variable and the `tf.Variable` holding its value (`.value`) are the same variable.
+    held no random state). `device` has no effect. Variables registered with
+    `register_local_var` (or passed as `local_variables`: one variable or a collection) keep
+    each rank's own value; a Keras variable and the `tf.Variable` holding its value (`.value`)
+    are the same variable.
 
     Raises:
         ValueError: `local_variables` holds something that is not a variable.
