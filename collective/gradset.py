@@ -25,7 +25,8 @@ wait for the GIL. A gradient set moves that work out of the step:
   returns the last op's completion; the caller's stream waits on that one event.
 
 A rank that joined (`hvd.join()`) contributes zeros: its bits are all set, and it runs every
-agreed chunk with zero tensors. `join()` covers the global process set only, so a set of
+agreed chunk with zero tensors, except for members it submitted before it joined (in the
+middle of a step), which it sends as submitted and counts for its step. `join()` covers the global process set only, so a set of
 another process set cannot run while a member waits in the global `join()`: that member also
 sets all its bits, and the members the others submitted fail on every member instead
 (`fail_joined`). Members submitted here but not by every rank after
@@ -72,12 +73,14 @@ JOINED = ("The DistributedOptimizer's allreduce of gradient(s) {names} on proces
 class SetChunk:
     """Agreed members of one gradient set that run as one (fused) allreduce."""
 
-    __slots__ = ("gset", "indices", "joined")
+    __slots__ = ("gset", "indices", "joined", "own")
 
-    def __init__(self, gset: "GradientSet", indices: list[int], joined: bool) -> None:
+    def __init__(self, gset: "GradientSet", indices: list[int], joined: bool,
+                 own: int = 0) -> None:
         self.gset = gset
         self.indices = indices
-        self.joined = joined  # this rank joined: contribute zeros
+        self.joined = joined  # this rank joined: contribute zeros...
+        self.own = own  # ...except for these members (bit mask), submitted before it joined
 
     def response(self) -> Response:
         s, idx = self.gset, self.indices
@@ -277,12 +280,16 @@ class GradientSet:
             if self.mask and self.stall_time > 0:
                 self._check_stall(time.monotonic())
             return []
-        if not joined:
-            self.mask &= ~common
+        # A rank that joined in the middle of a step still sends the members it submitted
+        # before, as an ordinary op's entry is sent (zeros only where it has none).
+        own = common & self.mask
+        if own:
+            self.mask &= ~own
             self._warned = False
             if self.mask:
                 self._since = time.monotonic()
-        return [SetChunk(self, idx, joined) for idx in self._cut(bit_indices(common), threshold)]
+        return [SetChunk(self, idx, joined, own)
+                for idx in self._cut(bit_indices(common), threshold)]
 
     def fail_joined(self, res: np.ndarray, joined: bool, ps: Any) -> list[int] | None:
         """While members of this set's process set `ps` (a `ProcessSetState`, not the global
@@ -333,9 +340,10 @@ class GradientSet:
         """The engine entries of a chunk: in-place ops on this step's tensors (zeros on a
         rank that joined)."""
         out = []
-        joined = chunk.joined
+        joined, own = chunk.joined, chunk.own
         for i in chunk.indices:
-            if joined:
+            zeros = joined and not own >> i & 1
+            if zeros:
                 t, ev = engine.zeros(self.shapes[i], self.dtypes[i], self.device), None
             else:
                 # The engine gives the event back to its pool once it waited on it: forget it
@@ -346,16 +354,19 @@ class GradientSet:
                           self.shapes[i], self.device, -1, self.op, self.prescale,
                           self.postscale)
             # A joined rank's zeros are the engine's own arrays: its default allocator.
-            out.append(Entry(req, t, handle, t, default_allocate if joined else self.allocate,
+            out.append(Entry(req, t, handle, t, default_allocate if zeros else self.allocate,
                              ready_event=ev))
         return out
 
     def ran(self, chunk: SetChunk, completion: Any) -> None:
         """A chunk was launched (coordinator)."""
-        if chunk.joined:
-            return
+        n = len(chunk.indices)
+        if chunk.joined:  # only the members this rank submitted count for its step
+            n = sum(chunk.own >> i & 1 for i in chunk.indices)
+            if not n:
+                return
         self.completion = completion
-        self._left -= len(chunk.indices)
+        self._left -= n
         if self._left <= 0:
             self._done.set()
 

@@ -191,10 +191,11 @@ class Negotiator:
                                 tl.negotiate_end(s.names[i])
                         continue
                 agreed = s.agree(words, joined, threshold)
-                if tl is not None and not joined:
+                if tl is not None:
                     for c in agreed:
                         for i in c.indices:
-                            tl.negotiate_end(s.names[i])
+                            if c.own >> i & 1:  # not a joined rank's zeros
+                                tl.negotiate_end(s.names[i])
                 chunks += agreed
         if flags >> 1:  # sets retired on every rank leave the rounds, on every rank alike
             keep = []

@@ -240,6 +240,36 @@ def test_a_rank_joins_before_the_set_registers(hvd) -> None:
     _same_on_every_rank(hvd, model, "joinfirst.check")
 
 
+def test_a_rank_joins_in_the_middle_of_a_step(hvd) -> None:
+    # The last rank runs backward (its gradients reach the set) and joins before step(): the
+    # others, stepping later, average its gradients, not zeros in their place, and its own
+    # step() after the join completes with the same average (before, the joined rank sent
+    # zeros and its step waited for ever).
+    n, r = hvd.size(), hvd.rank()
+    model = _model(11)
+    opt = _opt(hvd, model)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    x0, y0 = _data(n, 1, seed=5)[0]
+    _step(hvd, model, opt, x0, y0)  # registers the set
+    _ref_step(ref, ref_opt, x0, y0, list(range(n)), n)
+    x, y = _data(n, 1, seed=6)[0]
+    if r == n - 1:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[r * 4:(r + 1) * 4]),
+                                     y[r * 4:(r + 1) * 4]).backward()
+        hvd.join()
+        opt.step()
+    else:
+        time.sleep(0.5)  # the last rank has joined by now
+        _step(hvd, model, opt, x, y)
+        hvd.join()
+    _ref_step(ref, ref_opt, x, y, list(range(n)), n)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    _same_on_every_rank(hvd, model, "midjoin.check")
+
+
 def test_every_rank_joined_reduces_nothing(hvd) -> None:
     # Staggered joins: once every rank has joined, no gradient-set chunk runs (before, the
     # round in which the last rank joined reduced the whole model as zeros).

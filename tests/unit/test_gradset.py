@@ -75,6 +75,23 @@ def test_a_joined_rank_offers_every_member_and_keeps_no_state():
     assert gs.completion is None and gs._left == 3
 
 
+def test_a_rank_that_joins_mid_step_sends_what_it_submitted():
+    gs = _set([(4,)] * 3)
+    gs.submit(1, "t1")
+    gs.take(0.0)
+    (chunk,) = gs.agree(_all_ones(gs), True, 1 << 20)
+    assert chunk.indices == [0, 1, 2] and chunk.joined and chunk.own == 0b010
+    assert gs.mask == 0  # not offered again in a later round
+
+    class Engine:
+        def zeros(self, shape, dtype, device):
+            return "zeros"
+    entries = gs.entries(chunk, Engine(), None)
+    assert [e.tensor for e in entries] == ["zeros", "t1", "zeros"]
+    gs.ran(chunk, "done")
+    assert gs.completion == "done" and gs._left == 2
+
+
 def test_step_cycle_wait_and_next_step():
     gs = _set([(4,)] * 2, device=-1)
     gs.submit(0, "a")
