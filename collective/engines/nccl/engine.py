@@ -245,6 +245,8 @@ class NCCLEngine(Engine):
         try:
             if self._broken is not None:
                 raise self._broken
+            if self._allocated:  # the previous op's, which `finish` has read
+                self._allocated.clear()
             if self.comm is None:
                 self._bind(entries)
                 self._check = getattr(self.comm, "check_async_error", None)
@@ -273,8 +275,6 @@ class NCCLEngine(Engine):
                         _rt.streamWaitEvent(sp, ev, 0)
                         _ready.release(ev)  # a pooled event is recorded for one entry only
                         last = ev
-            if self._allocated:
-                self._allocated.clear()
             if self._tail != sp:
                 self._follow(sp)
             fn(entries, *args)
@@ -533,32 +533,36 @@ class NCCLEngine(Engine):
             self._activity_end(act)
             kern.scale(dst, count, dt, post)
             return
-        srcs, dsts, sizes = [], [], []
-        direct: list[int] = []  # indices of the members with an NCCL call of their own
+        # One pass: pointers, outputs, and the offsets of the members packed into the fusion
+        # buffer, in their order; members of DIRECT_BYTES or more get an NCCL call of their own.
+        srcs, dsts, sizes, offs = [], [], [], []
+        direct: list[int] = []
         limit = DIRECT_BYTES
+        off = 0
         for e in entries:
             p, nb = pointer_of(e.tensor)
             if nb >= limit > 0:
                 direct.append(len(srcs))
+                offs.append(0)
+            else:
+                offs.append(off)
+                off += _pad16(nb)
             srcs.append(p)
             sizes.append(nb)
             dsts.append(self._out_ptr(e, e.request.shape))
-        if direct and _disjoint(srcs, dsts, sizes):
-            self._grouped(entries, direct, srcs, dsts, sizes, dt, (ntype, op, pre, post))
-            return
-        # Through the fusion buffer. With members of DIRECT_BYTES or more that share memory on
-        # this rank (the same tensor twice, overlapping views), every member is packed, but
-        # the NCCL calls stay those of `_grouped`, which the other ranks may be making (their
-        # members need not overlap, e.g. a joined rank's zeros): the packed members first, as
-        # `_grouped` packs them, then each large one, one call for each.
-        big = set(direct)
-        order = [i for i in range(len(entries)) if i not in big]
-        small = sum(_pad16(sizes[i]) for i in order)  # the packed members' part of the buffer
-        offs = [0] * len(entries)
-        off = 0
-        for i in order + direct:
-            offs[i] = off
-            off += _pad16(sizes[i])
+        small = off  # the packed members' part of the buffer
+        if direct:
+            if _disjoint(srcs, dsts, sizes):
+                self._grouped(entries, direct, srcs, dsts, sizes, offs, small, dt,
+                              (ntype, op, pre, post))
+                return
+            # Members of DIRECT_BYTES or more that share memory on this rank (the same tensor
+            # twice, overlapping views) are packed too, after the others, but the NCCL calls
+            # stay those of `_grouped`, which the other ranks may be making (their members
+            # need not overlap, e.g. a joined rank's zeros): each large one, then the rest.
+            for i in direct:
+                offs[i] = off
+                off += _pad16(sizes[i])
         if off == 0:
             return
         buf = self._fusion_buffer(off, entries[0])
@@ -596,34 +600,30 @@ class NCCLEngine(Engine):
         nccl.groupEnd()
 
     def _grouped(self, entries: list[Entry], direct: list[int], srcs: list[int],
-                 dsts: list[int], sizes: list[int], dt: DataType,
+                 dsts: list[int], sizes: list[int], offs: list[int], small: int, dt: DataType,
                  reduction: tuple[int, int, float, float]) -> None:
         """A fused allreduce whose `direct` members are reduced where they lie (or into their
-        outputs), each by an NCCL call of its own, and the others through the fusion buffer,
-        all in one NCCL group (one launch): the large members skip the two copies through
-        the buffer. The members' memory does not overlap (`_disjoint`)."""
+        outputs), each by an NCCL call of its own, and the others through the fusion buffer
+        (`small` bytes of it, member i at `offs[i]`), all in one NCCL group (one launch): the
+        large members skip the two copies through the buffer. The members' memory does not
+        overlap (`_disjoint`)."""
         kern, sp, item = self._kernels, self._sp, dt.itemsize
         assert kern is not None
         ntype, op, pre, post = reduction
-        big = set(direct)
-        small = [i for i in range(len(entries)) if i not in big]
-        packed = [entries[i] for i in small]
         buf = count = 0
         run_unpack = None
+        packed: list[Entry] = []
         if small:
-            offs, off = [], 0
-            for i in small:
-                offs.append(off)
-                off += _pad16(sizes[i])
-            if off:
-                buf = self._fusion_buffer(off, entries[0])
-                fused = [buf + o for o in offs]
-                ps, pd, pn = ([srcs[i] for i in small], [dsts[i] for i in small],
-                              [sizes[i] for i in small])
-                act = self._activity(packed, "MEMCPY_IN_FUSION_BUFFER")
-                run_unpack = self._copies((ps, fused, pn), (fused, pd, pn))
-                self._activity_end(act)
-                count = off // item
+            big = set(direct)
+            rest = [i for i in range(len(entries)) if i not in big]
+            packed = [entries[i] for i in rest]
+            buf = self._fusion_buffer(small, entries[0])
+            fused = [buf + offs[i] for i in rest]
+            act = self._activity(packed, "MEMCPY_IN_FUSION_BUFFER")
+            run_unpack = self._copies(([srcs[i] for i in rest], fused, [sizes[i] for i in rest]),
+                                      (fused, [dsts[i] for i in rest], [sizes[i] for i in rest]))
+            self._activity_end(act)
+            count = small // item
         act = self._activity(entries, "NCCL_ALLREDUCE")
         if pre != 1.0:
             for i in direct:
