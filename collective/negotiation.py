@@ -611,7 +611,10 @@ class MessageTable:
         err = mismatch(lambda r: f"layout {r.layout:#x}", lambda a, b: (
             f"Mismatched {op.name} tensor layouts: the tensor packs tensors whose shapes differ "
             "across ranks (e.g. a DistributedOptimizer gradient bucket of a model that is not "
-            "the same on every rank)."))
+            "the same on every rank), or it is one of a TensorFlow step's gradients and the "
+            "ranks have gradients (not None) for different variables (a tf.function traced "
+            "differently on some rank: give every rank the same model code, or pass "
+            "unconnected_gradients=tf.UnconnectedGradients.ZERO)."))
         if err:
             return err
         if op in (RequestType.ALLREDUCE, RequestType.ADASUM, RequestType.REDUCESCATTER):

@@ -13,10 +13,15 @@ not leave those ranks out of the reduction: the others would wait for them forev
 the ranks therefore first agree on each gradient's kind (one small Max allreduce): None where
 every rank has None; else ranks with None reduce zeros, and a mix of `IndexedSlices` with None
 (or with dense gradients) is reduced dense. Inside a `tf.function` the kinds are fixed when
-tracing, so None stays None there (every rank traces the same program).
+tracing, so None stays None there (every rank traces the same program); a digest of the kinds
+travels with the reduction (`_digest`), so ranks that traced different kinds fail with a
+`MismatchError` on every rank. The Keras `DistributedOptimizer` does the same (`align`) before
+Keras drops the None gradients, so that a variable without a gradient on every rank is left
+alone, as plain Keras leaves it.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Sequence
 
 import tensorflow as tf
@@ -36,11 +41,11 @@ _NONE, _SPARSE, _DENSE = 0, 1, 2  # a gradient's kind, as the ranks agree on it
 
 
 def _k_groups(ts: list[tf.Tensor], groups: list[list[int]], name: str, op: ReduceOp,
-              pre: float, post: float, ps: ProcessSet) -> list[tf.Tensor]:
+              pre: float, post: float, ps: ProcessSet, layout: int) -> list[tf.Tensor]:
     def start() -> list[Any]:
         return [enqueue(RequestType.ALLREDUCE, [ts[i] for i in g], grouped=True,
                         name=f"{name}.{k}", process_set=ps, op=op, prescale=pre,
-                        postscale=post) for k, g in enumerate(groups)]
+                        postscale=post, layout=layout) for k, g in enumerate(groups)]
 
     def wait(handles: list[Any]) -> list[tf.Tensor]:
         out: list[Any] = [None] * len(ts)
@@ -116,10 +121,9 @@ class GradientReducer:
                            name=f"{self.name}.all_true", process_set=ps, ignore_name_scope=True)
         return tf.cast(agreed, tf.bool)
 
-    def _agree_kinds(self, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
-        """`grads` made alike on every rank (eager only; see the module docstring): one Max
-        allreduce of each gradient's kind (0 None, 1 IndexedSlices, 2 dense) and of its
-        negation gives the highest and lowest kind across the process set."""
+    def _kinds(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[int]:
+        """Each gradient's kind on this rank: 0 None (or a local source's), 1 IndexedSlices
+        (allgathered), 2 dense."""
         kinds = []
         for g, v in zip(grads, variables):
             if g is None or self.is_local(v):
@@ -128,6 +132,25 @@ class GradientReducer:
                 kinds.append(_SPARSE)
             else:
                 kinds.append(_DENSE)
+        return kinds
+
+    def align(self, grads: Sequence[Any], variables: Sequence[Any]) -> tuple[list[Any], int]:
+        """Where a Keras optimizer is about to drop the None gradients: (`grads` made alike on
+        every rank, 0) eagerly (`_agree_kinds`); (`grads`, the digest of their kinds) inside a
+        `tf.function`, for `reduce(layout=...)`, where the kinds were fixed at tracing."""
+        grads = list(grads)
+        ps = self.process_set
+        if (ps is not global_process_set and not ps.included()) or process_set_size(ps) == 1:
+            return grads, 0
+        if tf.executing_eagerly():
+            return self._agree_kinds(grads, variables), 0
+        return grads, _digest(self._kinds(grads, variables))
+
+    def _agree_kinds(self, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
+        """`grads` made alike on every rank (eager only; see the module docstring): one Max
+        allreduce of each gradient's kind (0 None, 1 IndexedSlices, 2 dense) and of its
+        negation gives the highest and lowest kind across the process set."""
+        kinds = self._kinds(grads, variables)
         both = tf.constant(kinds + [-k for k in kinds], dtype=tf.int32)
         try:
             agreed = allreduce(both, op=ReduceOp.MAX, name=f"{self.name}.kinds",
@@ -144,8 +167,10 @@ class GradientReducer:
             out[i] = tf.zeros_like(v) if grads[i] is None else tf.convert_to_tensor(grads[i])
         return out
 
-    def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
-        """The reduced gradients, in order (see the module docstring)."""
+    def reduce(self, grads: Sequence[Any], variables: Sequence[Any],
+               aligned: tuple[int] | None = None) -> list[Any]:
+        """The reduced gradients, in order (see the module docstring). `aligned`: (layout,)
+        when `align` already ran on the step's whole list (layout: its digest, 0 eagerly)."""
         grads = list(grads)
         ps = self.process_set
         if ps is not global_process_set and not ps.included():
@@ -153,8 +178,14 @@ class GradientReducer:
         n = process_set_size(ps)
         if n == 1:
             return grads
-        if tf.executing_eagerly() and variables and len(variables) == len(grads):
-            grads = self._agree_kinds(grads, variables)
+        if aligned is not None:
+            layout = aligned[0]
+        elif not variables or len(variables) != len(grads):
+            layout = 0
+        elif tf.executing_eagerly():
+            grads, layout = self._agree_kinds(grads, variables), 0
+        else:
+            layout = _digest(self._kinds(grads, variables))
         out: list[Any] = list(grads)
         dense: list[int] = []
         for i, g in enumerate(grads):
@@ -187,7 +218,7 @@ class GradientReducer:
         op, pre, post = self.op, self.prescale, self.postscale
 
         def run(ts: list[tf.Tensor], name: str) -> list[tf.Tensor]:
-            return _run(lambda e: _k_groups(e, groups, name, op, pre, post, ps), ts,
+            return _run(lambda e: _k_groups(e, groups, name, op, pre, post, ps, layout), ts,
                         [t.dtype for t in ts], [t.shape for t in ts])
         if _could_record():  # an outer tape differentiates the reduced gradients (Hessians)
             reduced = _differentiable(lambda xs: run(xs, self.name),
@@ -197,6 +228,16 @@ class GradientReducer:
         for i, r in zip(order, reduced):
             out[i] = self.compression.decompress(r, pairs[i][1])
         return out
+
+
+def _digest(kinds: list[int]) -> int:
+    """A nonzero 64-bit digest of a step's gradient kinds, sent with the grouped allreduces
+    of its dense gradients (`enqueue(layout=...)`): inside a `tf.function`, where the kinds
+    are fixed at tracing, ranks that traced gradients for other variables (a model whose
+    Python code branches on the rank) get a `MismatchError` instead of a hang or of
+    different variables' gradients reduced together."""
+    h = hashlib.blake2b(bytes(kinds) + len(kinds).to_bytes(8, "little"), digest_size=8)
+    return int.from_bytes(h.digest(), "little") or 1
 
 
 def _ref(var: Any) -> Any:

@@ -484,6 +484,63 @@ def test_backward_passes_per_step_accumulates_then_reduces():
     assert model.optimizer.get_config()["gradient_accumulation_steps"] is None
 
 
+class TwoHeads(keras.Model):
+    """Two same-shaped Dense heads; `call` uses `pick(rank)`'s head only (the other has no
+    gradient), so its variables are in trainable_variables but may have None gradients."""
+
+    def __init__(self, pick):
+        super().__init__()
+        self.pick = pick
+        self.a, self.b = keras.layers.Dense(1, name="a"), keras.layers.Dense(1, name="b")
+        self.a.build((None, 6))
+        self.b.build((None, 6))
+
+    def call(self, x):
+        return self.a(x) if self.pick(hvd.rank()) == "a" else self.b(x)
+
+
+def test_keras_variable_without_a_gradient_is_left_alone():
+    # As in plain Keras, a variable that no rank has a gradient for is not updated: weight
+    # decay (AdamW) and momentum left head "b" alone, compiled and eagerly (it used to be
+    # reduced as zeros and decayed).
+    x, y = _dataset(8 * SIZE)
+    for eager in (False, True):
+        keras.utils.set_random_seed(5)
+        model = TwoHeads(lambda r: "a")
+        before = [v.numpy().copy() for v in model.b.trainable_variables]
+        a_before = model.a.kernel.numpy().copy()
+        model.compile(optimizer=hvd_keras.DistributedOptimizer(
+            keras.optimizers.AdamW(0.01, weight_decay=0.5)), loss="mse", run_eagerly=eager)
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        for v, b in zip(model.b.trainable_variables, before):
+            np.testing.assert_array_equal(v.numpy(), b)
+        assert not np.array_equal(model.a.kernel.numpy(), a_before)
+
+
+def test_keras_gradient_on_some_ranks_only():
+    # Eagerly, head "b" has a gradient on rank 0 only: the other ranks reduce zeros for it
+    # (no hang) and every rank applies the same average. Compiled, the gradients' kinds are
+    # fixed at tracing: ranks that traced gradients for other variables get an error on every
+    # rank (before, their gradients of different variables were reduced together).
+    if SIZE == 1:
+        return
+    x, y = _dataset(8 * SIZE)
+    me = hvd.rank()
+    keras.utils.set_random_seed(6)
+    model = TwoHeads(lambda r: "b" if r == 0 else "a")
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="mse", run_eagerly=True)
+    model.fit(x[me * 8:(me + 1) * 8], y[me * 8:(me + 1) * 8], batch_size=4, epochs=1,
+              shuffle=False, verbose=0)
+    all_equal(_weights(model), "eager weights")
+    keras.utils.set_random_seed(6)
+    model = TwoHeads(lambda r: "b" if r == 0 else "a")
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="mse")
+    with pytest.raises(tf.errors.UnknownError, match="Mismatched ALLREDUCE tensor layouts"):
+        model.fit(x[:4], y[:4], batch_size=4, epochs=1, shuffle=False, verbose=0)
+
+
 def test_loss_scale_optimizer_reduces_and_skips_on_every_rank():
     me = hvd.rank()
     scale = 2.0 ** 15

@@ -86,6 +86,7 @@ class _StepVariables:
 
     def __init__(self) -> None:
         self.variables: list = []
+        self.aligned: tuple[int] | None = None  # `GradientReducer.align`'s digest, as (d,)
 
 
 class _DistributedOptimizerMixin:
@@ -116,14 +117,24 @@ class _DistributedOptimizerMixin:
         self._hvd_reducer.register_local_source(var)
 
     def apply(self, grads: Sequence[Any], trainable_variables: Any = None) -> Any:
+        # Before Keras drops the None gradients: eagerly, a gradient that another rank has is
+        # zeros here (None stays None where every rank has None); in a compiled step the
+        # kinds were fixed at tracing and their digest goes with the reduction
+        # (`GradientReducer.align`).
         grads = list(grads)
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
-            # A missing gradient is a zero one (another rank may have a gradient there), so
-            # every rank reduces the same list.
-            grads = [tf.zeros_like(v) if g is None else g
-                     for g, v in zip(grads, trainable_variables)]
-        return super().apply(grads, trainable_variables)
+            variables = trainable_variables
+        else:
+            variables = list(self._trainable_variables) if self.built else []
+        step = self._hvd_step
+        if len(variables) == len(grads):
+            grads, layout = self._hvd_reducer.align(grads, variables)
+            step.aligned = (layout,)
+        try:
+            return super().apply(grads, trainable_variables)
+        finally:
+            step.aligned = None
 
     def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
         self._hvd_step.variables = list(trainable_variables)
@@ -136,7 +147,8 @@ class _DistributedOptimizerMixin:
         grads = list(grads)
         if self._hvd_sum_steps > 1:  # Keras averaged the accumulated gradients; Horovod sums
             grads = [g * tf.cast(self._hvd_sum_steps, g.dtype) for g in grads]
-        grads = self._hvd_reducer.reduce(grads, self._hvd_step.variables)
+        grads = self._hvd_reducer.reduce(grads, self._hvd_step.variables,
+                                         self._hvd_step.aligned)
         return super()._clip_gradients(grads)
 
     def get_config(self) -> dict:
