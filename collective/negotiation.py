@@ -554,9 +554,18 @@ class MessageTable:
         for nm in all_names:
             if nm in self.table:
                 self._take(nm)
-        sent = "; ".join(
-            f"rank(s) {_ranks_str(sorted(self.global_ranks[r] for r in ranks[n]))} passed {n} "
-            f"tensor{'s' if n != 1 else ''}" for n in sorted(ranks))
+        # A rank with members of several sizes is a step ahead: either size may be its own.
+        ahead = {r for a in ranks for b in ranks if a < b for r in ranks[a] & ranks[b]}
+
+        def named(rs: set[int]) -> str:
+            return _ranks_str(sorted(self.global_ranks[r] for r in rs))
+        sent = "; ".join(f"rank(s) {named(ranks[n] - ahead)} passed {n} "
+                         f"tensor{'s' if n != 1 else ''}" for n in sorted(ranks)
+                         if ranks[n] - ahead)
+        if ahead:
+            sent += (f"; rank(s) {named(ahead)} submitted it with "
+                     f"{' and '.join(str(n) for n in sorted(ranks))} tensors (a later step's "
+                     "op under the same name too)")
         kind = group[len("grouped_"):].split(".", 1)[0]
         return Response(type=ResponseType.ERROR, names=all_names, error=(
             f"Mismatched grouped {kind} sizes: {sent} (group {quote_name(group)}). Every rank "

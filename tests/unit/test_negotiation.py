@@ -210,6 +210,11 @@ def test_group_size_mismatch_found_when_a_rank_joins_an_existing_name():
     out = t.process([[], [], [req(2, f"{g}_1of2"), req(2, f"{g}_2of2")]])
     assert [r.type for r in out] == [ResponseType.ERROR]
     assert out[0].names == [f"{g}_1of1", f"{g}_1of2", f"{g}_2of2"]
+    # Rank 0, a step ahead, is named apart, not among those that passed either size.
+    assert out[0].error.startswith(
+        "Mismatched grouped allreduce sizes: rank(s) 1 passed 1 tensor; rank(s) 2 passed 2 "
+        "tensors; rank(s) 0 submitted it with 1 and 2 tensors (a later step's op under the "
+        "same name too) (group 'grouped_allreduce.g')."), out[0].error
 
 
 def test_a_rank_ahead_with_another_group_size_is_no_mismatch():
