@@ -39,9 +39,10 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
             ranks; checked first, with one allgather of the tree's layout), or a leaf's shape or
             dtype differs across ranks.
     """
-    leaves, treedef = jax.tree_util.tree_flatten(variables)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
+    leaves = [leaf for _, leaf in flat]
     name = name or "broadcast_variables"
-    _check_same_tree(treedef, len(leaves), name, process_set)
+    _check_same_tree([jax.tree_util.keystr(path) for path, _ in flat], name, process_set)
     if not leaves:
         return variables
     handles: list[JaxHandle] = [
@@ -50,11 +51,13 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
     return jax.tree_util.tree_unflatten(treedef, [h.wait() for h in handles])
 
 
-def _check_same_tree(treedef: Any, count: int, name: str, process_set: ProcessSet) -> None:
+def _check_same_tree(paths: list[str], name: str, process_set: ProcessSet) -> None:
     """Raises the same `HorovodInternalError` on every rank of `process_set` when their trees
     differ in structure: the leaves' ops would then not pair up (a leaf only some ranks have
-    waits for the others, as any op only some ranks submit)."""
-    layout = np.frombuffer(f"{count}:{treedef}".encode(), dtype=np.uint8)
+    waits for the others, as any op only some ranks submit). Compared: the leaves' key paths
+    (`paths`), not the tree definition's text, which shows static fields such as a flax
+    `TrainState`'s `apply_fn` with their memory addresses."""
+    layout = np.frombuffer(f"{len(paths)}:{' '.join(paths)}".encode(), dtype=np.uint8)
     sizes = collective.allgather(np.array([layout.size], dtype=np.int64),
                                  name=f"{name}.layout.sz", process_set=process_set).tolist()
     raw = collective.allgather(layout, name=f"{name}.layout", process_set=process_set).tobytes()

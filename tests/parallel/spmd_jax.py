@@ -151,6 +151,33 @@ def test_pytree_helpers_and_objects():
     assert hvd.allgather_object(("rank", me)) == [("rank", r) for r in range(SIZE)]
 
 
+def test_broadcast_variables_of_a_state_with_static_functions():
+    # A training state as flax's TrainState: a dataclass pytree with the apply function as a
+    # static field and a jax.tree_util.Partial. The static parts print with each process's
+    # memory addresses, which the structure check once compared (an error on every rank).
+    import dataclasses
+    import functools
+
+    def apply(p, x):
+        return x @ p["w"]
+
+    @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "step"],
+                       meta_fields=["apply_fn"])
+    @dataclasses.dataclass
+    class State:
+        params: dict
+        step: jax.Array
+        apply_fn: object
+
+    me = hvd.rank()
+    state = State({"w": jnp.full((2, 2), float(me))}, jnp.asarray(me), apply)
+    tree = {"state": state, "fn": jax.tree_util.Partial(apply, {"w": jnp.ones((2, 2)) * me})}
+    out = hvd.broadcast_variables(tree, root_rank=0, name="state.bcast")
+    assert out["state"].apply_fn is apply and int(out["state"].step) == 0
+    np.testing.assert_array_equal(out["state"].params["w"], np.zeros((2, 2)))
+    np.testing.assert_array_equal(out["fn"].args[0]["w"], np.zeros((2, 2)))
+
+
 def _loss(params, x, y):
     pred = jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"]
     return jnp.mean((pred[:, 0] - y) ** 2)
