@@ -22,12 +22,42 @@ from collective import DataType, Handle, ProcessSet, ReduceOp, RequestType
 from collective.adapter import enqueue as _enqueue, run_one as _run_one
 from collective.types import CPU_DEVICE, dtype_of
 
-__all__ = ["host_view", "to_jax", "aligned_empty", "enqueue", "run_one", "JaxHandle",
-           "device_error"]
+__all__ = ["host_view", "to_jax", "host_array", "aligned_empty", "enqueue", "run_one",
+           "JaxHandle", "device_error"]
 
 _BF16 = np.dtype(jnp.bfloat16)
 _ALIGN = 64  # XLA's CPU client wraps a DLPack buffer without a copy only when it is aligned
 _from_dlpack = jax.dlpack.from_dlpack
+
+
+_cpu: list[Any] = []
+
+
+def _host() -> Any:
+    if not _cpu:
+        _cpu.append(jax.devices("cpu")[0])
+    return _cpu[0]
+
+
+def host_array(x: Any) -> jax.Array:
+    """`x` (a NumPy array, a scalar, a list) as a JAX array on the first CPU device, where
+    DLPack results land too, converted as `jnp.asarray` converts it; not on JAX's default
+    device, which is a GPU in a CUDA build of JAX (a NumPy input would then be refused).
+
+    Raises:
+        OverflowError: 64-bit integers out of the 32-bit range while `jax_enable_x64` is off
+            (JAX would wrap them silently), as JAX raises for a Python int.
+    """
+    if (isinstance(x, np.ndarray) and x.dtype.kind in "iu" and x.dtype.itemsize == 8
+            and x.size and not jax.config.jax_enable_x64):
+        info = np.iinfo(np.int32 if x.dtype.kind == "i" else np.uint32)
+        if x.min() < info.min or x.max() > info.max:
+            raise OverflowError(
+                f"a {x.dtype} array with values outside the {info.dtype} range (JAX converts "
+                f"it to {info.dtype} while jax_enable_x64 is off, wrapping them): enable "
+                "64-bit types (jax.config.update('jax_enable_x64', True)) or pass a float "
+                "array")
+    return jnp.asarray(x, device=_host())
 
 
 def device_error(op: str, devices: Sequence[Any]) -> NotImplementedError:
@@ -43,7 +73,7 @@ def device_error(op: str, devices: Sequence[Any]) -> NotImplementedError:
 def host_view(x: Any, op: str) -> tuple[np.ndarray, DataType | None, np.dtype]:
     """(NumPy view of `x`'s host buffer, its wire dtype or None to read it from the view, the
     JAX dtype of the result). `x`: a JAX array, or anything `jnp.asarray` takes (a NumPy array,
-    a scalar, a list), converted as JAX converts it (float64 becomes float32 unless
+    a scalar, a list), converted as JAX converts it (`host_array`) (float64 becomes float32 unless
     `jax_enable_x64` is on).
 
     Raises:
@@ -57,7 +87,7 @@ def host_view(x: Any, op: str) -> tuple[np.ndarray, DataType | None, np.dtype]:
             "on concrete host arrays. Call them outside the transformed function, e.g. jit the "
             "gradient computation and pass its result to hvd.allreduce_gradients (docs/jax.md).")
     if not isinstance(x, jax.Array):
-        x = jnp.asarray(x)
+        x = host_array(x)
     devices = x.devices()
     if any(d.platform != "cpu" for d in devices):
         raise device_error(op, sorted(devices, key=str))
@@ -83,13 +113,13 @@ def to_jax(arr: Any, dtype: np.dtype) -> jax.Array:
     again)."""
     arr = np.asarray(arr)
     if dtype == _BF16:
-        return jnp.asarray(arr.view(_BF16))
+        return host_array(arr.view(_BF16))
     if arr.flags.c_contiguous and arr.flags.writeable and arr.ctypes.data % _ALIGN == 0:
         try:
             return _from_dlpack(arr)
         except (BufferError, TypeError, ValueError):  # pragma: no cover - a JAX without it
             pass
-    return jnp.array(arr)
+    return jnp.array(arr, device=_host())
 
 
 class JaxHandle:

@@ -15,14 +15,13 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from collective import (ProcessSet, ReduceOp, RequestType,
                         global_process_set, resolve_op)
 from collective.adapter import reducescatter_op, wait_now as _wait_now
 
-from ._arrays import JaxHandle, enqueue, run_one, to_jax
+from ._arrays import JaxHandle, enqueue, host_array, run_one, to_jax
 from .compression import Compression, check_compressor
 
 __all__ = [
@@ -54,10 +53,10 @@ def _start(kind: RequestType, arrays: Sequence[Any], label: str, grouped: bool,
 
 def _array(x: Any) -> Any:
     """`x` unchanged when it is a JAX array (the checks run in `_arrays.host_view`), else as
-    `jnp.asarray` makes it (so that a compressor sees a JAX array)."""
+    `_arrays.host_array` makes it (so that a compressor sees a JAX array)."""
     if isinstance(x, (jax.Array, jax.core.Tracer)):
         return x
-    return jnp.asarray(x)
+    return host_array(x)
 
 
 def _sync(start: Callable[..., JaxHandle], *args: Any) -> Any:
@@ -201,7 +200,7 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
 
     def finish(res: Any) -> tuple[jax.Array, jax.Array]:
         out, received = res
-        return to_jax(out, dtypes[0]), jnp.asarray(np.asarray(received, dtype=np.int32))
+        return to_jax(out, dtypes[0]), host_array(np.asarray(received, dtype=np.int32))
     return JaxHandle(h, finish)
 
 

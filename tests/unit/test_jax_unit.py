@@ -101,6 +101,10 @@ def test_array_likes_become_jax_arrays(hvd, jax):
     assert isinstance(out, jax.Array) and out.dtype == np.int32
     assert hvd.allreduce(2.5).shape == () and hvd.allreduce([1, 2]).tolist() == [1, 2]
     assert hvd.allgather(jax.numpy.zeros((0, 3))).shape == (0, 3)
+    if not jax.config.jax_enable_x64:  # int64 values JAX would wrap to int32: an error
+        with pytest.raises(OverflowError, match="jax_enable_x64"):
+            hvd.allreduce(np.array([3_000_000_000]), op=hvd.Sum)
+        assert hvd.allreduce(np.array([7]), op=hvd.Sum).tolist() == [7]
 
 
 def test_alltoall_and_reducescatter_forms(hvd, jax):
@@ -260,3 +264,30 @@ def test_reducescatter_refuses_other_ops_as_every_adapter(hvd, jax):
                lambda: collective.reducescatter(np.ones(4), op=collective.Max)):
         with pytest.raises(hvd.HorovodInternalError, match="only supports AVERAGE and SUM"):
             fn()
+
+
+def test_host_inputs_and_results_stay_on_the_first_cpu_device(jax):
+    # JAX's default device is a GPU in a CUDA build: a NumPy input (or a bfloat16 result)
+    # placed there would be refused as an accelerator array. Here a second CPU device stands
+    # in for it as the default: inputs and results are on the first CPU device (DLPack's).
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "import horovod.jax as hvd\n"
+        "hvd.init()\n"
+        "c0, c1 = jax.devices('cpu')\n"
+        "with jax.default_device(c1):\n"
+        "    outs = [hvd.allreduce(np.ones(3, np.float32)), hvd.allreduce([1.0, 2.0]),\n"
+        "            hvd.allreduce(np.ones(2, jnp.bfloat16), name='bf'),\n"
+        "            hvd.broadcast(jnp.ones(2, jnp.bfloat16, device=c0), 0, name='bc'),\n"
+        "            hvd.alltoall(np.arange(4.0, dtype=np.float32))[1]]\n"
+        "assert all(o.devices() == {c0} for o in outs), [o.devices() for o in outs]\n"
+        "hvd.shutdown()\n"
+        "print('ok')\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=100)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
