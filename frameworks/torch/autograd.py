@@ -11,7 +11,10 @@ Each wraps its async op in a `torch.autograd.Function` whose backward pass is Ho
 * reducescatter: allgather of the gradient, times the set's size for Sum, times the factors.
 
 Backward collectives are named after the forward op (`<name>.grad`) when it has a name, so they
-match across ranks regardless of what else each rank enqueues.
+match across ranks regardless of what else each rank enqueues. They are these differentiable
+collectives themselves (as Horovod's), so that second derivatives (`create_graph=True`: gradient
+penalties, Hessian-vector products) flow through them; without `create_graph` autograd runs the
+backward pass without recording, and they cost what the plain op does.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from collective import ProcessSet, ReduceOp, RequestType, global_process_set, re
 
 from ._buffers import run_one
 from .compression import Compression, check_compressor
-from .ops import (_splits_array, allgather_async, allreduce_async, alltoall_async,
+from .ops import (_splits_array, allgather_async, alltoall_async,
                   broadcast_async, grouped_allgather_async, grouped_allreduce_async,
                   grouped_reducescatter_async, process_set_rank, process_set_size,
                   reducescatter_async, wait_now)
@@ -45,8 +48,8 @@ class HorovodAllreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        out = _allreduce_new(grad.contiguous(), _grad_name(ctx.name), ctx.op, ctx.pre, ctx.post,
-                             ctx.ps)
+        out = HorovodAllreduce.apply(grad.contiguous(), _grad_name(ctx.name), ctx.op, ctx.pre,
+                                     ctx.post, ctx.ps)
         return out, None, None, None, None, None
 
 
@@ -68,8 +71,8 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        outs = wait_now(grouped_allreduce_async, [g.contiguous() for g in grads], None,
-                        _grad_name(ctx.name), ctx.op, ctx.pre, ctx.post, ctx.ps)
+        outs = HorovodGroupedAllreduce.apply(_grad_name(ctx.name), ctx.op, ctx.pre, ctx.post,
+                                             ctx.ps, *[g.contiguous() for g in grads])
         return (None, None, None, None, None, *outs)
 
 
@@ -127,8 +130,8 @@ class HorovodAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        reduced = wait_now(allreduce_async, grad.contiguous(), None, _grad_name(ctx.name),
-                           ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
+        reduced = HorovodAllreduce.apply(grad.contiguous(), _grad_name(ctx.name),
+                                         ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
         offset = _my_offset(ctx.dim0, ctx.name, ctx.ps)
         return reduced.narrow(0, offset, ctx.dim0), None, None
 
@@ -141,9 +144,8 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        from .ops import grouped_allreduce_async
-        reduced = wait_now(grouped_allreduce_async, [g.contiguous() for g in grads], None,
-                           _grad_name(ctx.name), ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
+        reduced = HorovodGroupedAllreduce.apply(_grad_name(ctx.name), ReduceOp.AVERAGE, 1.0,
+                                                1.0, ctx.ps, *[g.contiguous() for g in grads])
         dims = wait_now(allgather_async, torch.tensor([ctx.dims], dtype=torch.int64),
                         _grad_name(ctx.name, "grad.dims"), ctx.ps)
         before = dims[:process_set_rank(ctx.ps)].sum(0)
@@ -179,10 +181,13 @@ class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         from collective import rank
-        reduced = wait_now(allreduce_async, grad.contiguous(), None, _grad_name(ctx.name),
-                           ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
+        reduced = HorovodAllreduce.apply(grad.contiguous(), _grad_name(ctx.name),
+                                         ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
         if rank() != ctx.root:
-            reduced = torch.zeros_like(reduced)
+            # Under create_graph, zeros that keep the graph: a second backward pass then runs
+            # the same collectives on every rank (plain zeros would skip the root's allreduce
+            # here).
+            reduced = reduced * 0 if torch.is_grad_enabled() else torch.zeros_like(reduced)
         return reduced, None, None, None
 
 
@@ -208,8 +213,8 @@ class HorovodAlltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
-        out, _r = wait_now(alltoall_async, grad.contiguous(), ctx.received, _grad_name(ctx.name),
-                           ctx.ps)
+        out, _r = HorovodAlltoall.apply(grad.contiguous(), ctx.received, _grad_name(ctx.name),
+                                        ctx.ps)
         if out.shape[0] < ctx.dim0:  # splits left trailing rows unsent: their gradient is 0
             out = torch.cat([out, out.new_zeros((ctx.dim0 - out.shape[0], *out.shape[1:]))])
         return out, None, None, None
@@ -251,8 +256,8 @@ def _reducescatter_grad(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.T
         factor *= process_set_size(ctx.ps)
     grads = [g * factor if factor != 1.0 else g.contiguous() for g in grads]
     if len(grads) == 1 and not getattr(ctx, "grouped", False):
-        return [wait_now(allgather_async, grads[0], _grad_name(ctx.name), ctx.ps)]
-    return wait_now(grouped_allgather_async, grads, _grad_name(ctx.name), ctx.ps)
+        return [HorovodAllgather.apply(grads[0], _grad_name(ctx.name), ctx.ps)]
+    return list(HorovodGroupedAllgather.apply(_grad_name(ctx.name), ctx.ps, *grads))
 
 
 class HorovodGroupedReducescatter(torch.autograd.Function):

@@ -460,6 +460,35 @@ def test_reducescatter_grad():
     torch.testing.assert_close(xs[1].grad, torch.full((2 * SIZE, 1), 2.0 * SIZE))
 
 
+def test_second_derivatives_flow_through_the_collectives():
+    # The backward passes are the differentiable collectives themselves (as Horovod's): with
+    # create_graph=True the gradient can be differentiated again (a gradient penalty, a
+    # Hessian-vector product). Before, it had no grad_fn: an error, or a missing term.
+    me = hvd.rank()
+    x = torch.full((3,), float(me + 1), requires_grad=True)
+    y = hvd.allreduce(x, op=hvd.Sum, name="hess.ar")
+    loss = (x ** 2).sum() + (y ** 3).sum()
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)
+    s = float(sum(r + 1 for r in range(SIZE)))  # y on every rank
+    # dloss/dx = 2x + Sum_r 3 y^2 = 2x + 3 SIZE s^2; its derivative: 2 + Sum_r 6 y * SIZE
+    torch.testing.assert_close(g.detach(), 2 * x.detach() + 3 * SIZE * s ** 2)
+    (h,) = torch.autograd.grad(g.sum(), x)
+    torch.testing.assert_close(h, torch.full((3,), 2.0 + 6.0 * s * SIZE * SIZE))
+    # broadcast, allgather, alltoall and reducescatter: the penalty's gradient exists and is
+    # the same as through a plain copy (each is linear, so the second derivative of a cube
+    # through it is defined).
+    z = torch.full((2,), float(me + 1), requires_grad=True)
+    for i, fn in enumerate((lambda t: hvd.broadcast(t, 0, name="hess.bc"),
+                            lambda t: hvd.allgather(t, name="hess.ag"),
+                            lambda t: hvd.alltoall(t.repeat(SIZE), name="hess.a2a"),
+                            lambda t: hvd.reducescatter(t.repeat(SIZE), op=hvd.Sum,
+                                                        name="hess.rs"))):
+        (gz,) = torch.autograd.grad((fn(z) ** 3).sum(), z, create_graph=True)
+        assert gz.grad_fn is not None, i
+        (hz,) = torch.autograd.grad(gz.sum(), z)
+        assert hz.shape == z.shape and torch.isfinite(hz).all(), i
+
+
 def test_int_handles_keep_tensors_alive():
     hs = [hvd.allreduce_async(torch.full((1000,), float(i)), op=hvd.Sum, name=f"alive.{i}")
           for i in range(8)]
