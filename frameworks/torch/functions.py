@@ -116,18 +116,31 @@ def allgather_object(obj: Any, name: str | None = None,
 # -- optimizer state -------------------------------------------------------------------------------
 def _initialize_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     """A new optimizer has no state yet: create it as Horovod does, with one step of the plain
-    optimizer on zero gradients. Every parameter that requires grad gets a zero gradient (sparse
-    for SparseAdam); the others keep `grad` None and so get no state."""
-    for p in params:
-        if p.requires_grad:
-            zero = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            p.grad = zero.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else zero
+    optimizer on zero gradients (sparse for SparseAdam; parameters that do not require grad get
+    no state), which leaves a zero gradient where there was none. Unlike Horovod's, the step
+    leaves the parameters and any existing gradients as they were: with weight decay it would
+    move the parameters of the ranks whose state was empty only (a worker that joined an
+    elastic job after the model's sync, the non-root ranks of a resumed job after
+    `broadcast_parameters`), and they would differ from the root's for the rest of
+    training."""
+    trained = [p for p in params if p.requires_grad]
+    saved = [(p, p.detach().clone(), p.grad) for p in trained]
+    for p in trained:
+        zero = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        p.grad = zero.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else zero
     from .optimizer import _DistributedOptimizer
-    if isinstance(optimizer, _DistributedOptimizer):
-        # Its step() would allreduce every gradient, and other ranks may not step here.
-        super(_DistributedOptimizer, optimizer).step()
-    else:
-        optimizer.step()
+    try:
+        if isinstance(optimizer, _DistributedOptimizer):
+            # Its step() would allreduce every gradient, and other ranks may not step here.
+            super(_DistributedOptimizer, optimizer).step()
+        else:
+            optimizer.step()
+    finally:
+        with torch.no_grad():
+            for p, value, grad in saved:
+                p.copy_(value)
+                if grad is not None:
+                    p.grad = grad
 
 
 def _state_layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict:

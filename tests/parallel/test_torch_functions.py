@@ -129,6 +129,33 @@ def test_broadcast_optimizer_state_special_cases():
     hvd.broadcast_optimizer_state(dopt, root_rank=0)
 
 
+def test_broadcast_optimizer_state_creating_state_leaves_the_parameters_alone():
+    # The plain step on zero gradients that creates an empty state moved the parameters with
+    # weight decay on the ranks that took it (here the non-root ranks, after the parameters'
+    # broadcast, as in a resumed job or an elastic worker joining): they then differed from
+    # the root's for the rest of training. Existing gradients are kept too.
+    torch.manual_seed(hvd.rank())
+    model = nn.Linear(3, 2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for make in (lambda: torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5),
+                 lambda: torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)):
+        opt = make()
+        if hvd.rank() == 0:  # the root's state exists (a step with zero gradients)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            with torch.no_grad():
+                for p, b in zip(model.parameters(), before):
+                    p.copy_(b)
+        model.weight.grad = torch.ones_like(model.weight)  # accumulated, not yet stepped
+        before = [p.detach().clone() for p in model.parameters()]
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        assert torch.equal(model.weight.grad, torch.ones_like(model.weight))
+        assert all_equal(model.weight, f"bos.still.{type(opt).__name__}")
+
+
 def test_broadcast_optimizer_state_frozen_parameter():
     # A parameter with requires_grad=False next to one that requires grad: the first gets a
     # zero gradient and state, the frozen one keeps grad None and gets no state (Horovod).
