@@ -332,3 +332,19 @@ def test_join_docstring_is_the_collective_one():
     from frameworks.torch import ops
     assert ops.join.__doc__ == collective.ops.join.__doc__
     assert "Join covers the global process set only" in ft.join.__doc__
+
+
+def test_elastic_reset_forgets_the_old_worlds_int_handles(monkeypatch):
+    # As torch's shutdown() and init(): async ops never synchronized before a failure are
+    # forgotten with their tensors when hvd.elastic.run resets the job (they leaked, and a
+    # stale handle gave the old world's error).
+    import frameworks.torch.elastic as el
+    from frameworks.torch._handles import handles
+    calls = []
+    monkeypatch.setattr(el, "_reset", lambda: calls.append(len(handles)))
+    handles._pending[12345] = object()
+    try:
+        el._torch_reset()
+        assert calls == [0] and len(handles) == 0
+    finally:
+        handles._pending.pop(12345, None)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from collective.elastic import HostUpdateResult, ObjectState, State, run_fn
 from collective.elastic import reset as _reset
 
+from .._handles import handles
 from .sampler import ElasticSampler
 from .state import (ModelStateHandler, OptimizerStateHandler, SamplerStateHandler,
                     StateHandler, TorchState, get_handler_registry, set_handler_registry)
@@ -28,4 +29,12 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     kept. Either way the job resets (`shutdown()`, rendezvous with the driver, `init()`), the
     state is synced from the new rank 0, the reset callbacks run, and `func` is called again.
     """
-    return run_fn(func, _reset)
+    return run_fn(func, _torch_reset)
+
+
+def _torch_reset() -> None:
+    """The job's reset, as torch's `shutdown()` and `init()` do it: int handles of the old
+    world (async ops never synchronized before the failure) are forgotten with their
+    tensors."""
+    handles.clear()
+    _reset()
