@@ -33,7 +33,7 @@ from ._buffers import enqueue, finish
 from collective.adapter import wait_now
 from .compression import Compression, check_compressor
 from .mpi_ops import (_check, _could_record, _differentiable, _no_effect, _run, _sparse_allreduce,
-                      allreduce, process_set_size)
+                      _size_now, allreduce, may_resize, process_set_size)
 
 __all__ = ["GradientReducer"]
 
@@ -115,11 +115,20 @@ class GradientReducer:
         the same branch (e.g. a loss-scale optimizer's skip of a step with non-finite
         gradients, which would otherwise skip this rank's gradient reduction only)."""
         ps = self.process_set
-        if (ps is not global_process_set and not ps.included()) or process_set_size(ps) == 1:
+        if self._alone():
             return flag
         agreed = allreduce(tf.cast(flag, tf.int32), op=ReduceOp.MIN,
                            name=f"{self.name}.all_true", process_set=ps, ignore_name_scope=True)
         return tf.cast(agreed, tf.bool)
+
+    def _alone(self) -> bool:
+        """Nothing to reduce: this rank is not in the process set, or it is the set's only
+        rank (unless the job is elastic and a `tf.function` is being traced: its size when
+        the function runs may be another)."""
+        ps = self.process_set
+        if ps is not global_process_set and not ps.included():
+            return True
+        return process_set_size(ps) == 1 and (tf.executing_eagerly() or not may_resize())
 
     def _kinds(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[int]:
         """Each gradient's kind on this rank: 0 None (or a local source's), 1 IndexedSlices
@@ -139,8 +148,7 @@ class GradientReducer:
         every rank, 0) eagerly (`_agree_kinds`); (`grads`, the digest of their kinds) inside a
         `tf.function`, for `reduce(layout=...)`, where the kinds were fixed at tracing."""
         grads = list(grads)
-        ps = self.process_set
-        if (ps is not global_process_set and not ps.included()) or process_set_size(ps) == 1:
+        if self._alone():
             return grads, 0
         if tf.executing_eagerly():
             return self._agree_kinds(grads, variables), 0
@@ -172,12 +180,10 @@ class GradientReducer:
         """The reduced gradients, in order (see the module docstring). `aligned`: (layout,)
         when `align` already ran on the step's whole list (layout: its digest, 0 eagerly)."""
         grads = list(grads)
+        if self._alone():
+            return grads
         ps = self.process_set
-        if ps is not global_process_set and not ps.included():
-            return grads
-        n = process_set_size(ps)
-        if n == 1:
-            return grads
+        n: Any = None  # the set's size, read when first needed
         if aligned is not None:
             layout = aligned[0]
         elif not variables or len(variables) != len(grads):
@@ -193,6 +199,8 @@ class GradientReducer:
                 continue
             if variables and self.is_local(variables[i]):
                 if self.scale_local_gradients:
+                    if n is None:
+                        n = _size_now(ps)
                     out[i] = g / tf.cast(n, g.dtype) if not isinstance(g, tf.IndexedSlices) \
                         else tf.IndexedSlices(g.values / tf.cast(n, g.dtype), g.indices,
                                               g.dense_shape)

@@ -155,6 +155,16 @@ class TensorFlowKerasState(_VariablesState):
         self._build_optimizer()
         super().sync()
 
+    def reset(self) -> None:
+        """After every reset: Keras' compiled train, test and predict steps are traced again at
+        their next use, so that they take the new world's size (a step traced in a world of
+        one rank leaves the gradient reduction out; sparse gradients are averaged over the
+        size seen at tracing)."""
+        for attr in ("train_function", "test_function", "predict_function"):
+            if getattr(self.model, attr, None) is not None:
+                setattr(self.model, attr, None)
+        super().reset()
+
 
 class TensorFlowState(_VariablesState):
     """Elastic state of a list of `tf.Variable`s, plus plain values. `session` is for TF1

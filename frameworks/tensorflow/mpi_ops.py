@@ -110,9 +110,30 @@ def _set_of(process_set_id: int, process_set: ProcessSet | None) -> ProcessSet:
 
 def size_op(process_set_id: int = 0, name: str | None = None,
             process_set: ProcessSet | None = None) -> tf.Tensor:
-    """The process set's size as an int32 tensor."""
-    return tf.constant(process_set_size(_set_of(process_set_id, process_set)), dtype=tf.int32,
-                       name=name)
+    """The process set's size as an int32 tensor; inside a `tf.function`, read each time the
+    function runs (as Horovod's op), so that a compiled step sees an elastic job's resize."""
+    ps = _set_of(process_set_id, process_set)
+    if tf.executing_eagerly():
+        return tf.constant(process_set_size(ps), dtype=tf.int32, name=name)
+    return tf.identity(_size_now(ps), name=name)
+
+
+def _size_now(ps: ProcessSet) -> Any:
+    """The process set's size: a Python int eagerly; inside a `tf.function`, an int32 tensor
+    read when the function runs."""
+    if tf.executing_eagerly():
+        return process_set_size(ps)
+    size = tf.py_function(lambda: np.int32(process_set_size(ps)), [], tf.int32)
+    size.set_shape([])
+    return size
+
+
+def may_resize() -> bool:
+    """Whether the world size may change after a `tf.function` was traced (an elastic job):
+    a compiled step must then not leave out a collective because the set had one rank when it
+    was traced."""
+    rt = collective._current.current_or_none()
+    return rt is not None and bool(rt.config.elastic)
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:
@@ -260,7 +281,7 @@ def _sparse_allreduce(slices: tf.IndexedSlices, name: str | None, op: ReduceOp, 
     indices = allgather(slices.indices, name=_grad_name(name, "indices"), process_set=ps,
                         ignore_name_scope=True)
     if op == ReduceOp.AVERAGE:
-        values = values / tf.cast(process_set_size(ps), values.dtype)
+        values = values / tf.cast(_size_now(ps), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 

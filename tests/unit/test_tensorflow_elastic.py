@@ -239,3 +239,45 @@ def test_reset_callback_sets_lr_through_keras2_alias(hvd) -> None:
 
     opt.lr = 0.2  # the attribute form sets it too
     assert float(opt.learning_rate.numpy()) == pytest.approx(0.2)
+
+
+def test_compiled_steps_follow_an_elastic_resize(hvd, monkeypatch) -> None:
+    # A compiled step traced in a world of one rank used to leave the gradient reduction out
+    # and to bake the size in (size_op, sparse averages): after an elastic resize it skipped
+    # the others' allreduce or averaged over the old size. In an elastic job the reduction is
+    # traced even at size 1, the size is read when the step runs, and a reset makes Keras
+    # trace its steps again.
+    import tensorflow as tf
+
+    import frameworks.tensorflow._reduce as reduce_mod
+    import frameworks.tensorflow.mpi_ops as mpi_ops
+    import horovod.tensorflow as hvd_tf
+
+    def step(x, tape_cls=hvd_tf.DistributedGradientTape):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(x * x)
+        return tape_cls(tape).gradient(loss, [x])[0]
+
+    def py_funcs(fn, *args):
+        graph = tf.function(fn).get_concrete_function(*args).graph
+        return [op for op in graph.get_operations() if "PyFunc" in op.type]
+
+    x = tf.Variable([1.0, 2.0])
+    assert py_funcs(step, x) == []  # not elastic: one rank, nothing to reduce
+    monkeypatch.setattr(reduce_mod, "may_resize", lambda: True)
+    assert py_funcs(step, x), "elastic: the reduction is traced at size 1 too"
+    np.testing.assert_allclose(tf.function(step)(x).numpy(), [2.0, 4.0])
+
+    size = tf.function(lambda: hvd_tf.size_op())
+    assert int(size()) == 1
+    monkeypatch.setattr(mpi_ops, "process_set_size", lambda ps=None: 3)
+    assert int(size()) == 3  # read when the function runs, not when it was traced
+    monkeypatch.undo()
+
+    model = _model(hvd)
+    state = hvd.elastic.KerasState(model)
+    _fit(model, 1)
+    assert model.train_function is not None
+    state.on_reset()
+    assert model.train_function is None
+    _fit(model, 1)  # traced again
