@@ -78,7 +78,7 @@ class _VariablesState(ObjectState):
     returned by `_variables()` (read at every call, so variables created later count)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        self._saved_vars: list[Any] = []
+        self._saved_vars: list[tuple[Any, Any]] = []  # (variable, its committed value)
         super().__init__(bcast_object=_bcast, get_rank=collective.rank, **kwargs)
         self._save_vars()
 
@@ -86,19 +86,17 @@ class _VariablesState(ObjectState):
         raise NotImplementedError
 
     def _save_vars(self) -> None:
-        self._saved_vars = [v.numpy().copy() for v in self._variables()]
+        self._saved_vars = [(v, v.numpy().copy()) for v in self._variables()]
 
     def save(self) -> None:
         self._save_vars()
         super().save()
 
     def restore(self) -> None:
-        variables = self._variables()
-        if len(variables) != len(self._saved_vars):
-            raise RuntimeError(f"elastic restore: the state has {len(variables)} variables but "
-                               f"{len(self._saved_vars)} were committed; create every variable "
-                               "(e.g. build the model and optimizer) before the first commit")
-        for v, saved in zip(variables, self._saved_vars):
+        """Assigns the committed values back. Variables created after the last commit (a
+        subclassed model is built by its first batch) have none and keep theirs: the sync
+        after the reset makes them rank 0's on every rank."""
+        for v, saved in self._saved_vars:
             v.assign(saved)
         super().restore()
 

@@ -281,3 +281,35 @@ def test_compiled_steps_follow_an_elastic_resize(hvd, monkeypatch) -> None:
     state.on_reset()
     assert model.train_function is None
     _fit(model, 1)  # traced again
+
+
+def test_restore_before_the_first_commit_of_a_model_built_late(hvd) -> None:
+    # A subclassed model is built by its first batch, after the state's snapshots (none of
+    # its variables existed): a failure before the first commit has nothing to roll back to
+    # for them. restore() used to raise (the job died on every survivor); they keep their
+    # values (the sync after the reset equalises them), the optimizer's committed variables
+    # and the other attributes are restored.
+    import keras
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Net()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    state = hvd.elastic.KerasState(model, epoch=0)
+    state.save()  # what run() does after its first sync, still before the first batch
+    _fit(model, 2)
+    trained = _values(model.variables)
+    state.epoch = 3
+    state.restore()
+    assert state.epoch == 0 and int(model.optimizer.iterations.numpy()) == 0
+    for a, b in zip(trained, _values(model.variables)):
+        np.testing.assert_array_equal(a, b)
+    state.commit()  # from now on there is something to restore
+    _fit(model, 1)
+    state.restore()
