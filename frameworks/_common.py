@@ -13,11 +13,14 @@ import sys
 import warnings
 from typing import Any, Hashable, Iterable, Sequence, TypeVar
 
+import numpy as np
+
 import collective
 from collective import ProcessSet, ReduceOp, global_process_set
 
 __all__ = ["find_duplicates", "check_named_parameters", "default_parameter_name", "split_list",
-           "dumps", "loads", "process_set_size", "process_set_rank", "gradient_reduction"]
+           "dumps", "loads", "broadcast_object", "allgather_object", "process_set_size",
+           "process_set_rank", "gradient_reduction"]
 
 T = TypeVar("T")
 
@@ -100,6 +103,70 @@ def dumps(obj: Any) -> bytes:
 def loads(data: bytes | memoryview) -> Any:
     """Inverse of `dumps`. Only call on bytes received from members of this job."""
     return pickle.loads(data)
+
+
+def _payload(obj: Any) -> tuple[np.ndarray, int, BaseException | None]:
+    """(bytes to send, the size to send, the pickling error). When `obj` cannot be pickled,
+    the bytes are the error's text and the size is negative, so that the other ranks take
+    part in the same collectives and raise too instead of waiting for ever."""
+    try:
+        data = dumps(obj)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, raised here
+        text = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")[:4096]
+        return np.frombuffer(text, dtype=np.uint8), -len(text), exc
+    return np.frombuffer(data, dtype=np.uint8), len(data), None
+
+
+def broadcast_object(obj: Any, root_rank: int, name: str, process_set: ProcessSet) -> Any:
+    """Rank `root_rank`'s `obj` (cloudpickled) on every rank of the process set: its size as
+    `<name>.sz`, its bytes as `<name>.t` (every adapter's `broadcast_object`).
+
+    Raises:
+        ValueError: the root's object cannot be pickled (on the other ranks; the root raises
+            the pickling error itself).
+        HorovodInternalError: a broadcast failed.
+    """
+    is_root = collective.rank() == root_rank
+    data, n, exc = _payload(obj) if is_root else (None, 0, None)
+    n = int(collective.broadcast(np.array([n], dtype=np.int64), root_rank, name=f"{name}.sz",
+                                 process_set=process_set)[0])
+    buf = data if is_root else np.zeros(abs(n), dtype=np.uint8)
+    out = collective.broadcast(buf, root_rank, name=f"{name}.t", process_set=process_set)
+    if n < 0:
+        if exc is not None:
+            raise exc
+        raise ValueError(f"{name}: root rank {root_rank} could not pickle its object "
+                         f"({out.tobytes().decode('utf-8', 'replace')}); broadcast only "
+                         "picklable objects (no locks, open files or sockets)")
+    return obj if is_root else loads(out.tobytes())
+
+
+def allgather_object(obj: Any, name: str, process_set: ProcessSet) -> list[Any]:
+    """Every rank's `obj` (cloudpickled), indexed by rank in the process set: the sizes as
+    `<name>.sz`, the bytes as `<name>.t` (every adapter's `allgather_object`).
+
+    Raises:
+        ValueError: some rank's object cannot be pickled (on the other ranks, naming them;
+            that rank raises its pickling error itself).
+        HorovodInternalError: an allgather failed.
+    """
+    data, n, exc = _payload(obj)
+    sizes = collective.allgather(np.array([n], dtype=np.int64), name=f"{name}.sz",
+                                 process_set=process_set).tolist()
+    raw = collective.allgather(data, name=f"{name}.t", process_set=process_set).tobytes()
+    chunks, off = [], 0
+    for size in sizes[:process_set_size(process_set)]:
+        chunks.append((size, raw[off:off + abs(size)]))
+        off += abs(size)
+    bad = [(i, c.decode("utf-8", "replace")) for i, (size, c) in enumerate(chunks) if size < 0]
+    if bad:
+        if exc is not None:
+            raise exc
+        ranks = process_set.ranks or list(range(len(chunks)))
+        raise ValueError(f"{name}: rank(s) {', '.join(str(ranks[i]) for i, _ in bad)} could "
+                         f"not pickle their object ({bad[0][1]}); gather only picklable "
+                         "objects (no locks, open files or sockets)")
+    return [loads(c) for _, c in chunks]
 
 
 def process_set_size(process_set: ProcessSet = global_process_set) -> int:

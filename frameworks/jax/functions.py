@@ -16,7 +16,7 @@ import numpy as np
 import collective
 from collective import ProcessSet, ReduceOp, RequestType, global_process_set
 
-from .._common import dumps, loads, process_set_size
+from .. import _common
 from ._arrays import JaxHandle
 from .compression import Compression
 from .ops import _start, grouped_allreduce
@@ -109,26 +109,10 @@ def allreduce_gradients(grads: Any, op: ReduceOp = ReduceOp.AVERAGE,
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Returns rank `root_rank`'s `obj` (cloudpickled) on every rank of the process set."""
-    name = name or "broadcast_object"
-    is_root = collective.rank() == root_rank
-    data = dumps(obj) if is_root else b""
-    n = collective.broadcast(np.array([len(data)], dtype=np.int64), root_rank,
-                             name=f"{name}.sz", process_set=process_set)
-    buf = np.frombuffer(data, dtype=np.uint8) if is_root else np.zeros(int(n[0]), np.uint8)
-    out = collective.broadcast(buf, root_rank, name=f"{name}.t", process_set=process_set)
-    return obj if is_root else loads(out.tobytes())
+    return _common.broadcast_object(obj, root_rank, name or "broadcast_object", process_set)
 
 
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Returns the list of every rank's `obj` (cloudpickled), indexed by rank in the set."""
-    name = name or "allgather_object"
-    data = np.frombuffer(dumps(obj), dtype=np.uint8)
-    sizes = collective.allgather(np.array([data.size], dtype=np.int64), name=f"{name}.sz",
-                                 process_set=process_set)
-    raw = collective.allgather(data, name=f"{name}.t", process_set=process_set).tobytes()
-    out, off = [], 0
-    for n in sizes.tolist()[:process_set_size(process_set)]:
-        out.append(loads(raw[off:off + n]))
-        off += n
-    return out
+    return _common.allgather_object(obj, name or "allgather_object", process_set)

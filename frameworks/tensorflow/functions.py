@@ -9,16 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import tensorflow as tf
 
-import collective
-from collective import ProcessSet, RequestType, global_process_set
+from collective import ProcessSet, global_process_set
 
-from .._common import dumps, loads
-from ._buffers import enqueue, finish, to_tf
-from collective.adapter import wait_now
-from .mpi_ops import _check, _k_broadcast, _run, process_set_size
+from .. import _common
+from .mpi_ops import _check, _k_broadcast, _run
 
 __all__ = ["broadcast_variables", "broadcast_object", "broadcast_object_fn", "allgather_object"]
 
@@ -53,13 +49,6 @@ def _session(session: Any) -> None:
                          "this eagerly (TF2) with session=None")
 
 
-def _bcast_np(arr: np.ndarray, root_rank: int, name: str, ps: ProcessSet) -> tf.Tensor:
-    t = to_tf(arr, tf.as_dtype(arr.dtype))
-    return wait_now(lambda h: finish(h.wait(), t),
-                    lambda: enqueue(RequestType.BROADCAST, [t], name=name, process_set=ps,
-                                    root=root_rank))
-
-
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Returns rank `root_rank`'s `obj` (cloudpickled) on every rank of the process set.
@@ -68,14 +57,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: st
     the root's object and the placeholders other ranks pass).
     """
     _session(session)
-    name = name or "broadcast_object"
-    is_root = collective.rank() == root_rank
-    data = dumps(obj) if is_root else b""
-    sz = _bcast_np(np.array([len(data)], dtype=np.int64), root_rank, f"{name}.sz", process_set)
-    n = int(sz.numpy()[0])
-    buf = np.frombuffer(data, dtype=np.uint8).copy() if is_root else np.zeros(n, np.uint8)
-    out = _bcast_np(buf, root_rank, f"{name}.t", process_set)
-    return obj if is_root else loads(out.numpy().tobytes())
+    return _common.broadcast_object(obj, root_rank, name or "broadcast_object", process_set)
 
 
 def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
@@ -92,18 +74,4 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Returns the list of every rank's `obj`, indexed by rank in the process set."""
     _session(session)
-    name = name or "allgather_object"
-    data = np.frombuffer(dumps(obj), dtype=np.uint8).copy()
-
-    def gather(arr: np.ndarray, nm: str) -> np.ndarray:
-        t = to_tf(arr, tf.as_dtype(arr.dtype))
-        return wait_now(lambda h: finish(h.wait(), t),
-                        lambda: enqueue(RequestType.ALLGATHER, [t], name=nm,
-                                        process_set=process_set)).numpy()
-    sizes = gather(np.array([data.size], dtype=np.int64), f"{name}.sz")
-    raw = gather(data, f"{name}.t").tobytes()
-    out, off = [], 0
-    for n in sizes.tolist()[:process_set_size(process_set)]:
-        out.append(loads(raw[off:off + n]))
-        off += n
-    return out
+    return _common.allgather_object(obj, name or "allgather_object", process_set)

@@ -34,7 +34,8 @@ from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product
 
 from .._common import process_set_rank, process_set_size
 from ._buffers import dtype_of, eager, enqueue, finish, run_one
-from collective.adapter import process_set_by_id, reducescatter_op, splits_values, wait_now
+from collective.adapter import (config, process_set_by_id, reducescatter_op, splits_values,
+                                wait_now)
 from .compression import Compression, check_compressor
 
 __all__ = [
@@ -132,8 +133,9 @@ def may_resize() -> bool:
     """Whether the world size may change after a `tf.function` was traced (an elastic job):
     a compiled step must then not leave out a collective because the set had one rank when it
     was traced."""
-    rt = collective._current.current_or_none()
-    return rt is not None and bool(rt.config.elastic)
+    if not collective.is_initialized():
+        return False
+    return bool(config().elastic)
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:

@@ -16,8 +16,9 @@ import torch
 import collective
 from collective import ProcessSet, global_process_set
 
+from .. import _common
 from .._common import dumps, loads
-from .ops import allgather_async, broadcast_async_, process_set_size, synchronize, wait_now
+from .ops import broadcast_async_, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
@@ -72,22 +73,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     and the placeholders other ranks pass, and then never matched).
 
     Raises:
+        ValueError: the root's object cannot be pickled (the root raises its pickling error).
         HorovodInternalError: the broadcast failed on some rank.
     """
-    name = name or "broadcast_object"
-    is_root = collective.rank() == root_rank
-    if is_root:
-        data = dumps(obj)
-        sz = torch.tensor([len(data)], dtype=torch.int64)
-    else:
-        sz = torch.zeros(1, dtype=torch.int64)
-    wait_now(broadcast_async_, sz, root_rank, f"{name}.sz", process_set)
-    if is_root:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    else:
-        buf = torch.empty(int(sz[0]), dtype=torch.uint8)
-    wait_now(broadcast_async_, buf, root_rank, f"{name}.t", process_set)
-    return obj if is_root else loads(buf.numpy().tobytes())
+    return _common.broadcast_object(obj, root_rank, name or "broadcast_object", process_set)
 
 
 def allgather_object(obj: Any, name: str | None = None,
@@ -97,20 +86,10 @@ def allgather_object(obj: Any, name: str | None = None,
     `name` defaults to "allgather_object" (see `broadcast_object` for why not the type name).
 
     Raises:
+        ValueError: some rank's object cannot be pickled (that rank raises its pickling error).
         HorovodInternalError: the allgather failed on some rank.
     """
-    name = name or "allgather_object"
-    data = dumps(obj)
-    sizes = wait_now(allgather_async, torch.tensor([len(data)], dtype=torch.int64), f"{name}.sz",
-                     process_set)
-    gathered = wait_now(allgather_async, torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                        f"{name}.t", process_set)
-    raw = gathered.numpy().tobytes()
-    out, off = [], 0
-    for n in sizes.tolist()[:process_set_size(process_set)]:
-        out.append(loads(raw[off:off + n]))
-        off += n
-    return out
+    return _common.allgather_object(obj, name or "allgather_object", process_set)
 
 
 # -- optimizer state -------------------------------------------------------------------------------

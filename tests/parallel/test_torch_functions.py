@@ -104,6 +104,27 @@ def test_broadcast_optimizer_state(name):
     assert all_equal(model.weight, f"bos.after.{name}")
 
 
+def test_objects_that_cannot_be_pickled_fail_on_every_rank():
+    # The root's object (or one rank's, gathered) cannot be pickled: that rank raises its
+    # pickling error and the others a ValueError naming it, instead of waiting for ever for
+    # a broadcast the root never sent; the job goes on.
+    me = hvd.rank()
+    with pytest.raises(Exception) as info:
+        hvd.broadcast_object(threading.Lock() if me == 0 else None, root_rank=0,
+                             name="unpicklable.bcast")
+    if me == 0:
+        assert "lock" in str(info.value).lower()
+    else:
+        assert info.type is ValueError and "root rank 0 could not pickle" in str(info.value)
+    bad = SIZE - 1
+    with pytest.raises(Exception) as info:
+        hvd.allgather_object(threading.Lock() if me == bad else me, name="unpicklable.ag")
+    if me != bad:
+        assert info.type is ValueError and f"rank(s) {bad} could not pickle" in str(info.value)
+    assert hvd.broadcast_object({"ok": me}, root_rank=0, name="after.unpicklable") == {"ok": 0}
+    assert hvd.allgather_object(me, name="after.unpicklable.ag") == list(range(SIZE))
+
+
 def test_broadcast_optimizer_state_special_cases():
     model = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="LBFGS"):
