@@ -31,11 +31,19 @@ def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], root_rank: int,
     for name, t in named:
         send = t if t.is_contiguous() else t.contiguous()
         pending.append((t, send, broadcast_async_(send, root_rank, name, process_set)))
+    error: BaseException | None = None
     for t, send, h in pending:
-        synchronize(h)
-        if send is not t:
+        try:
+            synchronize(h)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every handle is done
+            if error is None:
+                error = exc
+            continue
+        if send is not t and error is None:
             with torch.no_grad():
                 t.copy_(send)
+    if error is not None:  # every handle was waited for (none left in the handle map)
+        raise error
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:

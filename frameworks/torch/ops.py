@@ -295,7 +295,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp,
                          process_set=process_set)
 
     def result() -> torch.Tensor:
-        vals = synchronize(vh)
+        try:
+            vals = synchronize(vh)
+        except BaseException:
+            try:  # waited for too, so that no handle is left in the handle map
+                synchronize(ih)
+            except Exception:  # noqa: BLE001 - the values' error is the one to report
+                pass
+            raise
         idx = synchronize(ih)
         if op == ReduceOp.AVERAGE:
             vals = vals / process_set_size(process_set)

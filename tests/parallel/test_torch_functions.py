@@ -104,6 +104,19 @@ def test_broadcast_optimizer_state(name):
     assert all_equal(model.weight, f"bos.after.{name}")
 
 
+def test_a_failed_broadcast_of_several_tensors_leaves_no_handle_behind():
+    # The first tensor's shapes differ across ranks: its broadcast fails on every rank; the
+    # others' handles are waited for too instead of staying in the handle map with their
+    # tensors for the life of the process.
+    from frameworks.torch._handles import handles
+    me = hvd.rank()
+    before = len(handles)
+    tensors = [torch.zeros(me + 1), torch.zeros(3), torch.zeros(2, 2)]
+    with pytest.raises(hvd.HorovodInternalError):
+        hvd.broadcast_parameters(tensors, root_rank=0)
+    assert len(handles) == before
+
+
 def test_objects_that_cannot_be_pickled_fail_on_every_rank():
     # The root's object (or one rank's, gathered) cannot be pickled: that rank raises its
     # pickling error and the others a ValueError naming it, instead of waiting for ever for
