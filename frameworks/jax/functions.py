@@ -40,15 +40,36 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
             dtype differs across ranks.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
-    leaves = [leaf for _, leaf in flat]
     name = name or "broadcast_variables"
     _check_same_tree([jax.tree_util.keystr(path) for path, _ in flat], name, process_set)
-    if not leaves:
+    if not flat:
         return variables
+    wire = [_to_wire(leaf) for _, leaf in flat]
     handles: list[JaxHandle] = [
         _start(RequestType.BROADCAST, [x], "broadcast_variables", False, name=f"{name}.{i}",
-               process_set=process_set, root=root_rank) for i, x in enumerate(leaves)]
-    return jax.tree_util.tree_unflatten(treedef, [h.wait() for h in handles])
+               process_set=process_set, root=root_rank) for i, (x, _) in enumerate(wire)]
+    return jax.tree_util.tree_unflatten(
+        treedef, [back(h.wait()) for h, (_, back) in zip(handles, wire)])
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _to_wire(leaf: Any) -> tuple[Any, Any]:
+    """(what a leaf's broadcast sends, the function that turns the result back). A random key
+    (`jax.random.key`, or a legacy uint32 `PRNGKey`; training states often hold one) travels
+    as its key data viewed as int32, a type the collectives carry."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        return leaf, _same
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(leaf)
+        data = jax.random.key_data(leaf).view(np.int32)
+        return data, lambda r: jax.random.wrap_key_data(r.view(np.uint32), impl=impl)
+    if dtype == np.uint32:
+        return leaf.view(np.int32), lambda r: r.view(np.uint32)
+    return leaf, _same
 
 
 def _check_same_tree(paths: list[str], name: str, process_set: ProcessSet) -> None:

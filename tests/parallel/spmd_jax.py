@@ -172,8 +172,16 @@ def test_broadcast_variables_of_a_state_with_static_functions():
     me = hvd.rank()
     state = State({"w": jnp.full((2, 2), float(me))}, jnp.asarray(me), apply)
     tree = {"state": state, "fn": jax.tree_util.Partial(apply, {"w": jnp.ones((2, 2)) * me})}
+    # random keys too (typed and legacy uint32): they used to be refused as uint32
+    tree["rng"] = jax.random.key(me)
+    tree["legacy_rng"] = jax.random.PRNGKey(me)
     out = hvd.broadcast_variables(tree, root_rank=0, name="state.bcast")
     assert out["state"].apply_fn is apply and int(out["state"].step) == 0
+    assert jax.dtypes.issubdtype(out["rng"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(out["rng"]),
+                                  jax.random.key_data(jax.random.key(0)))
+    assert out["legacy_rng"].dtype == jnp.uint32
+    np.testing.assert_array_equal(out["legacy_rng"], jax.random.PRNGKey(0))
     np.testing.assert_array_equal(out["state"].params["w"], np.zeros((2, 2)))
     np.testing.assert_array_equal(out["fn"].args[0]["w"], np.zeros((2, 2)))
 
