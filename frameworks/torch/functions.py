@@ -163,7 +163,8 @@ def _apply_layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
     for group, options in zip(optimizer.param_groups, layout["options"]):
         for k in [k for k in group if k != "params" and k not in options]:
             del group[k]
-        group.update(options)
+        group.update({k: _on_local_device(v, group.get(k), group["params"])
+                      for k, v in options.items()})
     for i, p in enumerate(params):
         spec = layout["state"].get(i)
         if spec is None:
@@ -184,6 +185,20 @@ def _apply_layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
             else:
                 new[k] = torch.empty(shape, dtype=dtype, device=device)
         optimizer.state[p] = new
+
+
+def _on_local_device(value: Any, local: Any, params: list[torch.Tensor]) -> Any:
+    """A group option from the root, for this rank: a tensor option (a tensor `lr` of a
+    capturable or fused optimizer) arrives on the root's device index, which is another GPU
+    where every rank sees every GPU; it goes where this rank's own option is, or beside this
+    rank's parameters when it was on the root's GPU."""
+    if not torch.is_tensor(value):
+        return value
+    if torch.is_tensor(local):
+        return value.to(local.device)
+    if value.device.type != "cpu" and params:
+        return value.to(params[0].device)
+    return value
 
 
 def _describe(exc: Exception) -> str:

@@ -253,6 +253,16 @@ def test_broadcast_and_helpers(hvd) -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=1 % n)
     assert torch.all(model.weight == float(1 % n))
     assert hvd.broadcast_object({"r": r}, root_rank=0) == {"r": 0}
+    # A tensor option (a capturable Adam's lr on the GPU) arrives on this rank's GPU, not on
+    # the root's device index (every rank here sees every GPU).
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01 * (r + 1), device="cuda"),
+                           capturable=True)
+    model(torch.ones(2, 5, device="cuda")).sum().backward()
+    opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    lr = opt.param_groups[0]["lr"]
+    assert lr.device == model.weight.device and abs(float(lr) - 0.01) < 1e-7, lr
+    opt.step()
 
 
 @pytest.mark.spmd
