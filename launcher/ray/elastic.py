@@ -256,7 +256,12 @@ class ElasticRayExecutor:
                         reset_limit: int | None = None, elastic_timeout: int = 600,
                         timeout_s: int = 30, ssh_identity_file: str | None = None,
                         nics: set[str] | None = None, min_np: int | None = None,
-                        max_np: int | None = None, **kwargs: Any) -> ElasticSettings:
+                        max_np: int | None = None,
+                        cooldown_range: tuple[int, int] | None = None,
+                        **kwargs: Any) -> ElasticSettings:
+        """Horovod's settings of an elastic job. `cooldown_range` (seconds, as hvdrun's
+        --blacklist-cooldown-range): a failed node comes back after a cooldown in that range
+        instead of never."""
         if kwargs:
             warnings.warn(f"ElasticRayExecutor.create_settings: {sorted(kwargs)} have no "
                           f"effect", UserWarning, stacklevel=2)
@@ -269,7 +274,8 @@ class ElasticRayExecutor:
                                max_np=max_np if max_np is not None else max_num_proc,
                                reset_limit=reset_limit, elastic_timeout=elastic_timeout,
                                timeout_s=timeout_s, nics=set(nics) if nics else None,
-                               ssh_identity_file=ssh_identity_file)
+                               ssh_identity_file=ssh_identity_file,
+                               cooldown_range=tuple(cooldown_range) if cooldown_range else None)
 
     def __init__(self, settings: ElasticSettings, use_gpu: bool = False,
                  cpus_per_slot: float = 1, gpus_per_slot: float | None = None,

@@ -234,6 +234,9 @@ class RayExecutor:
                              f"to place a fixed number of workers on each node")
         if cpus_per_worker < 0:
             raise ValueError(f"cpus_per_worker={cpus_per_worker} must be >= 0")
+        if not cpus_per_worker and not use_gpu:  # static and elastic jobs alike
+            raise ValueError("cpus_per_worker=0 without use_gpu: a worker would reserve "
+                             "nothing; give cpus_per_worker > 0, or use_gpu=True")
         if gpus_per_worker is not None and not use_gpu:
             raise ValueError("gpus_per_worker is set, but use_gpu is False. use_gpu must be "
                              "True if gpus_per_worker is set.")

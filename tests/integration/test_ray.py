@@ -443,7 +443,14 @@ def test_executor_argument_errors(cluster):
     with pytest.raises(ValueError, match="max_workers=2.5 must be a positive integer"):
         RayExecutor(s, min_workers=1, max_workers=2.5)
     with pytest.raises(ValueError, match="reserve nothing"):
-        RayExecutor(s, num_workers=1, cpus_per_worker=0).start()
+        RayExecutor(s, num_workers=1, cpus_per_worker=0)
+    with pytest.raises(ValueError, match="reserve nothing"):  # elastic too (2**30 slots a node)
+        RayExecutor(s, min_workers=1, cpus_per_worker=0)
+    # create_settings' cooldown_range reaches the job (it was ignored: failed nodes for good)
+    cool = ElasticRayExecutor.create_settings(min_num_proc=1, cooldown_range=(10, 60))
+    assert cool.cooldown_range == (10, 60)
+    with pytest.warns(DeprecationWarning):
+        assert ElasticRayExecutor(cool)._executor._elastic["cooldown_range"] == (10.0, 60.0)
     elastic = RayExecutor(s, min_workers=1, max_workers=2)
     with pytest.raises(NotImplementedError, match="run\\(\\) only"):
         elastic.execute(lambda w: 1)

@@ -157,3 +157,30 @@ def test_common_process_sets_are_ringvods():
     assert add_process_set is collective.add_process_set
     assert remove_process_set is collective.remove_process_set
     assert ProcessSet([2, 0]).ranks == [0, 2]
+
+
+def test_horovod_ray_runner_module_and_ray_trains_own_trainer():
+    # Horovod's module path for RayExecutor works; Ray Train V1's own ray.train.horovod imports
+    # Horovod's gloo Coordinator from it and fails with an error naming ringvod's trainer (it
+    # was "No module named 'launcher.ray.runner'").
+    import os
+    import subprocess
+    import sys
+
+    from tests._spmd import skip_or_fail
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:
+        skip_or_fail(f"ray not installed ({exc})", "ray")
+    code = ("from horovod.ray.runner import RayExecutor\n"
+            "from horovod.ray import RayExecutor as R\n"
+            "assert RayExecutor is R\n"
+            "try:\n"
+            "    import ray.train.horovod\n"
+            "except ImportError as e:\n"
+            "    print('ERR', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, RAY_TRAIN_V2_ENABLED="0"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ERR" in proc.stdout and "from horovod.ray import HorovodTrainer" in proc.stdout, (
+        proc.stdout, proc.stderr[-2000:])
