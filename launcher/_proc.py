@@ -8,7 +8,8 @@ import signal
 from typing import Callable
 
 __all__ = ["pdeathsig_preexec", "wait_no_reap", "has_exited", "killpg_quiet",
-           "kill_session", "kill_process_tree", "describe_exit"]
+           "kill_session", "kill_process_tree", "describe_exit", "STOP_SIGNALS",
+           "catch_signals"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -24,6 +25,23 @@ def _load_prctl() -> Callable[..., int] | None:
 
 # Resolved before any fork: the child only makes one foreign call, no imports or allocation.
 _PRCTL = _load_prctl()
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def catch_signals(handler: Callable[[int, object], object],
+                  signals: tuple[int, ...] = STOP_SIGNALS) -> dict[int, object]:
+    """Installs `handler` for each of `signals` that is not ignored; returns the handlers it
+    replaced (for `signal.signal` to put back). An ignored signal stays ignored: `nohup hvdrun
+    ...` ignores SIGHUP, and a job started in the background by a script ignores SIGINT, as
+    with horovodrun. Main thread only."""
+    old: dict[int, object] = {}
+    for sig in signals:
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        old[sig] = signal.signal(sig, handler)
+    return old
 
 
 def pdeathsig_preexec() -> None:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from collective.config import OPTIONS, Option, options_by_field, out_of_range
 
+from ._proc import catch_signals
 from .hosts import HostInfo, parse_hostfile, parse_hosts
 from .network import split_interfaces
 from .settings import (MODE_MPI, MODE_TCP, LaunchSettings, default_mode,
@@ -659,7 +660,7 @@ def _signals_interrupt() -> Iterator[None]:
     def interrupt(signum: int, _frame: Any) -> None:
         raise SignalInterrupt(signum)
 
-    old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    old = catch_signals(interrupt, (signal.SIGTERM, signal.SIGHUP))
     try:
         yield
     finally:

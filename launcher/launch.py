@@ -195,6 +195,8 @@ def mpi_command(settings: LaunchSettings, extra_env: Mapping[str, str] | None = 
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     if settings.tcp_only:
         env["NCCL_IB_DISABLE"] = "1"
+    if settings.network_interfaces:  # as horovodrun's mpi_run, and this launcher's tcp mode
+        env.setdefault("NCCL_SOCKET_IFNAME", ",".join(settings.network_interfaces))
     env.setdefault("PYTHONUNBUFFERED", "1")  # ranks' lines reach mpirun's tagger promptly
     argv = build_mpirun_command(
         impl, num_proc=settings.num_proc, hosts=settings.used_hosts,

@@ -24,7 +24,7 @@ import time
 from typing import IO, Any
 
 from . import mpi_cleanup
-from ._proc import has_exited, kill_session, pdeathsig_preexec
+from ._proc import catch_signals, has_exited, kill_session, pdeathsig_preexec
 from .settings import LaunchSettings
 
 __all__ = ["run_mpi_job", "rewrite_tag", "GRACE_PERIOD_S"]
@@ -95,8 +95,7 @@ def run_mpi_job(settings: LaunchSettings, argv: list[str], env: dict[str, str],
     main = threading.current_thread() is threading.main_thread()
     old: dict[int, Any] = {}
     if main:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            old[sig] = signal.signal(sig, lambda s, _f: (events.append(s), wake.set()))
+        old = catch_signals(lambda s, _f: (events.append(s), wake.set()))
     before = mpi_cleanup.candidates()
     mpi_cleanup.clean_stale()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Iterator, Sequence
 
-from ._proc import describe_exit, killpg_quiet, pdeathsig_preexec, wait_no_reap
+from ._proc import (catch_signals, describe_exit, killpg_quiet, pdeathsig_preexec,
+                    wait_no_reap)
 
 __all__ = ["WorkerSpec", "Failure", "JobResult", "JobRunner", "failure_summary",
            "GRACE_PERIOD_S"]
@@ -326,11 +327,8 @@ class JobRunner:
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}  # horovod.run() from a thread: the caller owns signal handling
-        old: dict[int, Any] = {}
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            # SimpleQueue.put is reentrant, so a handler may call it while run() blocks in get.
-            old[sig] = signal.signal(sig, lambda s, _f: self._events.put(("signal", s, None)))
-        return old
+        # SimpleQueue.put is reentrant, so a handler may call it while run() blocks in get.
+        return catch_signals(lambda s, _f: self._events.put(("signal", s, None)))
 
     def _run(self) -> JobResult:
         for w in self._workers:

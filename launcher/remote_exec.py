@@ -84,8 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("remote_exec: no command given\n")
         return 2
     line = _read_line(0)
+    if not line.strip():
+        # stdin closed before the launcher sent the environment: it stopped the job (or died)
+        # meanwhile. Nothing runs, rather than the command without the job's environment.
+        sys.stderr.write("remote_exec: no environment on stdin (the launcher stopped); not "
+                         "starting the command\n")
+        return 2
     try:
-        data: dict[str, Any] = json.loads(line.decode()) if line else {}
+        data: dict[str, Any] = json.loads(line.decode())
     except ValueError:
         sys.stderr.write("remote_exec: malformed environment payload on stdin\n")
         return 2

@@ -33,7 +33,7 @@ from typing import Any, Callable, Collection, Mapping
 
 from collective.rendezvous import KVServer
 
-from .._proc import describe_exit
+from .._proc import catch_signals, describe_exit
 from ..hosts import HostInfo, SlotInfo, get_host_assignments
 from .discovery import DiscoveryError, FixedHosts, HostDiscovery, HostManager, as_discovery
 from .spawn import WorkerSpawner
@@ -792,7 +792,4 @@ class ElasticDriver:
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}
-        old: dict[int, Any] = {}
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            old[sig] = signal.signal(sig, lambda s, _f: self._events.put(("signal", s, None)))
-        return old
+        return catch_signals(lambda s, _f: self._events.put(("signal", s, None)))

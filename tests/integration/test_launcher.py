@@ -333,6 +333,39 @@ def test_signal_stops_every_worker(mode, sig, worker, tmp_path):
         _kill_leftovers(pids)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+def test_nohup_keeps_the_job_through_a_hangup(mode, worker, tmp_path):
+    """`nohup hvdrun ...` ignores SIGHUP: the job goes on when the terminal hangs up (hvdrun
+    installed its own SIGHUP handler over the ignore and stopped every worker)."""
+    _need(mode)
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+
+    def nohup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    proc = subprocess.Popen(hvdrun_argv("-np", "2", f"--{mode}", sys.executable, str(worker),
+                                        "hang", str(piddir), "-1", "0"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=REPO, start_new_session=True, preexec_fn=nohup)
+    deadline = time.monotonic() + 30
+    while len(read_pids(piddir)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    try:
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(2)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)  # the job still stops on SIGTERM
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out, err)
+        assert "SIGHUP" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        _kill_leftovers(read_pids(piddir))
+
+
 @pytest.mark.timeout(60)
 def test_sigkilled_launcher_leaves_no_workers(worker, tmp_path):
     """Even a SIGKILLed hvdrun (no chance to clean up) takes its local workers with it."""

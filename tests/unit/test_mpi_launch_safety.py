@@ -238,3 +238,26 @@ def test_nothing_mpirun_started_outlives_the_job(tmp_path, how) -> None:
             proc.wait()
         if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_mpi_mode_gives_nccl_the_network_interface() -> None:
+    # hvdrun --mpi --network-interface ib0: NCCL gets NCCL_SOCKET_IFNAME=ib0 too, as with
+    # horovodrun and hvdrun's tcp mode (it only reached Open MPI's btl_tcp_if_include, and NCCL
+    # picked an interface of its own, e.g. docker0).
+    from launcher import cli, launch
+    args = cli.build_parser().parse_args(["-np", "2", "--mpi", "--network-interface", "lo",
+                                          "python3", "x.py"])
+    argv, env = launch.mpi_command(cli.settings_from_args(args))
+    assert env["NCCL_SOCKET_IFNAME"] == "lo"
+    assert any(argv[i:i + 2] == ["-x", "NCCL_SOCKET_IFNAME"] for i in range(len(argv)))
+
+
+def test_ssh_wrapper_runs_nothing_without_the_jobs_environment(tmp_path) -> None:
+    # stdin closed before the launcher sent the environment (it stopped the job meanwhile):
+    # the command never starts (it ran with the login environment only, as a 1-rank job).
+    marker = tmp_path / "ran"
+    proc = subprocess.run([sys.executable, "-m", "launcher.remote_exec", "--", "touch",
+                           str(marker)], stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "no environment on stdin" in proc.stderr, proc.stderr
+    assert not marker.exists()
