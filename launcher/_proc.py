@@ -47,7 +47,10 @@ def catch_signals(handler: Callable[[int, object], object],
 def pdeathsig_preexec() -> None:
     """Runs in the child between fork and exec: SIGTERM it when the launcher dies.
 
-    Without this a SIGKILLed launcher would leave its workers running (no orphans, even then).
+    Without this a SIGKILLed launcher would leave its workers running. It covers the process
+    the launcher started, not that process's own children (a worker started as `bash
+    train.sh` leaves the script's children running after a SIGKILLed launcher; a launcher
+    stopped any other way stops their whole process group).
     """
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
