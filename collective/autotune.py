@@ -247,9 +247,11 @@ class Autotuner:
             return []
         picks = ranked[:n]
         start = self.start.key
-        if start in self.scores and start not in picks:
+        if start in self.scores and start not in picks and room >= 2:
             # What the job runs without autotune gets a second score too (room for it was
-            # kept: `_kept`), in the last pick's place if there is no room for both.
+            # kept: `_kept`), in the last pick's place if there is no room for both. With room
+            # for one score only, the best set gets it: in the start's place, the run-off
+            # would have the start alone and end on it whatever the search found.
             picks = picks[:min(n, room - 1)] + [start]
         self._confirmed = picks
         return list(picks)

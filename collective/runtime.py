@@ -208,7 +208,10 @@ class Runtime:
             return
         from .timeline import Timeline  # written off the critical path by its own thread
         dynamic = path.upper() == "DYNAMIC"
-        tl = Timeline("" if dynamic else path, self.config.timeline_mark_cycles)
+        # Closed by this runtime's shutdown, at exit too (`_atexit_shutdown`), after the last
+        # cycles' events.
+        tl = Timeline("" if dynamic else path, self.config.timeline_mark_cycles,
+                      close_at_exit=False)
         self.coordinator.timeline = tl
         for ps in self._members:
             ps.timeline = ps.host_engine.timeline = tl.for_set(ps.id)
@@ -417,17 +420,19 @@ class Runtime:
         timeline, and unbinds the `ProcessSet` objects registered here: their ids name sets
         of this world only (a later world may give the id to another set), so they read None
         until an `init()` or `add_process_set()` registers them again."""
-        for ps in self._members:
-            for eng in (ps.host_engine, ps.device_engine):
-                if eng is not None:
-                    eng.close()
-            if ps.control is not self.control:
-                ps.control.close()
-        self.control.close()
-        coord = getattr(self, "coordinator", None)  # None: construction failed before it
-        tl = coord.timeline if coord is not None else None
-        if tl is not None:
-            tl.close()
+        try:
+            for ps in self._members:
+                for eng in (ps.host_engine, ps.device_engine):
+                    if eng is not None:
+                        eng.close()
+                if ps.control is not self.control:
+                    ps.control.close()
+            self.control.close()
+        finally:  # the timeline has no exit hook of its own (`_setup_timeline`)
+            coord = getattr(self, "coordinator", None)  # None: construction failed before it
+            tl = coord.timeline if coord is not None else None
+            if tl is not None:
+                tl.close()
         for ps in list(self._registry.values()):
             if ps is not global_process_set and ps._runtime is self:
                 ps._invalidate()

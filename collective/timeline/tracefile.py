@@ -70,6 +70,17 @@ _NEGOTIATING, _TOP_LEVEL, _ACTIVITY = 1, 2, 3
 _log = get_logger()
 
 
+def _pwrite_all(fd: int, data: bytes, off: int) -> None:
+    """`os.pwrite` of all of `data` at `off`: a short write (a nearly full disk) writes the
+    rest, or raises the error that stopped it (ENOSPC), instead of leaving a torn record
+    behind an `end` that counts it whole."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, off)
+        if n <= 0:
+            raise OSError(28, "no space left for the timeline (short write)")
+        view, off = view[n:], off + n
+
 def _type_name(value: Any) -> str:
     """'ALLREDUCE' for a str or an enum member (RequestType.ALLREDUCE)."""
     return value if isinstance(value, str) else str(getattr(value, "name", value))
@@ -106,8 +117,9 @@ def create_file(path: str, data: bytes) -> int:
     """Opens `path` for writing holding exactly `data`, never empty or partial in between.
 
     The data is written to a temporary file in the same directory, which is then renamed over
-    `path` (atomic). Paths that are not regular files (a FIFO, /dev/null), or a directory where
-    no temporary file can be made, get a plain truncating open.
+    `path` (atomic). Paths that are not regular files (/dev/null), or a directory where no
+    temporary file can be made, get a plain truncating open. The records are written at
+    offsets (`os.pwrite`), so a FIFO fails here ("Illegal seek"), as it does with Horovod.
     """
     tmp = ""
     fd = -1
@@ -121,7 +133,7 @@ def create_file(path: str, data: bytes) -> int:
     if fd < 0:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.pwrite(fd, data, 0)
+        _pwrite_all(fd, data, 0)
         if tmp:
             os.rename(tmp, path)
     except BaseException:
@@ -317,7 +329,7 @@ class FileWriter:
             page_end = (off // _PAGE + 1) * _PAGE
             room = page_end - 3 - off  # the tail must stay in this page
             if total - pos <= room:
-                os.pwrite(fd, data[pos:] + _TAIL, off)
+                _pwrite_all(fd, data[pos:] + _TAIL, off)
                 off += total - pos
                 break
             # Whole records that fit, spaces up to the boundary, then whole records that fit
@@ -331,7 +343,7 @@ class FileWriter:
                 nxt = data.find(b",\n", cut + 2)
                 nxt = total if nxt < 0 else nxt
             pad = page_end - off - (cut - pos)
-            os.pwrite(fd, data[pos:cut] + b" " * pad + data[cut:nxt] + _TAIL, off)
+            _pwrite_all(fd, data[pos:cut] + b" " * pad + data[cut:nxt] + _TAIL, off)
             off = page_end + (nxt - cut)
             pos = nxt
         self.end = off

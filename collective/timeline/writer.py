@@ -185,8 +185,11 @@ class Timeline(_Events):
         mark_cycles: write a `CYCLE_START` instant event on every `mark_cycle()`.
     """
 
-    def __init__(self, path: str, mark_cycles: bool = False) -> None:
+    def __init__(self, path: str, mark_cycles: bool = False, close_at_exit: bool = True) -> None:
         self._st, self._sfx = _State(mark_cycles), ""  # no suffix: Horovod's names
+        # False: the owner closes it at exit (the runtime, after its last cycles, whose events
+        # a close of its own, run first by the interpreter's exit hooks, would cut off).
+        self._close_at_exit = close_at_exit
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()  # set with every command so the writer skips its pause
         self._lock = threading.Lock()  # serialises start/stop/flush/close
@@ -228,13 +231,15 @@ class Timeline(_Events):
         from this call.
 
         Raises:
-            ValueError: `path` is empty.
-            OSError: the file cannot be created; the timeline is then stopped.
+            ValueError: `path` is empty, not a str (bytes) or holds a NUL character.
+            OSError / other: the file cannot be created; the timeline is then stopped.
             RuntimeError: the writer thread has died.
         """
-        if not path:
-            raise ValueError("start_timeline needs a file path, e.g. "
-                             "hvd.start_timeline('/tmp/timeline.json')")
+        path = os.fspath(path)
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise ValueError(f"start_timeline needs a file path (a non-empty str without NUL "
+                             f"characters), e.g. hvd.start_timeline('/tmp/timeline.json'); got "
+                             f"{path!r}")
         with self._lock:
             self._st.mark = bool(mark_cycles)
             if self._st.on and path == self._st.path:
@@ -314,6 +319,8 @@ class Timeline(_Events):
         self._thread.start()
         # An abandoned Timeline posts the stop sentinel when collected (the queue outlives it).
         weakref.finalize(self, self._q.put, (_C_QUIT, _Reply()))
+        if not self._close_at_exit:
+            return
         try:
             ref = weakref.ref(self)
             threading._register_atexit(lambda: (t := ref()) is not None and t.close())
@@ -397,7 +404,7 @@ def _writer_main(owner_ref: "weakref.ref[Timeline]", q: queue.SimpleQueue,
                     broken = False
                     try:
                         out = FileWriter(ev[2], ev[3], ev[4])
-                    except OSError as exc:
+                    except Exception as exc:  # noqa: BLE001 - the caller raises it
                         reply.error = exc
             finally:
                 reply.done.set()

@@ -345,6 +345,17 @@ def test_the_run_off_decides_and_the_start_is_in_it():
     assert tuner.params == Params(128 * MB, 1.0, False)
 
 
+@pytest.mark.parametrize("max_samples", [9, 10, 11, 20])
+def test_a_small_budget_still_ends_on_the_best_found(max_samples):
+    # With room for one score after the thresholds (a budget of 10), the run-off had the
+    # start alone and ended on it whatever the search found.
+    tuner = Autotuner(128 * MB, 1.0, warmup_samples=0, max_samples=max_samples,
+                      tune_cache=False, tune_cycle_time=False)
+    run(tuner, np.random.default_rng(0), noise=0.0,
+        model=lambda p: 100.0 if p.fusion_threshold == 8 * MB else 10.0)
+    assert tuner.params.fusion_threshold == 8 * MB
+
+
 def test_run_off_keeps_the_best_start_under_noise():
     # Where the starting values are best (5% above every other setting), each score is 10%
     # noisy and the start's first score reads 20% low (the job's warm-up): over 200 searches

@@ -632,3 +632,51 @@ def test_stop_timeline_without_a_timeline_only_logs(monkeypatch, records):
         hvd.shutdown()
     with pytest.raises(ValueError, match="has not been initialized"):
         hvd.stop_timeline()
+
+
+def test_a_program_exiting_without_shutdown_leaves_a_balanced_timeline(tmp_path):
+    # The timeline's own exit hook ran before the runtime's shutdown (the interpreter runs
+    # them in reverse order) and cut off the last cycles' end events.
+    path = tmp_path / "tl.json"
+    code = ("import numpy as np, collective as c\n"
+            "c.init()\n"
+            "hs = [c.allreduce_async(np.ones(4), name=f'x{i}') for i in range(20)]\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, HOROVOD_TIMELINE=str(path)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = json.loads(path.read_text())
+    phases = [e.get("ph") for e in events]
+    assert phases.count("B") == phases.count("E") > 0, phases
+
+
+def test_start_timeline_refuses_paths_the_writer_cannot_use(tmp_path):
+    # A NUL character or a bytes path killed the writer thread while start_timeline reported
+    # success, and events then piled up in memory for ever.
+    from collective.timeline import Timeline
+    t = Timeline("")
+    try:
+        for bad in (str(tmp_path / "x\0.json"), str(tmp_path / "x.json").encode(), ""):
+            with pytest.raises(ValueError, match="start_timeline needs a file path"):
+                t.start_file(bad, False)
+            assert not t.enabled
+        t.start_file(str(tmp_path / "ok.json"), False)
+        assert t.enabled
+    finally:
+        t.close()
+    assert json.loads((tmp_path / "ok.json").read_text()) is not None
+
+
+def test_short_writes_are_completed(monkeypatch, tmp_path):
+    # os.pwrite may write less than asked (a nearly full disk): the rest is written, never a
+    # torn record behind an end offset that counts it whole.
+    from collective.timeline import tracefile
+    real = os.pwrite
+    monkeypatch.setattr(tracefile.os, "pwrite",
+                        lambda fd, data, off: real(fd, bytes(data)[:7], off))
+    path = tmp_path / "t.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        tracefile._pwrite_all(fd, b"0123456789" * 5, 3)
+    finally:
+        os.close(fd)
+    assert path.read_bytes()[3:] == b"0123456789" * 5
