@@ -213,7 +213,7 @@ class GradientSet:
         """Moves this step's new submits into the pending mask (start of a round)."""
         new = self._new
         if self.retired:
-            self.drop()
+            self.drop(tl)
             return
         if new:
             if not self.mask:
@@ -251,9 +251,13 @@ class GradientSet:
         names = [self.names[i] for i in bit_indices(self.mask)]
         return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
-    def drop(self) -> None:
+    def drop(self, tl: Any = None) -> None:
         """Forgets this step's submits of a retired set and gives back their ready events
-        (coordinator: each round's `take`, and where the set leaves the rounds)."""
+        (coordinator: each round's `take`, and where the set leaves the rounds); the timeline's
+        negotiations of its pending members end (`tl`, rank 0's)."""
+        if tl is not None:
+            for i in bit_indices(self.mask):
+                tl.negotiate_end(self.names[i])
         self._new.clear()
         self.new_bytes = 0  # or the loop's fusion window keeps waking for it
         self.mask = 0

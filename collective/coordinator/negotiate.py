@@ -201,7 +201,7 @@ class Negotiator:
             keep = []
             for k, s in enumerate(sets):
                 if flags >> (k + 1) & 1:
-                    s.drop()  # retired after this round's take: nothing else would release
+                    s.drop(tl)  # retired after this round's take: nothing else would release
                 else:
                     keep.append(s)
             ps.sets = keep

@@ -441,3 +441,27 @@ def test_a_dropped_optimizers_set_is_retired(monkeypatch):
     del r
     gc.collect()
     assert gs.retired
+
+
+def test_a_retired_sets_pending_members_end_their_timeline_negotiation():
+    # take() starts a NEGOTIATE span per member; a set retired mid-step left them open until
+    # the name came back (one long bogus span) or the file closed.
+    class Tl:
+        def __init__(self):
+            self.started, self.ended = [], []
+
+        def negotiate_start(self, name, kind):
+            self.started.append(name)
+
+        def negotiate_end(self, name):
+            self.ended.append(name)
+    tl = Tl()
+    gs = _set([(4,)] * 3)
+    gs.submit(0, "a")
+    gs.submit(2, "c")
+    gs.take(0.0, tl)
+    gs.retire()
+    gs.take(1.0, tl)
+    assert sorted(tl.ended) == sorted(tl.started) == ["allreduce.p0", "allreduce.p2"]
+    gs.take(2.0, tl)  # nothing left to end
+    assert len(tl.ended) == 2
