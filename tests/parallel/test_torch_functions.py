@@ -109,6 +109,8 @@ def test_a_failed_broadcast_of_several_tensors_leaves_no_handle_behind():
     # others' handles are waited for too instead of staying in the handle map with their
     # tensors for the life of the process.
     from frameworks.torch._handles import handles
+    if SIZE == 1:
+        pytest.skip("shapes can only differ across 2+ ranks")
     me = hvd.rank()
     before = len(handles)
     tensors = [torch.zeros(me + 1), torch.zeros(3), torch.zeros(2, 2)]
