@@ -128,6 +128,34 @@ def scenario_ops(rank: int, size: int, port: int) -> None:
     plane.close()
 
 
+def scenario_small_socket_buffers(rank: int, size: int, port: int) -> None:
+    # Socket buffers smaller than a chunk (a stock net.core.wmem_max, or a plain Unix link):
+    # two ranks each waited for their own chunk to leave before reading the other's.
+    from collective.engines.tcp import net as tcp_net
+    tcp_net.SOCK_BUF = 64 << 10
+    plane, eng = _plane(rank, size, port)
+    a = np.full(1 << 20, rank + 1.0, np.float32)  # 4 MiB, eight chunks
+    eng._allreduce(a, ReduceOp.SUM)
+    assert (a == sum(range(1, size + 1))).all()
+    eng.close()
+    plane.close()
+
+
+def scenario_alltoall_many(rank: int, size: int, port: int) -> None:
+    # Links opened in the alltoall's own order waited for each other in cycles from 6 ranks
+    # of a host (3 apart: 1 -> 4 -> 1 ..., 2 apart: 1 -> 3 -> 5 -> 1).
+    plane, eng = _plane(rank, size, port)
+    sc = [rank + d + 1 for d in range(size)]
+    send = np.concatenate([np.full(c, 10 * rank + d, np.int32) for d, c in enumerate(sc)])
+    rc = [s + rank + 1 for s in range(size)]
+    recv = np.empty(sum(rc), np.int32)
+    eng._alltoallv(send, sc, recv, rc)
+    exp = np.concatenate([np.full(c, 10 * s + rank, np.int32) for s, c in enumerate(rc)])
+    assert np.array_equal(recv, exp)
+    eng.close()
+    plane.close()
+
+
 def scenario_split(rank: int, size: int, port: int) -> None:
     from collective.engines.tcp.ring import create_engine
     plane, _ = _plane(rank, size, port)
@@ -264,6 +292,17 @@ def test_primitives_match_numpy(n: int, transport: str) -> None:
     """Ranks of a host: reading each other's memory (shm: cross-memory attach), shared-memory
     rings (ring), plain Unix sockets (unix); ranks of different hosts: TCP."""
     _run_scenario("ops", n, timeout=200, env={"TCP_TEST_TRANSPORT": transport})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_two_ranks_with_small_socket_buffers(transport: str) -> None:
+    _run_scenario("small_socket_buffers", 2, timeout=90, env={"TCP_TEST_TRANSPORT": transport})
+
+
+@pytest.mark.timeout(120)
+def test_alltoall_among_six_ranks_of_a_host() -> None:
+    _run_scenario("alltoall_many", 6, timeout=90, env={"TCP_TEST_TRANSPORT": "unix"})
 
 
 @pytest.mark.timeout(120)

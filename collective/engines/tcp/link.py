@@ -49,6 +49,9 @@ class Link:
     link's own sender thread)."""
 
     zero_copy = False  # True: a post is done only when the peer has read it (shm.py, CMA)
+    # True: a posted chunk (ring.CHUNK) leaves the caller's memory whether or not the peer
+    # reads (shm.py's rings); a socket's buffer may hold less.
+    holds_a_chunk = False
 
     def __init__(self, fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
                  plane: str) -> None:

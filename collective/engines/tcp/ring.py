@@ -72,6 +72,7 @@ class TcpEngine(HostEngine):
         super().__init__(control, fusion_threshold)
         self.plane = control
         self._scratch = np.empty(0, dtype=np.uint8)
+        self._mesh = False  # every link of the plane is open (`_alltoallv`)
 
     def _tmp(self, nbytes: int) -> np.ndarray:
         if self._scratch.nbytes < nbytes:
@@ -179,10 +180,20 @@ class TcpEngine(HostEngine):
         chunks = list(_ranges(0, buf.size, step))
         tickets = [link.post(raw[a * item:b * item].data, direct=False)
                    for a, b in chunks]
+        ring = link.holds_a_chunk and not link.zero_copy
         for (a, b), ticket in zip(chunks, tickets):
-            link.wait_sent(ticket)  # our copy of this chunk left before we overwrite it
             dst = buf[a:b]
-            link.recv_reduce(dst, dst, ufunc, tmp)
+            if ring:  # our chunk leaves into the ring whatever the peer does: reduce in place
+                link.wait_sent(ticket)  # our copy of this chunk left before we overwrite it
+                link.recv_reduce(dst, dst, ufunc, tmp)
+                continue
+            # A socket may buffer less than a chunk: waiting for ours to leave before reading
+            # the peer's would deadlock both ranks (each sender blocked on a peer that does not
+            # read). The peer's chunk first, into `tmp`.
+            t = tmp[:b - a]
+            link.recv_into(t.view(np.uint8).data)
+            link.wait_sent(ticket)
+            ufunc(dst, t, out=dst)
         link.flush()
 
     # -- reduce-scatter -----------------------------------------------------------------------
@@ -287,6 +298,14 @@ class TcpEngine(HostEngine):
         n, r = self.size, self.rank
         soff, roff = _offsets(sendcounts), _offsets(recvcounts)
         recv[roff[r]:roff[r + 1]] = send[soff[r]:soff[r + 1]]
+        if not self._mesh:
+            # Every link, opened in ascending peer order on every rank (the pairs in one
+            # global order): opened in the loop's order below, ranks k apart wait for each
+            # other in cycles (from 6 ranks of a host, whose links exchange a hello).
+            for p in range(n):
+                if p != r:
+                    self.plane.link(p)
+            self._mesh = True
         used = []
         for k in range(1, n):
             dst, src = (r + k) % n, (r - k) % n

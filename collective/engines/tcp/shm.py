@@ -187,6 +187,8 @@ class ShmLink(Link):
     """A same-host link: stream data through shared-memory rings, or read in place from the
     sender's memory (cross-memory attach) where the kernel allows it."""
 
+    holds_a_chunk = True  # the ring (RING bytes) takes a whole chunk
+
     def __init__(self, fabric: Fabric, sock: socket.socket, peer: int, peer_global: int,
                  plane: str, out_map: mmap.mmap, in_map: mmap.mmap,
                  credit: socket.socket, cma_pid: int = 0) -> None:
