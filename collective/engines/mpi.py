@@ -288,23 +288,31 @@ class MPIEngine(HostEngine):
     def _alltoallv(self, send: np.ndarray, sendcounts: list[int], recv: np.ndarray,
                    recvcounts: list[int]) -> None:
         sd, rd = _displs(sendcounts), _displs(recvcounts)
-        if _fits(sendcounts) and _fits(recvcounts):
+        # Every rank takes the same path (one collective call, or the pairwise exchange), and
+        # each rank's own counts may say otherwise: one small MAX allreduce decides.
+        big = np.array([0 if _fits(sendcounts) and _fits(recvcounts) else 1], dtype=np.int32)
+        self.comm.Allreduce(MPI.IN_PLACE, big, op=MPI.MAX)
+        if not big[0]:
             self.comm.Alltoallv([send, sendcounts, sd, MPI.BYTE],
                                 [recv, recvcounts, rd, MPI.BYTE])
             return
-        # Pairwise exchanges in chunks (rank order shifted by one each step: no deadlock).
+        # Pairwise, in chunks of MAX_CHUNK_BYTES each way: a pair's two ends post as many
+        # messages as their own side of it needs (the receiver's count is the sender's), and
+        # MPI keeps a pair's messages in order.
         me, n = self.comm.Get_rank(), self.comm.Get_size()
         recv[rd[me]:rd[me] + recvcounts[me]] = send[sd[me]:sd[me] + sendcounts[me]]
+        reqs = []
         for k in range(1, n):
-            to, frm = (me + k) % n, (me - k) % n
-            sbuf = send[sd[to]:sd[to] + sendcounts[to]]
+            frm = (me - k) % n
             rbuf = recv[rd[frm]:rd[frm] + recvcounts[frm]]
-            steps = max(-(-sbuf.size // MAX_CHUNK_BYTES), -(-rbuf.size // MAX_CHUNK_BYTES), 1)
-            for i in range(steps):
-                s0, r0 = i * MAX_CHUNK_BYTES, i * MAX_CHUNK_BYTES
-                self.comm.Sendrecv([sbuf[s0:s0 + MAX_CHUNK_BYTES], MPI.BYTE], dest=to,
-                                   recvbuf=[rbuf[r0:r0 + MAX_CHUNK_BYTES], MPI.BYTE],
-                                   source=frm)
+            reqs += [self.comm.Irecv([rbuf[lo:lo + MAX_CHUNK_BYTES], MPI.BYTE], source=frm)
+                     for lo in range(0, rbuf.size, MAX_CHUNK_BYTES)]
+        for k in range(1, n):
+            to = (me + k) % n
+            sbuf = send[sd[to]:sd[to] + sendcounts[to]]
+            reqs += [self.comm.Isend([sbuf[lo:lo + MAX_CHUNK_BYTES], MPI.BYTE], dest=to)
+                     for lo in range(0, sbuf.size, MAX_CHUNK_BYTES)]
+        MPI.Request.Waitall(reqs)
 
     def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int],
                         op: ReduceOp) -> None:

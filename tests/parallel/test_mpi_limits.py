@@ -84,6 +84,17 @@ def test_chunked_paths_with_a_lowered_chunk_size(monkeypatch) -> None:
     out = hvd.alltoall(t, splits=[400] * n, name="chunk.a2a")
     out = out[0] if isinstance(out, tuple) else out
     np.testing.assert_array_equal(out, np.repeat(np.arange(n) * 100 + r, 400))
+    # Only rank 0's counts exceed a chunk (what it keeps for itself), and the two ends of a
+    # pair need different numbers of chunks: every rank must still take the same path (rank
+    # 0 exchanged pairwise while the others waited in one collective call: a hang).
+    keep = 3000 if r == 0 else 10
+    splits = [keep if q == r else 10 + q for q in range(n)]
+    t = np.concatenate([np.full(c, 10 * r + q, np.uint8) for q, c in enumerate(splits)])
+    out, got = hvd.alltoall(t, splits=splits, name="chunk.a2a.uneven")
+    want = [(3000 if q == 0 else 10) if q == r else 10 + r for q in range(n)]
+    assert list(got) == want, got
+    np.testing.assert_array_equal(
+        out, np.concatenate([np.full(c, 10 * q + r, np.uint8) for q, c in enumerate(want)]))
     rs = hvd.reducescatter(np.ones((n * 500, 2), np.float32), op=hvd.Sum, name="chunk.rs")
     np.testing.assert_array_equal(rs, np.full((500, 2), n, np.float32))
     s8 = hvd.allreduce(np.full(3000, -77 if r == 0 else -74, np.int8), op=hvd.Sum,
