@@ -386,8 +386,17 @@ class GradientReducer:
             for slot in self.slots:
                 if slot.member >= 0 and in_set:
                     continue
-                if slot.group is None and slot.bucket is None and slot.handle is None:
+                if slot.handle is not None or slot.group is not None:
+                    continue
+                if slot.bucket is None:
                     self._launch(slot)
+                elif not self.sparse_as_dense:
+                    # A sparse gradient whose hook did not finish counting (a step after fewer
+                    # than backward_passes_per_step passes, a gradient set by hand): its own
+                    # reduction, as its hook would have started it (zeros in the bucket).
+                    grad = slot.param.grad
+                    if grad is not None and grad.is_sparse:
+                        self._launch(slot)
             for bucket in self.buckets:
                 if bucket.handle is None:
                     self._launch_bucket(bucket)

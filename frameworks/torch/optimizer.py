@@ -40,6 +40,12 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "optimizer.synchronize() in your code.")
 
 
+def _remove_hooks(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin placed before a torch optimizer class; see the module docstring.
 
@@ -115,18 +121,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 reducer.schedule = adapter.bucket_schedule(
                     reducer.cap_mb, ps is global_process_set or ps.process_set_id == 0,
                     owner=reducer)
-        for slot in reducer.slots:
-            self._hvd_hook(slot)
+        for i in range(len(reducer.slots)):
+            self._hvd_hook(i)
+        # A dropped optimizer takes its hooks off the parameters (they would stay on them, one
+        # more at every re-wrap, each a dead call per gradient).
+        weakref.finalize(self, _remove_hooks, self._hvd_hooks)
 
-    def _hvd_hook(self, slot: Any) -> None:
-        # A weak reference: hooks of a dropped optimizer must not keep reducing gradients.
+    def _hvd_hook(self, index: int) -> None:
+        # Weak references only (the optimizer, and the slot by its index in the reducer): hooks
+        # of a dropped optimizer must neither reduce gradients nor keep its gradient buckets
+        # (as large as the gradients) alive.
         ref = weakref.ref(self)
 
-        def hook(_p: torch.Tensor, slot: Any = slot) -> None:
+        def hook(_p: torch.Tensor, index: int = index) -> None:
             opt = ref()
             if opt is not None:
-                opt._hvd_reducer.on_grad(slot)
-        self._hvd_hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
+                reducer = opt._hvd_reducer
+                reducer.on_grad(reducer.slots[index])
+        param = self._hvd_reducer.slots[index].param
+        self._hvd_hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     # -- public API -------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -204,7 +217,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 continue
             name = self._parameter_names.get(p) or default_parameter_name(gi, pi)
             self._parameter_names[p] = name
-            self._hvd_hook(reducer.add(p, name))
+            reducer.add(p, name)
+            self._hvd_hook(len(reducer.slots) - 1)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads the wrapped optimizer's state and forgets in-flight gradient reductions."""

@@ -406,6 +406,50 @@ def test_sparse_gradients(sparse_as_dense):
     torch.testing.assert_close(emb.weight.detach(), ref.weight.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_sparse_gradient_after_fewer_passes_than_backward_passes_per_step():
+    # step() after one backward of two (an epoch's last micro-batch): the sparse gradient's
+    # hook never finished counting, so nothing reduced it and each rank stepped on its own
+    # gradient. synchronize() starts its reduction as the hook would have.
+    torch.manual_seed(0)
+    emb, ref = nn.Embedding(10, 3, sparse=True), nn.Embedding(10, 3)
+    ref.weight.data.copy_(emb.weight.data)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
+                                   named_parameters=emb.named_parameters(),
+                                   backward_passes_per_step=2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    idx = [torch.tensor([r % 10, (3 * r + 1) % 10]) for r in range(SIZE)]
+    opt.zero_grad()
+    emb(idx[hvd.rank()]).pow(2).sum().backward()
+    opt.step()
+    ref_opt.zero_grad()
+    (sum(ref(i).pow(2).sum() for i in idx) / SIZE).backward()
+    ref_opt.step()
+    assert all_equal(emb.weight, "sparse.partial")
+    torch.testing.assert_close(emb.weight.detach(), ref.weight.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_rewrapping_an_optimizer_leaves_no_hooks_or_buckets_behind():
+    # Each wrap's hooks held its gradient slots (and their buckets, as large as the
+    # gradients) and stayed on the parameters: one more hook and one more copy of the
+    # gradients at every re-wrap.
+    import weakref
+    model = nn.Linear(100, 100)
+    flats = []
+    for i in range(3):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        opt.zero_grad()
+        model(torch.ones(2, 100)).sum().backward()
+        opt.step()
+        flats += [weakref.ref(b.flat) for b in opt._hvd_reducer.buckets if b.flat is not None]
+        del opt
+        gc.collect()
+        assert len(model.weight._post_accumulate_grad_hooks or {}) == 0, i
+    assert flats and all(f() is None for f in flats)
+    model.weight.grad = None
+    model.bias.grad = None
+
+
 def test_sparse_as_dense_gradient_missing_on_some_ranks():
     # Only rank 0 uses the sparse embedding: with sparse_as_dense its gradient is reduced
     # densely, so the ranks without one contribute zeros to the same op (as Horovod). In the
