@@ -27,10 +27,14 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     once; inside a `tf.function` the returned op (a `tf.group`) does it. `inplace` is accepted for
     Horovod compatibility (ringvod always assigns).
 
+    The state of Keras 3's `SeedGenerator`s (variables named `seed_generator_state`, which
+    `model.variables` lists) is left alone, as `BroadcastGlobalVariablesCallback` leaves it:
+    broadcast, every rank would draw the root's dropout masks for the rest of training.
+
     Raises:
         HorovodInternalError: ranks passed different shapes or dtypes for a variable.
     """
-    vs = list(variables)
+    vs = [v for v in variables if not _is_seed_state(v)]
     if not vs:
         return tf.no_op() if not tf.executing_eagerly() else None
     values = [tf.convert_to_tensor(v) for v in vs]
@@ -41,6 +45,13 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     if tf.executing_eagerly():
         return None
     return tf.group(*assigns)
+
+
+def _is_seed_state(v: Any) -> bool:
+    """A Keras 3 `SeedGenerator`'s state variable (the name Keras gives it; the same on every
+    rank)."""
+    return getattr(v, "name", None) == "seed_generator_state" and not getattr(
+        v, "trainable", False)
 
 
 def _session(session: Any) -> None:

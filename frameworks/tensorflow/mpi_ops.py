@@ -91,13 +91,24 @@ def _grad_name(name: str | None, suffix: str = "grad") -> str | None:
 
 
 # -- graph-side basics ----------------------------------------------------------------------------
+def _now_op(read: Callable[[], int], name: str | None) -> tf.Tensor:
+    """`read()` as an int32 tensor: a constant eagerly, and inside a `tf.function` too unless
+    the job is elastic, where rank and sizes may change after tracing (read when it runs)."""
+    if tf.executing_eagerly() or not may_resize():
+        return tf.constant(read(), dtype=tf.int32, name=name)
+    value = tf.py_function(lambda: np.int32(read()), [], tf.int32)
+    value.set_shape([])
+    return tf.identity(value, name=name)
+
+
 def rank_op(name: str | None = None) -> tf.Tensor:
-    """This rank as an int32 tensor (Horovod's graph op; the value is fixed after `init`)."""
-    return tf.constant(collective.rank(), dtype=tf.int32, name=name)
+    """This rank as an int32 tensor (Horovod's graph op; in an elastic job, read when a
+    `tf.function` runs, since a reset may renumber the ranks)."""
+    return _now_op(lambda: collective.rank(), name)
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
-    return tf.constant(collective.local_rank(), dtype=tf.int32, name=name)
+    return _now_op(lambda: collective.local_rank(), name)
 
 
 def _set_of(process_set_id: int, process_set: ProcessSet | None) -> ProcessSet:
@@ -139,7 +150,7 @@ def may_resize() -> bool:
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:
-    return tf.constant(collective.local_size(), dtype=tf.int32, name=name)
+    return _now_op(lambda: collective.local_size(), name)
 
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None,

@@ -620,6 +620,35 @@ def test_broadcast_callback_leaves_each_ranks_dropout_masks():
     assert len({tuple(s) for s in states}) == SIZE, states
 
 
+def test_broadcast_variables_leaves_each_ranks_seed_generators():
+    # The custom-loop form (`hvd.broadcast_variables(model.variables, root_rank=0)`, as in
+    # Horovod's TF2 examples): model.variables lists Keras 3's SeedGenerator state, which
+    # broadcast gave every rank the root's dropout masks. The weights are the root's.
+    drop = keras.layers.Dropout(0.5, seed=None)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), drop])
+    model(np.ones((2, 8), np.float32), training=True)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    kernels = hvd.allgather_object(model.layers[0].kernel.numpy().tolist(), name="bv.kernels")
+    assert all(k == kernels[0] for k in kernels)
+    states = hvd.allgather_object(drop._seed_generators[0].state.numpy().tolist(),
+                                  name="bv.seed.states")
+    assert len({tuple(s) for s in states}) == SIZE, states
+
+
+def test_distributed_optimizer_of_an_optimizer_doing_arithmetic_on_momentum():
+    # Only SGD's and RMSprop's momentum becomes live (LiveMomentum); Muon computes
+    # `self.momentum - 1`, which failed with a TypeError inside fit.
+    muon = getattr(keras.optimizers, "Muon", None)
+    if muon is None:
+        pytest.skip("this Keras has no Muon")
+    x, y = _dataset(8)
+    model = _model()
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(muon(learning_rate=0.01)),
+                  loss="mse")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    all_equal(_weights(model), "muon weights")
+
+
 def test_broadcast_callback_keeps_local_variables():
     """`local_variables` takes one variable (Horovod accepts a lone tf.Variable; iterating it
     used to raise) or a list, and a Keras variable's backing `tf.Variable` excludes it too."""

@@ -265,13 +265,17 @@ def test_compiled_steps_follow_an_elastic_resize(hvd, monkeypatch) -> None:
     x = tf.Variable([1.0, 2.0])
     assert py_funcs(step, x) == []  # not elastic: one rank, nothing to reduce
     monkeypatch.setattr(reduce_mod, "may_resize", lambda: True)
+    monkeypatch.setattr(mpi_ops, "may_resize", lambda: True)
     assert py_funcs(step, x), "elastic: the reduction is traced at size 1 too"
     np.testing.assert_allclose(tf.function(step)(x).numpy(), [2.0, 4.0])
 
     size = tf.function(lambda: hvd_tf.size_op())
-    assert int(size()) == 1
+    rank = tf.function(lambda: hvd_tf.rank_op())
+    assert int(size()) == 1 and int(rank()) == 0
     monkeypatch.setattr(mpi_ops, "process_set_size", lambda ps=None: 3)
+    monkeypatch.setattr(mpi_ops.collective, "rank", lambda: 2)
     assert int(size()) == 3  # read when the function runs, not when it was traced
+    assert int(rank()) == 2
     monkeypatch.undo()
 
     model = _model(hvd)

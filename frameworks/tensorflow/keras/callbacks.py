@@ -220,8 +220,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
     """Linear warm-up from initial_lr / size to initial_lr over `warmup_epochs` (per batch).
 
-    With `verbose` > 0, rank 0 prints a line when the warm-up ends (as Horovod: the other ranks
-    stay quiet whatever their `verbose`)."""
+    With `verbose` > 0, rank 0 prints a line when the warm-up ends; the other ranks stay quiet
+    whatever their `verbose` (Horovod prints on every rank that passes `verbose` > 0, which is
+    why its examples pass `verbose=1 if hvd.rank() == 0 else 0`)."""
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5,
                  momentum_correction: bool = True, steps_per_epoch: int | None = None,

@@ -19,7 +19,7 @@ optimizer's: `DistributedOptimizer(LossScaleOptimizer(opt))` therefore returns
 agreed across the process set (all ranks skip, or none), else the ranks that skip would not
 join the gradient reduction of the others (a hang, or steps reduced out of order).
 
-A `momentum` option becomes live: it reads a TF variable inside the compiled step, so that the
+A `momentum` option of SGD or RMSprop becomes live: it reads a TF variable inside the compiled step, so that the
 learning-rate callbacks' momentum correction takes effect in `model.fit`.
 """
 from __future__ import annotations
@@ -248,7 +248,10 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     new._hvd_sum_steps = (backward_passes_per_step if backward_passes_per_step > 1
                           and not average_aggregated_gradients else 1)
     m = getattr(new, "momentum", None)
-    if isinstance(m, (int, float)) and not isinstance(m, bool):
+    # Only where Horovod's momentum correction applies (SGD, RMSprop): other optimizers do
+    # arithmetic on `momentum` (Muon: `self.momentum - 1`), which LiveMomentum does not.
+    if (isinstance(m, (int, float)) and not isinstance(m, bool)
+            and isinstance(new, (keras.optimizers.SGD, keras.optimizers.RMSprop))):
         new.momentum = LiveMomentum(m)
     return new
 
