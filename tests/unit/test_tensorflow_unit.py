@@ -92,3 +92,31 @@ def test_elastic_run_gets_a_graph_collectives_own_error_class(hvd):
         assert type(info.value) is type(exc) and str(info.value) == str(exc).splitlines()[0]
     with pytest.raises(tf.errors.OpError):  # not a collective's: TensorFlow's own, as it was
         _raise_internal_errors(raising(KeyError("not ours")))()
+
+
+def test_auto_jit_compile_means_no_xla_with_a_distributed_optimizer(hvd, monkeypatch):
+    # Keras resolves compile(jit_compile="auto") to XLA on a machine with a GPU, where the
+    # collectives refuse to run: every unchanged Horovod script's fit failed there. A fake GPU
+    # stands in for one.
+    import keras
+    import tensorflow as tf
+    real = tf.config.list_physical_devices
+
+    def with_gpu(*args):
+        found = real(*args)
+        return found if args else found + [tf.config.PhysicalDevice("/physical_device:GPU:0",
+                                                                    "GPU")]
+    monkeypatch.setattr(tf.config, "list_physical_devices", with_gpu)
+
+    def model():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ours = model()
+    ours.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    assert ours.jit_compile is False
+    scaled = model()
+    scaled.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))), loss="mse")
+    assert scaled.jit_compile is False
+    plain = model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert plain.jit_compile is True  # Keras' own rule for other models

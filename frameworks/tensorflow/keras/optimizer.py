@@ -179,6 +179,36 @@ def _check_finite_everywhere(self: Any, grads: Any) -> Any:
 _check_finite_everywhere._hvd_original = _keras_check_finite  # type: ignore[attr-defined]
 keras.optimizers.LossScaleOptimizer.check_finite = _check_finite_everywhere
 
+def _ours(opt: Any) -> bool:
+    """A `DistributedOptimizer`, or a loss-scale optimizer around one."""
+    return isinstance(opt, _DistributedOptimizerMixin) or isinstance(
+        getattr(opt, "inner_optimizer", None), _DistributedOptimizerMixin)
+
+
+def _install_auto_jit_rule() -> None:
+    """`compile(jit_compile="auto")` (Keras' default) means XLA on a machine with a GPU, where
+    ringvod's collectives cannot run (they are `py_function`s): with a `DistributedOptimizer`,
+    "auto" resolves to no XLA instead of a `fit` that refuses. `jit_compile=True` still does."""
+    from keras.src.trainers import trainer as _trainer  # noqa: PLC0415 - Keras' internals
+
+    cls = getattr(_trainer, "Trainer", None)
+    keras_rule = getattr(cls, "_resolve_auto_jit_compile", None)
+    if keras_rule is None or getattr(keras_rule, "_hvd_original", None) is not None:
+        return
+
+    def resolve(self: Any) -> bool:
+        if _ours(getattr(self, "optimizer", None)):
+            return False
+        return keras_rule(self)
+    resolve._hvd_original = keras_rule  # type: ignore[attr-defined]
+    cls._resolve_auto_jit_compile = resolve
+
+
+try:
+    _install_auto_jit_rule()
+except ImportError:  # another Keras layout: "auto" keeps Keras' own rule
+    pass
+
 _classes: dict[type, type] = {}
 
 
