@@ -445,7 +445,10 @@ def test_rewrapping_an_optimizer_leaves_no_hooks_or_buckets_behind():
         del opt
         gc.collect()
         assert len(model.weight._post_accumulate_grad_hooks or {}) == 0, i
-    assert flats and all(f() is None for f in flats)
+    # Buckets exist where the optimizer reduces (2+ ranks) in bucket mode, not per gradient.
+    if SIZE > 1 and os.environ.get("HOROVOD_BUCKET_CAP_MB") != "0":
+        assert flats
+    assert all(f() is None for f in flats)
     model.weight.grad = None
     model.bias.grad = None
 
