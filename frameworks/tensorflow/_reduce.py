@@ -176,22 +176,22 @@ class GradientReducer:
         return out
 
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any],
-               aligned: tuple[int] | None = None) -> list[Any]:
-        """The reduced gradients, in order (see the module docstring). `aligned`: (layout,)
-        when `align` already ran on the step's whole list (layout: its digest, 0 eagerly)."""
+               layout: int | None = None) -> list[Any]:
+        """The reduced gradients, in order (see the module docstring). `layout`: what `align`
+        returned when it already ran on the step's whole list (the kinds' digest, 0 eagerly);
+        None: this call agrees or digests the kinds itself."""
         grads = list(grads)
         if self._alone():
             return grads
         ps = self.process_set
         n: Any = None  # the set's size, read when first needed
-        if aligned is not None:
-            layout = aligned[0]
-        elif not variables or len(variables) != len(grads):
-            layout = 0
-        elif tf.executing_eagerly():
-            grads, layout = self._agree_kinds(grads, variables), 0
-        else:
-            layout = _digest(self._kinds(grads, variables))
+        if layout is None:
+            if not variables or len(variables) != len(grads):
+                layout = 0
+            elif tf.executing_eagerly():
+                grads, layout = self._agree_kinds(grads, variables), 0
+            else:
+                layout = _digest(self._kinds(grads, variables))
         out: list[Any] = list(grads)
         dense: list[int] = []
         for i, g in enumerate(grads):

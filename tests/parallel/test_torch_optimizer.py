@@ -385,46 +385,31 @@ def test_grad_scaler_and_clipping():
     assert torch.equal(flat_params(model), before)
 
 
-@pytest.mark.parametrize("sparse_as_dense", [False, True])
-def test_sparse_gradients(sparse_as_dense):
+@pytest.mark.parametrize("sparse_as_dense,passes,steps",
+                         [(False, 1, 2), (True, 1, 2), (False, 2, 1)],
+                         ids=["sparse", "sparse_as_dense", "fewer_passes_than_per_step"])
+def test_sparse_gradients(sparse_as_dense, passes, steps):
+    # fewer_passes_than_per_step: step() after one backward of two (an epoch's last
+    # micro-batch): the sparse gradient's hook never finished counting, so nothing reduced it
+    # and each rank stepped on its own gradient; synchronize() starts its reduction as the
+    # hook would have.
     torch.manual_seed(0)
     emb, ref = nn.Embedding(10, 3, sparse=True), nn.Embedding(10, 3)
     ref.weight.data.copy_(emb.weight.data)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
                                    named_parameters=emb.named_parameters(),
-                                   sparse_as_dense=sparse_as_dense)
+                                   sparse_as_dense=sparse_as_dense,
+                                   backward_passes_per_step=passes)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     idx = [torch.tensor([r % 10, (3 * r + 1) % 10]) for r in range(SIZE)]
-    for _ in range(2):
+    for _ in range(steps):
         opt.zero_grad()
         emb(idx[hvd.rank()]).pow(2).sum().backward()
         opt.step()
         ref_opt.zero_grad()
         (sum(ref(i).pow(2).sum() for i in idx) / SIZE).backward()
         ref_opt.step()
-    assert all_equal(emb.weight, f"sparse.{sparse_as_dense}")
-    torch.testing.assert_close(emb.weight.detach(), ref.weight.detach(), rtol=1e-5, atol=1e-5)
-
-
-def test_sparse_gradient_after_fewer_passes_than_backward_passes_per_step():
-    # step() after one backward of two (an epoch's last micro-batch): the sparse gradient's
-    # hook never finished counting, so nothing reduced it and each rank stepped on its own
-    # gradient. synchronize() starts its reduction as the hook would have.
-    torch.manual_seed(0)
-    emb, ref = nn.Embedding(10, 3, sparse=True), nn.Embedding(10, 3)
-    ref.weight.data.copy_(emb.weight.data)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
-                                   named_parameters=emb.named_parameters(),
-                                   backward_passes_per_step=2)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    idx = [torch.tensor([r % 10, (3 * r + 1) % 10]) for r in range(SIZE)]
-    opt.zero_grad()
-    emb(idx[hvd.rank()]).pow(2).sum().backward()
-    opt.step()
-    ref_opt.zero_grad()
-    (sum(ref(i).pow(2).sum() for i in idx) / SIZE).backward()
-    ref_opt.step()
-    assert all_equal(emb.weight, "sparse.partial")
+    assert all_equal(emb.weight, f"sparse.{sparse_as_dense}.{passes}")
     torch.testing.assert_close(emb.weight.detach(), ref.weight.detach(), rtol=1e-5, atol=1e-5)
 
 

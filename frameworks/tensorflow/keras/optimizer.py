@@ -86,7 +86,7 @@ class _StepVariables:
 
     def __init__(self) -> None:
         self.variables: list = []
-        self.aligned: tuple[int] | None = None  # `GradientReducer.align`'s digest, as (d,)
+        self.layout: int | None = None  # `GradientReducer.align`'s result for this update
 
 
 class _DistributedOptimizerMixin:
@@ -130,11 +130,11 @@ class _DistributedOptimizerMixin:
         step = self._hvd_step
         if len(variables) == len(grads):
             grads, layout = self._hvd_reducer.align(grads, variables)
-            step.aligned = (layout,)
+            step.layout = layout
         try:
             return super().apply(grads, trainable_variables)
         finally:
-            step.aligned = None
+            step.layout = None
 
     def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
         self._hvd_step.variables = list(trainable_variables)
@@ -148,7 +148,7 @@ class _DistributedOptimizerMixin:
         if self._hvd_sum_steps > 1:  # Keras averaged the accumulated gradients; Horovod sums
             grads = [g * tf.cast(self._hvd_sum_steps, g.dtype) for g in grads]
         grads = self._hvd_reducer.reduce(grads, self._hvd_step.variables,
-                                         self._hvd_step.aligned)
+                                         self._hvd_step.layout)
         return super()._clip_gradients(grads)
 
     def get_config(self) -> dict:
