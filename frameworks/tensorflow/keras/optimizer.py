@@ -19,8 +19,8 @@ optimizer's: `DistributedOptimizer(LossScaleOptimizer(opt))` therefore returns
 agreed across the process set (all ranks skip, or none), else the ranks that skip would not
 join the gradient reduction of the others (a hang, or steps reduced out of order).
 
-A `momentum` option of SGD or RMSprop becomes live: it reads a TF variable inside the compiled step, so that the
-learning-rate callbacks' momentum correction takes effect in `model.fit`.
+A `momentum` option of SGD or RMSprop becomes live: it reads a TF variable inside the compiled
+step, so that the learning-rate callbacks' momentum correction takes effect in `model.fit`.
 """
 from __future__ import annotations
 
