@@ -26,10 +26,10 @@ wait for the GIL. A gradient set moves that work out of the step:
 
 A rank that joined (`hvd.join()`) contributes zeros: its bits are all set, and it runs every
 agreed chunk with zero tensors, except for members it submitted before it joined (in the
-middle of a step), which it sends as submitted and counts for its step. `join()` covers the global process set only, so a set of
-another process set cannot run while a member waits in the global `join()`: that member also
-sets all its bits, and the members the others submitted fail on every member instead
-(`fail_joined`). Members submitted here but not by every rank after
+middle of a step), which it sends as submitted and counts for its step. `join()` covers the
+global process set only, so a set of another process set cannot run while a member waits in
+the global `join()`: that member also sets all its bits, and the members the others submitted
+fail on every member instead (`fail_joined`). Members submitted here but not by every rank after
 `HOROVOD_STALL_CHECK_TIME_SECONDS` are named in a warning on this rank; after
 `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS` (when set) this rank also names them in an error and
 asks for the job to shut down (`stalled`), which its next global round tells every rank.

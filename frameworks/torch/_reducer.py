@@ -390,7 +390,7 @@ class GradientReducer:
                     continue
                 if slot.bucket is None:
                     self._launch(slot)
-                elif not self.sparse_as_dense:
+                elif slot.delay > 0 and not self.sparse_as_dense:
                     # A sparse gradient whose hook did not finish counting (a step after fewer
                     # than backward_passes_per_step passes, a gradient set by hand): its own
                     # reduction, as its hook would have started it (zeros in the bucket).

@@ -224,6 +224,44 @@ def large_members_of_a_fused_allreduce_skip_the_fusion_buffer(n: int) -> None:
 
 
 @case
+def the_fusion_buffer_grows_to_what_fused_ops_pack(n: int) -> None:
+    # Powers of two from 1 MiB up to the fusion threshold: a job that packs little (large
+    # members are reduced where they lie) does not hold a threshold-sized buffer.
+    from collective import _current as runtime
+    mib = 1 << 20
+    # (float32 elements of each of two members, fusion buffer bytes after the op); the last
+    # op's 7 MiB, more than the 6 MiB threshold, run as fused ops that fit under it.
+    steps = ((1000, mib), (mib // 8, mib), (mib // 8 + 4, 2 * mib), (3 * mib // 8, 4 * mib),
+             (1000, 4 * mib), (5 * mib // 8, 6 * mib), (7 * mib // 8, 6 * mib))
+
+    def body(rank: int) -> list[int]:
+        sizes = []
+        for k, (count, _) in enumerate(steps):
+            xs = [data(rank, (count,), DataType.FLOAT32, i) for i in range(2)]
+            fas = [FakeArray.of(x) for x in xs]
+            collective.adapter.enqueue(
+                RequestType.ALLREDUCE, fas, device=0, dtypes=[DataType.FLOAT32] * 2,
+                shapes=[(count,)] * 2, outputs=fas, grouped=True, op=ReduceOp.SUM,
+                name=f"grow.{k}").wait(10)
+            want = reference([data(r, (count,), DataType.FLOAT32, 0) for r in range(n)],
+                             DataType.FLOAT32, ReduceOp.SUM)
+            assert close(fas[0].a, want, DataType.FLOAT32), k
+            sizes.append(runtime.current().member_sets()[0].device_engine._fusion_bytes)
+        return sizes
+
+    from collective.engines.nccl import engine as eng
+    saved = eng.DIRECT_BYTES
+    eng.DIRECT_BYTES = 0  # every member packed
+    try:
+        # A threshold of 6 MiB caps the doubling.
+        got = run_loopback(n, body, fusion_threshold=6 * mib)
+    finally:
+        eng.DIRECT_BYTES = saved
+    want = [b for _, b in steps]
+    assert all(g == want for g in got), (got, want)
+
+
+@case
 def a_rank_joined_before_its_first_device_op_uses_the_device_it_named(n: int) -> None:
     # The last rank joins at once, naming its GPU (the torch adapter names the caller's
     # current one): its zeros for the others' device op, its first device work, are made

@@ -415,9 +415,12 @@ class NCCLEngine(Engine):
             set_allocation_stream(0)
 
     def _fusion_buffer(self, nbytes: int, like: Entry) -> int:
+        """The fusion buffer's address, at least `nbytes` long. It grows by powers of two up to
+        the fusion threshold (at least 1 MiB), so a job whose fused ops pack little keeps a
+        small buffer: large members are reduced where they lie and never need it."""
         if nbytes > self._fusion_bytes:
-            want = max(nbytes, self.fusion_threshold)
-            want = (want + (1 << 20) - 1) >> 20 << 20
+            want = max(nbytes, min(1 << (nbytes - 1).bit_length(), self.fusion_threshold))
+            want = (max(want, 1 << 20) + (1 << 20) - 1) >> 20 << 20
             item = like.request.dtype.itemsize
             self._fusion_obj = None  # freed in our stream's order; safe to reuse
             self._fusion_obj = self._allocate(like, (want // item,))
@@ -537,6 +540,7 @@ class NCCLEngine(Engine):
         # buffer, in their order; members of DIRECT_BYTES or more get an NCCL call of their own.
         srcs, dsts, sizes, offs = [], [], [], []
         direct: list[int] = []
+        packed: list[int] = []
         limit = DIRECT_BYTES
         off = 0
         for e in entries:
@@ -545,6 +549,7 @@ class NCCLEngine(Engine):
                 direct.append(len(srcs))
                 offs.append(0)
             else:
+                packed.append(len(srcs))
                 offs.append(off)
                 off += _pad16(nb)
             srcs.append(p)
@@ -553,7 +558,7 @@ class NCCLEngine(Engine):
         small = off  # the packed members' part of the buffer
         if direct:
             if _disjoint(srcs, dsts, sizes):
-                self._grouped(entries, direct, srcs, dsts, sizes, offs, small, dt,
+                self._grouped(entries, direct, packed, srcs, dsts, sizes, offs, small, dt,
                               (ntype, op, pre, post))
                 return
             # Members of DIRECT_BYTES or more that share memory on this rank (the same tensor
@@ -599,29 +604,28 @@ class NCCLEngine(Engine):
             raise
         nccl.groupEnd()
 
-    def _grouped(self, entries: list[Entry], direct: list[int], srcs: list[int],
-                 dsts: list[int], sizes: list[int], offs: list[int], small: int, dt: DataType,
-                 reduction: tuple[int, int, float, float]) -> None:
+    def _grouped(self, entries: list[Entry], direct: list[int], packed: list[int],
+                 srcs: list[int], dsts: list[int], sizes: list[int], offs: list[int],
+                 small: int, dt: DataType, reduction: tuple[int, int, float, float]) -> None:
         """A fused allreduce whose `direct` members are reduced where they lie (or into their
-        outputs), each by an NCCL call of its own, and the others through the fusion buffer
-        (`small` bytes of it, member i at `offs[i]`), all in one NCCL group (one launch): the
-        large members skip the two copies through the buffer. The members' memory does not
+        outputs), each by an NCCL call of its own, and the `packed` others through the fusion
+        buffer (`small` bytes of it, member i at `offs[i]`), all in one NCCL group (one launch):
+        the large members skip the two copies through the buffer. The members' memory does not
         overlap (`_disjoint`)."""
         kern, sp, item = self._kernels, self._sp, dt.itemsize
         assert kern is not None
         ntype, op, pre, post = reduction
         buf = count = 0
         run_unpack = None
-        packed: list[Entry] = []
+        members: list[Entry] = []
         if small:
-            big = set(direct)
-            rest = [i for i in range(len(entries)) if i not in big]
-            packed = [entries[i] for i in rest]
+            members = [entries[i] for i in packed]
             buf = self._fusion_buffer(small, entries[0])
-            fused = [buf + offs[i] for i in rest]
-            act = self._activity(packed, "MEMCPY_IN_FUSION_BUFFER")
-            run_unpack = self._copies(([srcs[i] for i in rest], fused, [sizes[i] for i in rest]),
-                                      (fused, [dsts[i] for i in rest], [sizes[i] for i in rest]))
+            fused = [buf + offs[i] for i in packed]
+            psizes = [sizes[i] for i in packed]
+            act = self._activity(members, "MEMCPY_IN_FUSION_BUFFER")
+            run_unpack = self._copies(([srcs[i] for i in packed], fused, psizes),
+                                      (fused, [dsts[i] for i in packed], psizes))
             self._activity_end(act)
             count = small // item
         act = self._activity(entries, "NCCL_ALLREDUCE")
@@ -642,7 +646,7 @@ class NCCLEngine(Engine):
             kern.scale(buf, count, dt, post)
         self._activity_end(act)
         if run_unpack is not None:
-            act = self._activity(packed, "MEMCPY_OUT_FUSION_BUFFER")
+            act = self._activity(members, "MEMCPY_OUT_FUSION_BUFFER")
             run_unpack()
             self._activity_end(act)
 
