@@ -360,6 +360,8 @@ class Runtime:
                 f"while {shown} waited on rank {self.rank}; wait for a set's ops (synchronize) "
                 "before removing it"))
             state.host_engine.close()
+            if state.device_engine is not None:  # its GPU work drains, its communicator goes
+                state.device_engine.close()
             state.control.close()
         ps._invalidate()
         return True

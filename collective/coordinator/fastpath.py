@@ -53,6 +53,10 @@ class FastPaths:
         self._cycle_lock = threading.Lock()
         self._handoff: BaseException | None = None
         self._ended_by_driver = False
+        # Set, under the lock, when the coordinator's loop leaves: from then on no cycle may
+        # start on a user thread (its round would wait for peers that stopped, and the loop's
+        # exit has failed, or is about to fail, every pending op).
+        self._loop_over = False
         # Express rounds run (diagnostics: benchmarks and tests read them), and how many of
         # them did not agree on the op, which then waited as an ordinary cache hit.
         self.express_rounds = 0
@@ -104,7 +108,8 @@ class FastPaths:
                 or not self._cycle_lock.acquire(False)):
             return False
         try:
-            go = (self._handoff is None and not self._ended_by_driver and not ps.queue
+            go = (self._handoff is None and not self._ended_by_driver and not self._loop_over
+                  and not ps.queue
                   and not ps.hits and not ps.carry and not any(s.busy() for s in ps.sets)
                   and (ps.stall is None or not ps.stall.due()))
             if go:
@@ -153,12 +158,12 @@ class FastPaths:
         None before the first device op. See `drive` for what happens to its outcome."""
         interrupt: BaseException | None = None
         try:
-            if self._handoff is None and not self._ended_by_driver:
-                # A device engine may make its GPU and stream current on the thread it runs
-                # on: the thread gets its own back afterwards.
-                if device is not None:
-                    device.guest_enter()
+            if self._handoff is None and not self._ended_by_driver and not self._loop_over:
                 try:
+                    # A device engine may make its GPU and stream current on the thread it
+                    # runs on: the thread gets its own back afterwards.
+                    if device is not None:
+                        device.guest_enter()
                     if not cycle(*args):
                         self._ended_by_driver = True
                 except BaseException as exc:  # noqa: BLE001 - the loop ends the job

@@ -189,6 +189,7 @@ class Coordinator(FastPaths):
                     with self._cycle_lock:
                         if self._handoff is not None:  # a cycle on a user thread failed
                             raise self._handoff
+                        self._loop_over = True
                         break  # a cycle on a user thread agreed to shut down
                 hold = self._device_hold()
                 if hold > 0:
@@ -198,10 +199,12 @@ class Coordinator(FastPaths):
                     if self._handoff is not None:  # a cycle on a user thread failed
                         raise self._handoff
                     if self._ended_by_driver:
+                        self._loop_over = True
                         break
                     # Woken with nothing to do (a waiting thread already drove the cycle):
                     # an empty negotiation round would only make the peers wait for it.
                     if (timed_out or self._has_work()) and not self.run_cycle():
+                        self._loop_over = True
                         break
                 if any(ps.pending() for ps in self.rt.member_sets()) or self.rt.has_changes():
                     timed_out = True  # pending work: cycle again whatever wakes us
@@ -231,6 +234,12 @@ class Coordinator(FastPaths):
                         ps.device_engine.abort()
                     except Exception:  # noqa: BLE001
                         pass
+            # No cycle starts on a user thread from here on. One that began before this is
+            # waited for (briefly: its control plane was aborted, though MPI's cannot be), so
+            # that the op it put in the table is there when the exit below fails them all.
+            self._loop_over = True
+            if self._cycle_lock.acquire(timeout=2.0):
+                self._cycle_lock.release()
         finally:
             try:
                 self.rt._on_loop_exit(cause)

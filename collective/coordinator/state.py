@@ -106,8 +106,14 @@ class ProcessSetState:
 
     def forget(self, req: Request) -> None:
         """Drops a failed entry's request from what this rank still negotiates: a pending cache
-        hit or a carried request (coordinator thread). A grouped op's members can fail while
-        some of them wait as cache hits (`MessageTable._group_mismatch`)."""
+        hit, a carried request, or one still queued (coordinator thread). A grouped op's
+        members can fail while some of them wait as cache hits (`MessageTable._group_mismatch`),
+        and an error can name an op submitted after this round's queue was drained (a group
+        member, a set's op while a rank waits in `join()`): sent later, its request would meet
+        the other ranks' next op of that name without an entry here."""
+        with self.lock:
+            if self.queue:
+                self.queue = [r for r in self.queue if r is not req]
         if self.hits:
             state, bit = self.cache.lookup(req)
             if state is CacheState.HIT and bit in self.hits:

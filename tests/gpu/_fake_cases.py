@@ -262,6 +262,32 @@ def the_fusion_buffer_grows_to_what_fused_ops_pack(n: int) -> None:
 
 
 @case
+def a_removed_process_set_closes_its_device_engine(n: int) -> None:
+    # remove_process_set() drains the set's GPU work and destroys its communicator, as the
+    # world's shutdown does for every set (the set's NCCL engine, stream and fusion buffer
+    # stayed alive before).
+    from collective import _current as runtime
+
+    def body(rank: int) -> bool | None:
+        ps = collective.add_process_set([0, 1])
+        eng = None
+        if rank < 2:
+            x = data(rank, (300,), DataType.FLOAT32)
+            fas = [FakeArray.of(x), FakeArray.of(x)]
+            collective.adapter.enqueue(RequestType.ALLREDUCE, fas, device=0,
+                                       dtypes=[DataType.FLOAT32] * 2, shapes=[(300,)] * 2,
+                                       outputs=fas, grouped=True, op=ReduceOp.SUM,
+                                       process_set=ps, name="in.set").wait(10)
+            eng = runtime.current()._sets[ps.process_set_id].device_engine
+            assert eng.comm is not None
+        assert collective.remove_process_set(ps)
+        return None if eng is None else eng.comm is None and eng._fusion_obj is None
+
+    got = run_loopback(n, body, dynamic_process_sets=True)
+    assert got[:2] == [True, True] and all(g is None for g in got[2:]), got
+
+
+@case
 def a_rank_joined_before_its_first_device_op_uses_the_device_it_named(n: int) -> None:
     # The last rank joins at once, naming its GPU (the torch adapter names the caller's
     # current one): its zeros for the others' device op, its first device work, are made

@@ -342,6 +342,82 @@ def test_group_size_mismatch_with_cached_members_fails_every_member(config):
         assert pending == []
 
 
+def test_an_op_failed_by_an_error_before_its_request_was_sent_is_not_sent_later():
+    # Rank 0 submits a second group "g" while the round that fails its first is in flight
+    # (after its queue was drained, before the error response runs): the error names it too,
+    # so its request must not go to rank 0's table in a later round, where it would meet rank
+    # 1's next group "g" with no entry here (zeros in rank 1's sum, then caches that differ).
+    box: dict = {}
+
+    def body(rank):
+        rt = current()
+        ps = rt.member_sets()[0]
+        if rank == 1:
+            with pytest.raises(hvd.HorovodInternalError, match="Mismatched grouped"):
+                hvd.synchronize(hvd.grouped_allreduce_async([np.full(2, 1.0)] * 3, name="g",
+                                                            op=hvd.Sum))
+            box["rank1_failed"] = True
+            while not box.get("rank0_failed"):
+                time.sleep(0.01)
+            h = hvd.grouped_allreduce_async([np.full(2, 10.0)] * 3, name="g", op=hvd.Sum)
+            box["rank1_next"] = True
+            return [a.tolist() for a in hvd.synchronize(h)]
+        time.sleep(0.3)  # rank 1's three-tensor group waits in rank 0's table
+        bcast = ps.control.bcast
+
+        def submit_during_the_round(payload):
+            if "late" not in box:
+                with use_runtime(rt):
+                    box["late"] = hvd.grouped_allreduce_async([np.full(2, 5.0)] * 3,
+                                                              name="g", op=hvd.Sum)
+            return bcast(payload)
+        ps.control.bcast = submit_during_the_round
+        with pytest.raises(hvd.HorovodInternalError, match="Mismatched grouped"):
+            hvd.synchronize(hvd.grouped_allreduce_async([np.full(2, 1.0)] * 2, name="g",
+                                                        op=hvd.Sum))
+        with pytest.raises(hvd.HorovodInternalError, match="Mismatched grouped"):
+            hvd.synchronize(box["late"])
+        ps.control.bcast = bcast
+        while not box.get("rank1_failed"):
+            time.sleep(0.01)
+        box["rank0_failed"] = True
+        while not box.get("rank1_next"):
+            time.sleep(0.01)
+        time.sleep(0.3)  # rank 1's next group "g" reaches rank 0's table first
+        h = hvd.grouped_allreduce_async([np.full(2, 5.0)] * 3, name="g", op=hvd.Sum)
+        return [a.tolist() for a in hvd.synchronize(h)]
+
+    for got in run_loopback(2, body, timeout=15):
+        assert got == [[15.0, 15.0]] * 3, got
+
+
+def test_a_synchronous_op_after_the_loop_ended_fails_instead_of_starting_a_round(monkeypatch):
+    # Rank 1 shuts down; rank 0's coordinator thread agrees on it and its loop ends. A
+    # synchronous op on rank 0 between the loop's end and `stopped` (widened here: autotune's
+    # close, which runs after the pending ops were failed, takes a second) must not start an
+    # express round with the stopped peer (nobody would ever complete its handle).
+    from collective.coordinator import tuning
+    close = tuning.Tuning.close
+
+    def slow_close(self):
+        time.sleep(1.0)
+        return close(self)
+    monkeypatch.setattr(tuning.Tuning, "close", slow_close)
+
+    def body(rank):
+        x = np.ones(4, dtype=np.float32)
+        for _ in range(3):
+            hvd.allreduce(x, name="a")  # cached after the first: the express lane
+        if rank == 1:
+            return None
+        time.sleep(0.3)  # rank 0's coordinator thread runs the shutdown round
+        with pytest.raises(hvd.HorovodInternalError):
+            hvd.allreduce(x, name="a")
+        return None
+
+    run_loopback(2, body, timeout=15, world_timeout=3)
+
+
 def test_duplicate_name_raises_value_error_at_enqueue():
     def body(rank):
         h = hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="dup")

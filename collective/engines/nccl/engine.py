@@ -84,6 +84,7 @@ class _OpError(Exception):
         super().__init__(str(error))
         self.error = error
 
+
 def guest_enter() -> None:
     """Before a coordinator cycle runs on a user thread (`Coordinator.drive`, the express lane).
     Engines make their device and stream current there only for work that needs them (kernels,
