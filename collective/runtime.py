@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import threading
+import warnings
 from typing import Any, Sequence
 
 from . import _current, _log
@@ -26,6 +27,7 @@ __all__ = ["Runtime", "detect_mode"]
 
 _log_ = _log.get_logger()
 
+
 def detect_mode(config: Config, comm: Any = None) -> str:
     """Picks the backend: explicit controller, launcher variables, MPI launchers, torchrun, else
     a single process.
@@ -35,7 +37,15 @@ def detect_mode(config: Config, comm: Any = None) -> str:
             carries no tcp rendezvous (each rank would be a world of its own).
     """
     if comm is not None and not isinstance(comm, (list, tuple)):
-        return "mpi"
+        if config.controller != "tcp" and not config.rendezvous_addr:
+            return "mpi"
+        # A tcp launch (hvdrun --tcp / --gloo): its world is every rank the launcher started,
+        # as in Horovod, whose Gloo controller ignores the communicator. Over MPI each rank
+        # would be a world of its own here (no mpirun), training unsynchronised.
+        warnings.warn("hvd.init(comm=<mpi4py communicator>) has no effect in tcp mode (this "
+                      "job was launched with hvdrun --tcp or HOROVOD_CONTROLLER=gloo): the "
+                      "world is every rank the launcher started; launch with hvdrun --mpi or "
+                      "mpirun for the communicator to define it", RuntimeWarning, stacklevel=2)
     ctl = config.controller or config.cpu_operations  # "mpi", "tcp" or "" (config checks)
     if ctl == "mpi":
         return "mpi"
@@ -311,7 +321,7 @@ class Runtime:
                 self._head_msg = (head[2], ["add", ranks_here(head[1], self.control)]
                                   if head[0] == "add" else ["remove", int(head[1])])
             mine = self._head_msg[1]
-        views = [change_of(b, r, self.size)
+        views = [change_of(b, r)
                  for r, b in enumerate(self.control.allgather(json.dumps(mine).encode()))]
         if any(v is None for v in views):
             return

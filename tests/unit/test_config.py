@@ -274,6 +274,28 @@ def test_controller_gloo_in_an_mpi_job_without_rendezvous_is_an_error():
     assert detect_mode(read_env({"HOROVOD_CONTROLLER": "gloo"})) == "tcp"
 
 
+def test_an_mpi_communicator_in_a_tcp_launch_is_ignored_with_a_warning():
+    # hvd.init(comm=MPI.COMM_WORLD) under hvdrun --tcp: over MPI every rank (no mpirun) was
+    # a world of size 1, training unsynchronised; the launcher's world is the job's (Horovod's
+    # Gloo controller ignores the communicator too).
+    from collective.runtime import detect_mode
+    comm = object()  # stands for an mpi4py communicator: anything but a list of ranks
+    tcp_launch = {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+                  "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}
+    for env in (tcp_launch, {"HOROVOD_CONTROLLER": "gloo"},
+                {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"}):
+        with pytest.warns(RuntimeWarning, match=r"hvd.init\(comm=<mpi4py communicator>\) has "
+                                                "no effect in tcp mode"):
+            assert detect_mode(read_env(env), comm) == "tcp"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert detect_mode(read_env({}), comm) == "mpi"
+        assert detect_mode(read_env(MPI_JOB), comm) == "mpi"
+        assert detect_mode(read_env({**MPI_JOB, "HOROVOD_CPU_OPERATIONS": "gloo"}), comm) == "mpi"
+        assert detect_mode(read_env(tcp_launch), [0, 1]) == "tcp"
+
+
 def test_cpu_operations_alone_does_not_split_an_mpi_job():
     from collective.config import warn_no_effect
     from collective.runtime import detect_mode

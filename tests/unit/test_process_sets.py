@@ -232,3 +232,24 @@ def test_a_set_left_out_of_the_next_init_is_not_taken_for_the_set_with_its_old_i
                                              r"exist, or has not been registered\.$"):
             rt.process_set_state(a, "Allreduce")
         rt.shutdown(timeout=5.0)
+
+
+@pytest.mark.timeout(60)
+def test_adding_a_set_with_more_ranks_than_the_job_fails_that_call_on_every_rank():
+    # More ranks than the job has was taken for a malformed message on the coordinator
+    # thread, which ended the job; it is the caller's mistake, reported like any rank out of
+    # range, and the job goes on.
+    def body(rank):
+        errors = []
+        for ranks in ([0, 1, 2], [0, 5]):
+            with pytest.raises(ValueError) as info:
+                hvd.add_process_set(ranks)
+            errors.append(str(info.value))
+        ps = hvd.add_process_set([0, 1])
+        got = hvd.allreduce(np.ones(1), op=hvd.Sum, process_set=ps, name="after")
+        return errors, float(got[0])
+
+    for errors, total in run_loopback(2, body, timeout=40, dynamic_process_sets=True):
+        assert errors == ["process set ranks [0, 1, 2] out of range for size 2",
+                          "process set ranks [0, 5] out of range for size 2"]
+        assert total == 2.0
