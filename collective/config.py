@@ -422,17 +422,20 @@ def no_effect_set(config: Config) -> list[str]:
 
 def warn_no_effect(config: Config, mode: str = "") -> None:
     """One RuntimeWarning naming every option without effect that is set (called by `init()`),
-    and one when HOROVOD_CPU_OPERATIONS asks for other host ops than the mode `init()` chose."""
+    and one when HOROVOD_CPU_OPERATIONS asks for other host ops than the mode `init()` chose
+    (always for ccl, a single process included: ringvod has no oneCCL)."""
     names = no_effect_set(config)
     if names:
         verb = "is set but has" if len(names) == 1 else "are set but have"
         warnings.warn(f"{', '.join(names)} {verb} no effect in ringvod (accepted for Horovod "
                       "compatibility; see the README's configuration table)", RuntimeWarning,
                       stacklevel=3)
-    if config.cpu_operations and mode in ("mpi", "tcp") and config.cpu_operations != mode:
+    if config.cpu_operations == "ccl" or (
+            config.cpu_operations and mode in ("mpi", "tcp") and config.cpu_operations != mode):
         asked = {"tcp": "gloo/tcp"}.get(config.cpu_operations, config.cpu_operations)
+        here = f" ({mode} mode here)" if mode else ""
         warnings.warn(f"HOROVOD_CPU_OPERATIONS={asked} has no effect: ringvod "
-                      f"runs host operations over its controller's transport ({mode} mode here)",
+                      f"runs host operations over its controller's transport{here}",
                       RuntimeWarning, stacklevel=3)
 
 
