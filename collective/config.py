@@ -193,12 +193,12 @@ OPTIONS: tuple[Option, ...] = (
            "drop timestamps from log lines", "--log-without-timestamp"),
     # --- controller and transports ----------------------------------------------------------
     Option("controller", "HOROVOD_CONTROLLER", _transport, "", "",
-           "mpi or gloo/tcp (default: detect); `hvdrun` sets it for its workers from the "
-           "job's mode and warns when it is set in its own environment"),
+           "mpi or gloo/tcp (default: detect); `hvdrun` sets it to gloo for its workers in tcp "
+           "mode, clears it in MPI mode, and warns when it is set in its own environment"),
     Option("cpu_operations", "HOROVOD_CPU_OPERATIONS", _cpu_operations, "", "",
            "mpi, gloo/tcp or ccl (default: same as the controller); ringvod runs host ops over "
-           "the controller's transport, so a different value only warns; `hvdrun` sets it "
-           "from the job's mode, as the controller"),
+           "the controller's transport, so a different value only warns; `hvdrun` sets it as "
+           "the controller (gloo in tcp mode, cleared in MPI mode)"),
     Option("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", _bool, False, "",
            "ask MPI for MPI_THREAD_SERIALIZED instead of MPI_THREAD_MULTIPLE (ringvod's "
            "coordinator thread needs SERIALIZED); mpi_threads_supported() then returns False",
