@@ -229,7 +229,8 @@ OPTIONS: tuple[Option, ...] = (
            "allow add_process_set/remove_process_set after init, as "
            "`init(process_sets=\"dynamic\")`", shared=True),
     Option("start_timeout", "HOROVOD_START_TIMEOUT", float, 30.0, "s",
-           "how long hvdrun waits for workers to start", "--start-timeout"),
+           "bounds the ssh check of remote hosts (hvdrun, horovod.run); horovod.run's workers "
+           "also wait this long, at least 30 s, for its store", "--start-timeout"),
     Option("elastic_timeout", "HOROVOD_ELASTIC_TIMEOUT", float, 600.0, "s",
            "elastic: wait for enough slots", "--elastic-timeout"),
     # --- torchrun / Ray Train style environment ---------------------------------------------
