@@ -193,12 +193,12 @@ OPTIONS: tuple[Option, ...] = (
            "drop timestamps from log lines", "--log-without-timestamp"),
     # --- controller and transports ----------------------------------------------------------
     Option("controller", "HOROVOD_CONTROLLER", _transport, "", "",
-           "mpi or gloo/tcp (default: detect); `hvdrun` sets it for its workers from the "
-           "job's mode and warns when it is set in its own environment"),
+           "mpi or gloo/tcp (default: detect); `hvdrun` sets it to gloo for its workers in tcp "
+           "mode, clears it in MPI mode, and warns when it is set in its own environment"),
     Option("cpu_operations", "HOROVOD_CPU_OPERATIONS", _cpu_operations, "", "",
            "mpi, gloo/tcp or ccl (default: same as the controller); ringvod runs host ops over "
-           "the controller's transport, so a different value only warns; `hvdrun` sets it "
-           "from the job's mode, as the controller"),
+           "the controller's transport, so a different value only warns; `hvdrun` sets it as "
+           "the controller (gloo in tcp mode, cleared in MPI mode)"),
     Option("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", _bool, False, "",
            "ask MPI for MPI_THREAD_SERIALIZED instead of MPI_THREAD_MULTIPLE (ringvod's "
            "coordinator thread needs SERIALIZED); mpi_threads_supported() then returns False",
@@ -229,7 +229,8 @@ OPTIONS: tuple[Option, ...] = (
            "allow add_process_set/remove_process_set after init, as "
            "`init(process_sets=\"dynamic\")`", shared=True),
     Option("start_timeout", "HOROVOD_START_TIMEOUT", float, 30.0, "s",
-           "how long hvdrun waits for workers to start", "--start-timeout"),
+           "bounds the ssh check of remote hosts (hvdrun, horovod.run); horovod.run's workers "
+           "also wait this long, at least 30 s, for its store", "--start-timeout"),
     Option("elastic_timeout", "HOROVOD_ELASTIC_TIMEOUT", float, 600.0, "s",
            "elastic: wait for enough slots", "--elastic-timeout"),
     # --- torchrun / Ray Train style environment ---------------------------------------------
@@ -422,17 +423,20 @@ def no_effect_set(config: Config) -> list[str]:
 
 def warn_no_effect(config: Config, mode: str = "") -> None:
     """One RuntimeWarning naming every option without effect that is set (called by `init()`),
-    and one when HOROVOD_CPU_OPERATIONS asks for other host ops than the mode `init()` chose."""
+    and one when HOROVOD_CPU_OPERATIONS asks for other host ops than the mode `init()` chose
+    (always for ccl, a single process included: ringvod has no oneCCL)."""
     names = no_effect_set(config)
     if names:
         verb = "is set but has" if len(names) == 1 else "are set but have"
         warnings.warn(f"{', '.join(names)} {verb} no effect in ringvod (accepted for Horovod "
                       "compatibility; see the README's configuration table)", RuntimeWarning,
                       stacklevel=3)
-    if config.cpu_operations and mode in ("mpi", "tcp") and config.cpu_operations != mode:
+    if config.cpu_operations == "ccl" or (
+            config.cpu_operations and mode in ("mpi", "tcp") and config.cpu_operations != mode):
         asked = {"tcp": "gloo/tcp"}.get(config.cpu_operations, config.cpu_operations)
+        here = f" ({mode} mode here)" if mode else ""
         warnings.warn(f"HOROVOD_CPU_OPERATIONS={asked} has no effect: ringvod "
-                      f"runs host operations over its controller's transport ({mode} mode here)",
+                      f"runs host operations over its controller's transport{here}",
                       RuntimeWarning, stacklevel=3)
 
 

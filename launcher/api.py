@@ -89,7 +89,8 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
     `--slots-per-host`, `--reset-limit` and `--blacklist-cooldown-range` values, and the
     results are those of the last round's ranks. `func` then typically wraps its training in
     `hvd.elastic.run`. Without either, those four have no effect (a RuntimeWarning), as in
-    Horovod.
+    Horovod. `disable_cache` has no effect either (ringvod caches no ssh/NIC checks): a true
+    value gives a RuntimeWarning.
 
     `num_proc` defaults to 1 (to `min_num_proc` in an elastic run). `np`, `min_np`, `max_np`
     and `network_interface` are Horovod's deprecated spellings of `num_proc`, `min_num_proc`,
@@ -116,7 +117,9 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         RuntimeError: a rank failed (the message names the first one), or ssh/MPI trouble.
         TimeoutError: remote hosts did not answer within `start_timeout`.
     """
-    del disable_cache  # ringvod caches no ssh/NIC checks
+    if disable_cache:
+        warnings.warn("horovod.run(disable_cache=...) has no effect: ringvod caches no ssh/NIC "
+                      "checks", RuntimeWarning, stacklevel=2)
     # Horovod's order and texts: each deprecated name warns and overrides the new one.
     if network_interface:
         _deprecated("network_interface", "network_interfaces")

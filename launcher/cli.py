@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-cb", "--check-build", action="store_true",
                    help="show which frameworks and engines this installation supports, and exit")
     p.add_argument("--disable-cache", action="store_true",
-                   help="accepted for compatibility (ringvod caches no ssh/NIC checks)")
+                   help="accepted for compatibility; no effect (ringvod caches no ssh/NIC "
+                        "checks), a warning says so")
     p.add_argument("--network-interfaces", dest="nics_deprecated", metavar="NICS",
                    help="comma list of network interfaces (deprecated: repeat "
                         "--network-interface)")
@@ -497,6 +498,9 @@ def ignored_flags(args: argparse.Namespace, mode: str, elastic: bool,
     elif _given(args, "slots") and not _given(args, "host_discovery_script"):
         warn("--slots-per-host", "it only applies with --host-discovery-script (give the "
                                  "slots of -H/--hostfile hosts there, as host:N)")
+    if _given(args, "disable_cache"):
+        warn("--disable-cache", "ringvod caches no ssh/NIC checks, so there is nothing to "
+                                "disable")
     if mode == MODE_TCP:
         for dest, flag in _MPI_ONLY:
             if _given(args, dest):

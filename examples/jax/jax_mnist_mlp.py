@@ -2,7 +2,7 @@
 `horovod.jax`.
 
     hvdrun -np 2 python examples/jax/jax_mnist_mlp.py
-    mpirun -np 2 python examples/jax/jax_mnist_mlp.py --steps 300
+    hvdrun --mpi -np 2 python examples/jax/jax_mnist_mlp.py --steps 300
 
 The Horovod pattern in JAX: every rank starts from rank 0's parameters
 (`hvd.broadcast_variables`), computes gradients on its own shard in a jitted function, and the

@@ -1,7 +1,7 @@
 """Keras training with `horovod.tensorflow` (Horovod's README example), on synthetic data.
 
     hvdrun -np 2 python examples/tensorflow/tensorflow2_keras_synthetic.py
-    mpirun -np 2 python examples/tensorflow/tensorflow2_keras_synthetic.py --epochs 3
+    hvdrun --mpi -np 2 python examples/tensorflow/tensorflow2_keras_synthetic.py --epochs 3
 
 The Horovod pattern as written: `hvd.init()`, a learning rate scaled by the number of ranks,
 `hvd.DistributedOptimizer`, `BroadcastGlobalVariablesCallback(0)` and `MetricAverageCallback()`

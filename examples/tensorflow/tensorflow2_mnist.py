@@ -1,7 +1,7 @@
 """TF2 MNIST-style custom training loop with `DistributedGradientTape`, on synthetic data.
 
     hvdrun -np 2 python examples/tensorflow/tensorflow2_mnist.py
-    mpirun -np 2 python examples/tensorflow/tensorflow2_mnist.py --steps 200
+    hvdrun --mpi -np 2 python examples/tensorflow/tensorflow2_mnist.py --steps 200
 
 The pattern of Horovod's `tensorflow2_mnist.py` (and the ANL tutorial's TF2 example): a
 `tf.function` training step whose tape is wrapped in `hvd.DistributedGradientTape`, a learning

@@ -265,6 +265,10 @@ class ElasticRayExecutor:
         if kwargs:
             warnings.warn(f"ElasticRayExecutor.create_settings: {sorted(kwargs)} have no "
                           f"effect", UserWarning, stacklevel=2)
+        if ssh_identity_file is not None:
+            warnings.warn("ElasticRayExecutor.create_settings: ssh_identity_file has no effect "
+                          "on Ray: its workers are actors started by Ray, not over ssh",
+                          UserWarning, stacklevel=2)
         for old, new, value in (("min_np", "min_num_proc", min_np),
                                 ("max_np", "max_num_proc", max_np)):
             if value is not None:

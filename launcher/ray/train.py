@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import ray
@@ -42,6 +43,9 @@ else:  # RAY_TRAIN_V2_ENABLED=0
     from ray.train.data_parallel_trainer import DataParallelTrainer
 
 
+_NO_EFFECT = ("verbose", "ssh_port", "ssh_identity_file", "ssh_str", "placement_group_timeout_s")
+
+
 @dataclass
 class HorovodConfig(BackendConfig):
     """How the ringvod job of a `HorovodTrainer` is set up (the fields of Horovod's
@@ -52,7 +56,8 @@ class HorovodConfig(BackendConfig):
         key: the job secret (bytes); None draws a fresh one per run.
         timeout_s: rendezvous timeout in seconds (HOROVOD_GLOO_TIMEOUT_SECONDS).
         verbose, ssh_port, ssh_identity_file, ssh_str, placement_group_timeout_s: accepted for
-            Horovod compatibility; no effect (Ray Train places the workers).
+            Horovod compatibility; no effect (Ray Train places the workers). One UserWarning
+            names those that differ from their defaults.
     """
 
     nics: set[str] | None = None
@@ -63,6 +68,15 @@ class HorovodConfig(BackendConfig):
     ssh_str: str | None = None
     timeout_s: int = 300
     placement_group_timeout_s: int = 100
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if f.name in _NO_EFFECT
+                 and getattr(self, f.name) != f.default]
+        if given:
+            verb = "has" if len(given) == 1 else "have"
+            warnings.warn(f"HorovodConfig: {', '.join(given)} {verb} no effect (accepted for "
+                          "Horovod compatibility; Ray Train places the workers)", UserWarning,
+                          stacklevel=3)
 
     @property
     def backend_cls(self) -> type:

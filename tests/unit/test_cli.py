@@ -139,6 +139,8 @@ IGNORED = [
     (["--binding-args", "-bind-to none"], "tcp", False, "--binding-args", "MPI mode"),
     (["--mpi-threads-disable"], "tcp", True, "--mpi-threads-disable", "MPI mode"),
     (["--gloo-timeout-seconds", "5"], "mpi", False, "--gloo-timeout-seconds", "tcp mode"),
+    (["--disable-cache"], "tcp", False, "--disable-cache", "caches no ssh/NIC checks"),
+    (["--disable-cache"], "mpi", True, "--disable-cache", "caches no ssh/NIC checks"),
 ]
 
 

@@ -259,6 +259,12 @@ def test_cpu_operations_ccl_is_accepted_and_has_no_effect():
     assert c.cpu_operations == "ccl" and detect_mode(c) == "mpi"
     with pytest.warns(RuntimeWarning, match="HOROVOD_CPU_OPERATIONS=ccl has no effect"):
         warn_no_effect(c, "mpi")
+    # A single process warns too (it was silent there: only mpi and tcp mode were checked).
+    c = read_env({"HOROVOD_CPU_OPERATIONS": "ccl"})
+    assert detect_mode(c) == "single"
+    with pytest.warns(RuntimeWarning, match=r"HOROVOD_CPU_OPERATIONS=ccl has no effect: .*"
+                                            r"\(single mode here\)"):
+        warn_no_effect(c, "single")
 
 
 MPI_JOB = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}

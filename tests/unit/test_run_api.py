@@ -66,6 +66,18 @@ def test_new_names_do_not_warn(launched):
         api.run(print, num_proc=2, min_num_proc=1, max_num_proc=3, hosts="a:2,b:2")
 
 
+def test_disable_cache_warns_that_it_has_no_effect(launched):
+    """It was dropped without a word; ringvod caches no ssh/NIC checks to disable."""
+    with pytest.warns(RuntimeWarning, match=r"^horovod.run\(disable_cache=...\) has no effect: "
+                                            "ringvod caches no ssh/NIC checks$") as caught:
+        api.run(print, num_proc=1, use_gloo=True, disable_cache=True)
+    assert [w.filename for w in caught] == [__file__]
+    assert launched["s"].num_proc == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        api.run(print, num_proc=1, use_gloo=True, disable_cache=False)
+
+
 def test_deprecated_name_wins_as_in_horovod(launched):
     with pytest.warns(DeprecationWarning):
         api.run(print, num_proc=1, np=3, use_gloo=True)

@@ -120,3 +120,26 @@ def test_auto_jit_compile_means_no_xla_with_a_distributed_optimizer(hvd, monkeyp
     plain = model()
     plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     assert plain.jit_compile is True  # Keras' own rule for other models
+
+
+def test_keras_callbacks_device_warns_that_it_has_no_effect(hvd, monkeypatch):
+    """docs/tensorflow.md says `device` has no effect; the callbacks stored it silently. They
+    warn once, as `device_dense`/`device_sparse` do, at the caller's line."""
+    from frameworks.tensorflow import mpi_ops
+    import horovod.tensorflow.keras as hvd_keras
+    monkeypatch.setattr(mpi_ops, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)
+        hvd_keras.callbacks.MetricAverageCallback(device="")
+    for make in (lambda: hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0, device="/gpu:0"),
+                 lambda: hvd_keras.callbacks.MetricAverageCallback(device="/gpu:0")):
+        monkeypatch.setattr(mpi_ops, "_warned", set())
+        with pytest.warns(UserWarning, match=r"^device='/gpu:0' has no effect in ringvod") \
+                as caught:
+            make()
+        assert [(w.filename, w.lineno) for w in caught] == [
+            (__file__, make.__code__.co_firstlineno)]
+        with warnings.catch_warnings():  # once per process
+            warnings.simplefilter("error")
+            make()

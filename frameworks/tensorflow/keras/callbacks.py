@@ -25,7 +25,7 @@ import collective
 
 from .._reduce import _ref
 from ..functions import broadcast_variables
-from ..mpi_ops import allreduce
+from ..mpi_ops import _no_effect, allreduce
 from .optimizer import LiveMomentum
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
@@ -41,10 +41,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     The random state of Keras 3's `SeedGenerator`s (Dropout's, for one) is not broadcast:
     each rank keeps drawing its own dropout masks, as under tf.keras (whose model variables
-    held no random state). `device` has no effect. Variables registered with
-    `register_local_var` (or passed as `local_variables`: one variable or a collection) keep
-    each rank's own value; a Keras variable and the `tf.Variable` holding its value (`.value`)
-    are the same variable.
+    held no random state). `device` has no effect (a warning says so, once). Variables
+    registered with `register_local_var` (or passed as `local_variables`: one variable or a
+    collection) keep each rank's own value; a Keras variable and the `tf.Variable` holding its
+    value (`.value`) are the same variable.
 
     Raises:
         ValueError: `local_variables` holds something that is not a variable.
@@ -52,6 +52,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
         super().__init__()
+        _no_effect(device=device)
         self.root_rank = root_rank
         self.device = device
         self.broadcast_done = False
@@ -93,10 +94,12 @@ def _seed_states(model: Any) -> set[Any]:
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
-    """Averages the epoch's metrics across ranks in `on_epoch_end` (`device` has no effect)."""
+    """Averages the epoch's metrics across ranks in `on_epoch_end` (`device` has no effect; a
+    warning says so, once)."""
 
     def __init__(self, device: str = "") -> None:
         super().__init__()
+        _no_effect(device=device)
         self.device = device
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
