@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from typing import Any, Sequence
 
 from .._log import get_logger
@@ -124,10 +125,13 @@ def create_file(path: str, data: bytes) -> int:
     tmp = ""
     fd = -1
     if not os.path.exists(path) or os.path.isfile(path):
+        # A name nobody can guess, created here and nowhere else (O_EXCL: a file or symlink
+        # another user planted under it fails the open), or a shared directory such as /tmp
+        # would let them redirect the write and the rename.
         tmp = os.path.join(os.path.dirname(path) or ".",
-                           f".{os.path.basename(path)}.{os.getpid()}.tmp")
+                           f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         except OSError:
             tmp = ""
     if fd < 0:

@@ -459,3 +459,26 @@ def _worker(argv: list[str]) -> None:
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--worker":
     _worker(sys.argv[2:])
+
+
+def test_rendezvous_on_every_interface_only_with_a_secret():
+    # torchrun style, MASTER_ADDR not an address of rank 0's host: listening on all interfaces
+    # without a secret would let anyone who reaches one join the job (and feed broadcast_object
+    # a pickle); with the job's secret, connections are authenticated.
+    import socket
+
+    from collective.engines.tcp import plane
+    from collective.errors import HorovodInternalError
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    foreign = "192.0.2.1"  # TEST-NET-1: never an address of this host
+    job = plane._Job(0, 2, foreign, port, b"", True, "torchrun")
+    with pytest.raises(HorovodInternalError, match="is not an address of rank 0's host, and "
+                                                   "this job has no secret"):
+        plane._serve(job, timeout=5)
+    server = plane._serve(plane._Job(0, 2, foreign, port, b"k" * 32, True, "torchrun"), 5)
+    try:
+        assert server.host == "0.0.0.0"
+    finally:
+        server.stop()

@@ -483,6 +483,23 @@ def test_file_appears_whole(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["t.json"]
 
 
+def test_the_temporary_file_cannot_be_planted_by_another_user(tmp_path):
+    """A timeline in a shared directory (/tmp): the temporary file's name is not predictable
+    and it is created, never opened if it exists, so a symlink planted under a predictable name
+    (the process id) neither gets the writes nor becomes the timeline."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path = tmp_path / "t.json"
+    pid = os.getpid()
+    for p in range(pid - 2, pid + 3):  # Horovod-style names: .<file>.<pid>.tmp
+        os.symlink(victim, tmp_path / f".t.json.{p}.tmp")
+    t = Timeline(str(path))
+    full_op(t, "x")
+    t.close()
+    assert victim.read_text() == "precious"
+    assert not path.is_symlink() and pid_names(path) == {1: "x"}
+
+
 # The child behaves like a training job with a saturated writer: bursts of Horovod's events for
 # 160 tensors per "step" with almost no pause. Whatever moment the kill lands, the file holds
 # whole records (see test_every_kill_point_leaves_whole_records for the exhaustive check).

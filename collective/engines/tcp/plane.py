@@ -350,9 +350,20 @@ def _serve(job: _Job, timeout: float) -> KVServer:
             return server
         except OSError as exc:
             if exc.errno == 99 and host != "0.0.0.0":  # EADDRNOTAVAIL: not our address
+                if not job.secret:
+                    # Unauthenticated, on every interface: anyone who can reach any of them
+                    # could join the job and feed broadcast_object a pickle.
+                    raise HorovodInternalError(
+                        f"MASTER_ADDR {job.kv_addr} ({host}) is not an address of rank 0's "
+                        "host, and this job has no secret (HOROVOD_SECRET_KEY), so the tcp "
+                        "rendezvous will not listen on all interfaces instead: set MASTER_ADDR "
+                        "to an address of this host, or give every rank the same "
+                        "HOROVOD_SECRET_KEY (e.g. from `python -c \"import secrets; "
+                        "print(secrets.token_hex(32))\"`)") from exc
                 get_logger().warning(
                     "MASTER_ADDR %s is not an address of this host; the tcp rendezvous "
-                    "server listens on all interfaces instead", job.kv_addr)
+                    "server listens on all interfaces instead (connections are "
+                    "authenticated with the job's secret)", job.kv_addr)
                 host = "0.0.0.0"
                 continue
             if time.monotonic() > deadline:
