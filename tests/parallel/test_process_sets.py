@@ -139,8 +139,12 @@ def test_adding_without_dynamic_mode_is_refused():
     with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding "
                                          r"process sets after Horovod initialization\."):
         hvd.add_process_set([0])
-    with pytest.raises(ValueError):
-        hvd.remove_process_set(hvd.global_process_set)
+    # Horovod returns False for the global set and refuses a registered one with its text.
+    assert hvd.remove_process_set(hvd.global_process_set) is False
+    with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow removing "
+                                         r"process sets after Horovod initialization\."):
+        hvd.remove_process_set(STATIC[0])
+    assert STATIC[0].process_set_id is not None
 
 
 def test_duplicate_static_sets_are_rejected():

@@ -120,6 +120,36 @@ def test_a_submit_refused_after_the_removal_says_what_to_do():
     assert got[2] is None
 
 
+def test_removing_the_global_set_or_an_unregistered_one_returns_false(monkeypatch):
+    """As Horovod: remove_process_set() answers False for the global set and for a set that is
+    not registered (before init too); without dynamic mode, removing a registered set is
+    refused with Horovod's text for removing, and the set stays registered."""
+    g, loose, a = hvd.global_process_set, hvd.ProcessSet([0]), hvd.ProcessSet([0])
+    assert (hvd.remove_process_set(g), hvd.remove_process_set(loose)) == (False, False)
+    hvd.init(process_sets=[a])
+    try:
+        assert (hvd.remove_process_set(g), hvd.remove_process_set(loose)) == (False, False)
+        with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow "
+                                             r"removing process sets after Horovod "
+                                             r"initialization\.$"):
+            hvd.remove_process_set(a)
+        assert a.process_set_id == 1
+        with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow "
+                                             r"adding process sets after Horovod "
+                                             r"initialization\.$"):
+            hvd.add_process_set([0])
+    finally:
+        hvd.shutdown()
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+    hvd.init(process_sets="dynamic")
+    try:
+        assert hvd.remove_process_set(g) is False and g.process_set_id == 0
+        b = hvd.add_process_set([0])
+        assert hvd.remove_process_set(b) is True and hvd.remove_process_set(b) is False
+    finally:
+        hvd.shutdown()
+
+
 def test_the_global_set_lists_every_rank_once_initialised():
     g = hvd.global_process_set
     assert not hvd.is_initialized()
