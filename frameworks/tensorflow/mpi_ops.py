@@ -556,10 +556,10 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
 # -- join -----------------------------------------------------------------------------------------
 def join() -> Any:
     """Signals that this rank has no more data (joined ranks contribute zeros to allreduces);
-    blocks until every rank has joined and returns the last rank to join. Eagerly an int;
-    inside a `tf.function` an int32 tensor."""
+    blocks until every rank has joined and returns the last rank to join, as a scalar int32
+    tensor (Horovod's op), eagerly and inside a `tf.function`."""
     if tf.executing_eagerly():
-        return collective.join()
+        return tf.constant(collective.join(), dtype=tf.int32)
     out = tf.py_function(lambda: tf.constant(collective.join(), tf.int32), [], tf.int32)
     out.set_shape([])
     return out

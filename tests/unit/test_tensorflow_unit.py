@@ -1,5 +1,6 @@
 """Single-process tests of the TensorFlow adapter (size 1): the deprecation warning's location
-for each way a distributed tape or optimizer is built, and compression's contexts."""
+for each way a distributed tape or optimizer is built, compression's contexts, and what `join`
+returns."""
 from __future__ import annotations
 
 import os
@@ -120,3 +121,13 @@ def test_auto_jit_compile_means_no_xla_with_a_distributed_optimizer(hvd, monkeyp
     plain = model()
     plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     assert plain.jit_compile is True  # Keras' own rule for other models
+
+
+def test_join_returns_an_int32_tensor_eagerly_and_in_a_function(hvd):
+    """Horovod's join is an op: a scalar int32 tensor (`hvd.join().numpy()`), also eagerly."""
+    import tensorflow as tf
+    got = hvd.join()
+    assert isinstance(got, tf.Tensor) and got.dtype == tf.int32 and got.shape == []
+    assert got.numpy() == 0
+    traced = tf.function(hvd.join)()
+    assert traced.dtype == tf.int32 and traced.shape == [] and int(traced) == 0
