@@ -19,6 +19,10 @@ How each op runs:
 Names: `name` keys an op across ranks (prefixed with the current name scope unless
 `ignore_name_scope=True`); without one the ranks' ops are matched by their order.
 `device_dense` / `device_sparse` have no effect (ops run on the tensor's own device) and warn.
+
+As Horovod's module, it also has the basics (`init`, `shutdown`, `rank`, `size`, ..., the
+`*_built`/`*_enabled` queries, the timeline and process set functions): the same objects as
+`horovod.tensorflow`'s.
 """
 from __future__ import annotations
 
@@ -31,8 +35,15 @@ import tensorflow as tf
 import collective
 from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet,
                         ReduceOp, RequestType, Sum, global_process_set, resolve_op)
+# The basics Horovod's `horovod.tensorflow.mpi_ops` defines too (re-exports, as torch's mpi_ops).
+from collective import (add_process_set, ccl_built, cross_rank, cross_size, cuda_built,
+                        ddl_built, gloo_built, gloo_enabled, is_homogeneous, is_initialized,
+                        local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                        nccl_built, rank, remove_process_set, rocm_built, size, start_timeline,
+                        stop_timeline)
 
 from .._common import process_set_rank, process_set_size
+from .basics import init, shutdown
 from ._buffers import dtype_of, eager, enqueue, finish, run_one
 from collective.adapter import (config, process_set_by_id, reducescatter_op, splits_values,
                                 wait_now)
@@ -43,7 +54,11 @@ __all__ = [
     "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "rank_op",
     "local_rank_op", "size_op", "local_size_op", "process_set_included_op",
     "process_set_size", "process_set_rank", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "HorovodInternalError",
+    "HorovodInternalError", "ProcessSet", "global_process_set", "add_process_set",
+    "remove_process_set", "init", "shutdown", "is_initialized", "size", "local_size",
+    "cross_size", "rank", "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported",
+    "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
+    "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
 ]
 
 try:  # whether a GradientTape could record this op (skip custom_gradient's cost otherwise)

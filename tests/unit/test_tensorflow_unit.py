@@ -1,6 +1,6 @@
 """Single-process tests of the TensorFlow adapter (size 1): the deprecation warning's location
-for each way a distributed tape or optimizer is built, compression's contexts, and what `join`
-returns."""
+for each way a distributed tape or optimizer is built, compression's contexts, what `join`
+returns, and the basics in `mpi_ops`."""
 from __future__ import annotations
 
 import os
@@ -131,3 +131,18 @@ def test_join_returns_an_int32_tensor_eagerly_and_in_a_function(hvd):
     assert got.numpy() == 0
     traced = tf.function(hvd.join)()
     assert traced.dtype == tf.int32 and traced.shape == [] and int(traced) == 0
+
+
+def test_mpi_ops_has_horovods_basics(hvd):
+    """`horovod.tensorflow.mpi_ops` defines the basics in Horovod: the same objects here."""
+    import horovod.tensorflow.mpi_ops as mpi_ops
+    names = ("init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
+             "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported",
+             "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
+             "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
+             "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
+             "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product")
+    for name in names:
+        assert getattr(mpi_ops, name) is getattr(hvd, name), name
+        assert name in mpi_ops.__all__, name
+    assert (mpi_ops.is_initialized(), mpi_ops.rank(), mpi_ops.size()) == (True, 0, 1)
