@@ -555,10 +555,12 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
 
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           compression: Any = Compression.none, op: ReduceOp = ReduceOp.AVERAGE,
-                          name: str | None = None, process_set: ProcessSet = global_process_set,
-                          ignore_name_scope: bool = False, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[tf.Tensor]:
-    """List form of `reducescatter` (one atomic group)."""
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                          name: str | None = None,
+                          ignore_name_scope: bool = False) -> list[tf.Tensor]:
+    """List form of `reducescatter` (one atomic group). The positional parameters are
+    Horovod's, in its order; `name` and `ignore_name_scope` (ringvod's) are keyword-only."""
     op = reducescatter_op(op)
     _no_effect(device_dense=device_dense)
     check_compressor(compression)

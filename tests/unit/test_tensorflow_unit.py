@@ -1,6 +1,6 @@
 """Single-process tests of the TensorFlow adapter (size 1): the deprecation warning's location
 for each way a distributed tape or optimizer is built, compression's contexts, what `join`
-returns, and the basics in `mpi_ops`."""
+returns, the basics in `mpi_ops`, and `grouped_reducescatter`'s parameter order."""
 from __future__ import annotations
 
 import os
@@ -146,3 +146,19 @@ def test_mpi_ops_has_horovods_basics(hvd):
         assert getattr(mpi_ops, name) is getattr(hvd, name), name
         assert name in mpi_ops.__all__, name
     assert (mpi_ops.is_initialized(), mpi_ops.rank(), mpi_ops.size()) == (True, 0, 1)
+
+
+def test_grouped_reducescatter_takes_horovods_positional_order(hvd):
+    """Horovod's order: (tensors, device_dense, compression, op, process_set, prescale_factor,
+    postscale_factor); ringvod's `name` and `ignore_name_scope` come after, keyword-only."""
+    import inspect
+
+    import tensorflow as tf
+    params = list(inspect.signature(hvd.grouped_reducescatter).parameters.values())
+    assert [p.name for p in params[:7]] == ["tensors", "device_dense", "compression", "op",
+                                            "process_set", "prescale_factor",
+                                            "postscale_factor"]
+    assert all(p.kind is p.KEYWORD_ONLY for p in params[7:])
+    [got] = hvd.grouped_reducescatter([tf.ones([2, 3])], "", hvd.Compression.none, hvd.Sum,
+                                      hvd.global_process_set, 2.0, 3.0)
+    assert got.numpy().tolist() == [[6.0] * 3] * 2
