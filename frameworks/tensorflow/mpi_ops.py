@@ -170,9 +170,19 @@ def local_size_op(name: str | None = None) -> tf.Tensor:
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None,
                             process_set: ProcessSet | None = None) -> tf.Tensor:
-    """1 when this rank belongs to the process set, else 0 (int32)."""
-    included = _set_of(process_set_id, process_set).included()
-    return tf.constant(int(bool(included)), dtype=tf.int32, name=name)
+    """1 when this rank belongs to the process set, else 0 (int32); always 1 for the global
+    set, as Horovod's op.
+
+    Raises:
+        ValueError: the set is not registered.
+    """
+    ps = _set_of(process_set_id, process_set)
+    if ps is global_process_set or ps.process_set_id == 0:
+        return tf.constant(1, dtype=tf.int32, name=name)
+    if ps.process_set_id is None:
+        raise ValueError(f"{ps} is not registered; pass it to hvd.init(process_sets=...) or "
+                         "hvd.add_process_set()")
+    return tf.constant(int(bool(ps.included())), dtype=tf.int32, name=name)
 
 
 # -- the kernels: eager tensors in, eager tensors out ---------------------------------------------

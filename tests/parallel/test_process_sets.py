@@ -47,7 +47,12 @@ def test_static_sets_registered():
     for ps in STATIC:
         assert ps.size() == len(ps.ranks)
         assert ps.included() == (hvd.rank() in ps.ranks)
-        assert ps.rank() == (ps.ranks.index(hvd.rank()) if ps.included() else None)
+        if ps.included():
+            assert ps.rank() == ps.ranks.index(hvd.rank())
+        else:  # Horovod's error for a rank outside the set
+            with pytest.raises(ValueError, match=r"^Process is not part of provided process "
+                                                 r"set\.$"):
+                ps.rank()
         assert str(ps) == (f"ProcessSet(process_set_id={ps.process_set_id}, "
                            f"ranks={ps.ranks}, mpi_comm=None)")
 
@@ -161,7 +166,9 @@ def test_shutdown_unbinds_the_sets_and_init_registers_them_afresh():
     hvd.shutdown()
     try:
         for ps in STATIC:
-            assert (ps.process_set_id, ps.size(), ps.rank(), ps.included()) == (None,) * 4
+            assert (ps.process_set_id, ps.size(), ps.rank()) == (None,) * 3
+            with pytest.raises(ValueError, match=r"^Horovod has not been initialized"):
+                ps.included()  # Horovod's included() needs init too
         assert hvd.global_process_set.ranks is None
         # Only the last set this time: it takes id 1, so the others, left out, must be
         # refused as unregistered rather than run on the set that now has their old id.

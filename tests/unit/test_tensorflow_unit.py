@@ -1,6 +1,7 @@
 """Single-process tests of the TensorFlow adapter (size 1): the deprecation warning's location
 for each way a distributed tape or optimizer is built, compression's contexts, what `join`
-returns, the basics in `mpi_ops`, and `grouped_reducescatter`'s parameter order."""
+returns, the basics in `mpi_ops`, `grouped_reducescatter`'s parameter order, and the set
+queries' refusal of an unregistered set."""
 from __future__ import annotations
 
 import os
@@ -162,3 +163,17 @@ def test_grouped_reducescatter_takes_horovods_positional_order(hvd):
     [got] = hvd.grouped_reducescatter([tf.ones([2, 3])], "", hvd.Compression.none, hvd.Sum,
                                       hvd.global_process_set, 2.0, 3.0)
     assert got.numpy().tolist() == [[6.0] * 3] * 2
+
+
+def test_an_unregistered_set_is_refused_by_the_set_queries(hvd):
+    """`process_set_included_op` gives 1 for the global set (Horovod's op); a set that is not
+    registered is refused, as an unknown id is, rather than read as a membership of 0 or 1.
+    `process_set_rank`/`process_set_size` say it is not registered (not "not a member")."""
+    loose = hvd.ProcessSet([0])
+    assert int(hvd.process_set_included_op()) == 1
+    for query in (lambda: hvd.process_set_included_op(process_set=loose),
+                  lambda: hvd.mpi_ops.process_set_rank(loose),
+                  lambda: hvd.mpi_ops.process_set_size(loose)):
+        with pytest.raises(ValueError, match=r"^ProcessSet\(process_set_id=None, ranks=\[0\], "
+                                             r"mpi_comm=None\) is not registered"):
+            query()
