@@ -218,17 +218,18 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Removes a dynamically added process set; returns False if it was not registered.
+    """Removes a registered process set; every rank must call it. Returns False, as Horovod
+    does, for a set that is not registered and for the global set (which is never removed).
 
     Raises:
-        ValueError: removing the global process set, or dynamic process sets are off.
+        ValueError: dynamic process sets are off (for a registered set other than the global
+            one).
     """
-    rt = _rt.current()
-    if process_set is global_process_set or process_set.process_set_id == 0:
-        raise ValueError("The global process set cannot be removed.")
-    if process_set.process_set_id is None:
+    ps_id = process_set.process_set_id
+    if ps_id is None or ps_id == 0 or process_set is global_process_set:
         return False
-    return rt.request_process_set_change("remove", process_set.process_set_id).wait()
+    rt = _rt.current()
+    return rt.request_process_set_change("remove", ps_id).wait()
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

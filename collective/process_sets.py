@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ._current import current_or_none
+from .errors import NotInitializedError
 
 __all__ = ["ProcessSet", "global_process_set"]
 
@@ -39,21 +40,35 @@ class ProcessSet:
         self.process_set_id, self._runtime = None, None
 
     def size(self) -> int | None:
-        """Number of ranks, or None before registration."""
+        """Number of ranks, or None while the set is not registered."""
         return None if self.ranks is None or self.process_set_id is None else len(self.ranks)
 
     def rank(self) -> int | None:
-        """This process's rank inside the set, None before registration or if not a member."""
-        if self._runtime is None or self.ranks is None:
+        """This process's rank inside the set, or None while the set is not registered.
+
+        Raises:
+            ValueError: this process is not a member of the set (Horovod's text).
+        """
+        if self._runtime is None or self.ranks is None or self.process_set_id is None:
             return None
         me = self._runtime.rank
-        return self.ranks.index(me) if me in self.ranks else None
+        if me not in self.ranks:
+            raise ValueError("Process is not part of provided process set.")
+        return self.ranks.index(me)
 
     def included(self) -> bool | None:
-        """Whether this process belongs to the set (None before registration)."""
-        if self._runtime is None or self.ranks is None:
+        """Whether this process is one of `ranks`, registered or not (as Horovod); None while
+        the ranks are unknown (a set built from an mpi4py communicator, before registration).
+
+        Raises:
+            NotInitializedError (a ValueError): not initialised (Horovod's text).
+        """
+        if self.ranks is None:
             return None
-        return self._runtime.rank in self.ranks
+        rt = self._runtime if self._runtime is not None else current_or_none()
+        if rt is None:
+            raise NotInitializedError()
+        return rt.rank in self.ranks
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ProcessSet) and self.ranks == other.ranks and (
@@ -73,8 +88,9 @@ class ProcessSet:
 
 class _GlobalProcessSet(ProcessSet):
     """Process set 0: all ranks. It follows the current runtime: before `init()` (and after
-    `shutdown()`) `ranks`, `size()`, `rank()` and `included()` are None; once initialised,
-    `ranks` lists every rank, as Horovod's `global_process_set.ranks` does."""
+    `shutdown()`) `ranks` is None and `size()`, `rank()` and `included()` raise
+    `NotInitializedError` (a ValueError, as Horovod's); once initialised, `ranks` lists every
+    rank, as Horovod's `global_process_set.ranks` does."""
 
     def __init__(self) -> None:
         # Not ProcessSet.__init__: `ranks` is a property here, not a stored list.
@@ -90,17 +106,24 @@ class _GlobalProcessSet(ProcessSet):
     def __hash__(self) -> int:  # one value whether or not initialised (a dict key stays found)
         return hash(((), 0))
 
-    # Horovod answers these for the global set once initialised (all ranks are members).
-    def size(self) -> int | None:
-        rt = current_or_none()
-        return None if rt is None else rt.size
+    # Horovod answers these for the global set once initialised (all ranks are members), and
+    # raises before.
+    def size(self) -> int:
+        return _initialised().size
 
-    def rank(self) -> int | None:
-        rt = current_or_none()
-        return None if rt is None else rt.rank
+    def rank(self) -> int:
+        return _initialised().rank
 
-    def included(self) -> bool | None:
-        return None if current_or_none() is None else True
+    def included(self) -> bool:
+        _initialised()
+        return True
+
+
+def _initialised() -> Any:
+    rt = current_or_none()
+    if rt is None:
+        raise NotInitializedError()
+    return rt
 
 
 global_process_set = _GlobalProcessSet()

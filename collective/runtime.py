@@ -299,7 +299,8 @@ class Runtime:
 
     def request_process_set_change(self, kind: str, arg: Any) -> Handle:
         if not self.dynamic_process_sets:
-            raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets "
+            verb = "adding" if kind == "add" else "removing"
+            raise ValueError(f"Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow {verb} process sets "
                              "after Horovod initialization.")
         h = Handle(f"process_set.{kind}")
         with self._lock:

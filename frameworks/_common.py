@@ -188,13 +188,15 @@ def process_set_rank(process_set: ProcessSet = global_process_set) -> int:
     """This rank's index inside a process set it belongs to.
 
     Raises:
-        ValueError: the set is unregistered or this rank is not a member.
+        ValueError: the set is unregistered or this rank is not a member ("Process is not part
+            of provided process set.", Horovod's text).
     """
     if process_set is global_process_set or process_set.process_set_id == 0:
         return collective.rank()
     r = process_set.rank()
     if r is None:
-        raise ValueError(f"rank {collective.rank()} is not a member of {process_set}")
+        raise ValueError(f"{process_set} is not registered; pass it to hvd.init(process_sets=...) "
+                         "or hvd.add_process_set()")
     return r
 
 

@@ -19,6 +19,10 @@ How each op runs:
 Names: `name` keys an op across ranks (prefixed with the current name scope unless
 `ignore_name_scope=True`); without one the ranks' ops are matched by their order.
 `device_dense` / `device_sparse` have no effect (ops run on the tensor's own device) and warn.
+
+As Horovod's module, it also has the basics (`init`, `shutdown`, `rank`, `size`, ..., the
+`*_built`/`*_enabled` queries, the timeline and process set functions): the same objects as
+`horovod.tensorflow`'s.
 """
 from __future__ import annotations
 
@@ -31,8 +35,15 @@ import tensorflow as tf
 import collective
 from collective import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet,
                         ReduceOp, RequestType, Sum, global_process_set, resolve_op)
+# The basics Horovod's `horovod.tensorflow.mpi_ops` defines too (re-exports, as torch's mpi_ops).
+from collective import (add_process_set, ccl_built, cross_rank, cross_size, cuda_built,
+                        ddl_built, gloo_built, gloo_enabled, is_homogeneous, is_initialized,
+                        local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                        nccl_built, rank, remove_process_set, rocm_built, size, start_timeline,
+                        stop_timeline)
 
 from .._common import process_set_rank, process_set_size
+from .basics import init, shutdown
 from ._buffers import dtype_of, eager, enqueue, finish, run_one
 from collective.adapter import (config, process_set_by_id, reducescatter_op, splits_values,
                                 wait_now)
@@ -43,7 +54,11 @@ __all__ = [
     "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "rank_op",
     "local_rank_op", "size_op", "local_size_op", "process_set_included_op",
     "process_set_size", "process_set_rank", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "HorovodInternalError",
+    "HorovodInternalError", "ProcessSet", "global_process_set", "add_process_set",
+    "remove_process_set", "init", "shutdown", "is_initialized", "size", "local_size",
+    "cross_size", "rank", "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported",
+    "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
+    "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
 ]
 
 try:  # whether a GradientTape could record this op (skip custom_gradient's cost otherwise)
@@ -155,9 +170,19 @@ def local_size_op(name: str | None = None) -> tf.Tensor:
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None,
                             process_set: ProcessSet | None = None) -> tf.Tensor:
-    """1 when this rank belongs to the process set, else 0 (int32)."""
-    included = _set_of(process_set_id, process_set).included()
-    return tf.constant(int(bool(included)), dtype=tf.int32, name=name)
+    """1 when this rank belongs to the process set, else 0 (int32); always 1 for the global
+    set, as Horovod's op.
+
+    Raises:
+        ValueError: the set is not registered.
+    """
+    ps = _set_of(process_set_id, process_set)
+    if ps is global_process_set or ps.process_set_id == 0:
+        return tf.constant(1, dtype=tf.int32, name=name)
+    if ps.process_set_id is None:
+        raise ValueError(f"{ps} is not registered; pass it to hvd.init(process_sets=...) or "
+                         "hvd.add_process_set()")
+    return tf.constant(int(bool(ps.included())), dtype=tf.int32, name=name)
 
 
 # -- the kernels: eager tensors in, eager tensors out ---------------------------------------------
@@ -540,10 +565,12 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
 
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           compression: Any = Compression.none, op: ReduceOp = ReduceOp.AVERAGE,
-                          name: str | None = None, process_set: ProcessSet = global_process_set,
-                          ignore_name_scope: bool = False, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[tf.Tensor]:
-    """List form of `reducescatter` (one atomic group)."""
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                          name: str | None = None,
+                          ignore_name_scope: bool = False) -> list[tf.Tensor]:
+    """List form of `reducescatter` (one atomic group). The positional parameters are
+    Horovod's, in its order; `name` and `ignore_name_scope` (ringvod's) are keyword-only."""
     op = reducescatter_op(op)
     _no_effect(device_dense=device_dense)
     check_compressor(compression)
@@ -556,10 +583,10 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
 # -- join -----------------------------------------------------------------------------------------
 def join() -> Any:
     """Signals that this rank has no more data (joined ranks contribute zeros to allreduces);
-    blocks until every rank has joined and returns the last rank to join. Eagerly an int;
-    inside a `tf.function` an int32 tensor."""
+    blocks until every rank has joined and returns the last rank to join, as a scalar int32
+    tensor (Horovod's op), eagerly and inside a `tf.function`."""
     if tf.executing_eagerly():
-        return collective.join()
+        return tf.constant(collective.join(), dtype=tf.int32)
     out = tf.py_function(lambda: tf.constant(collective.join(), tf.int32), [], tf.int32)
     out.set_shape([])
     return out

@@ -47,7 +47,12 @@ def test_static_sets_registered():
     for ps in STATIC:
         assert ps.size() == len(ps.ranks)
         assert ps.included() == (hvd.rank() in ps.ranks)
-        assert ps.rank() == (ps.ranks.index(hvd.rank()) if ps.included() else None)
+        if ps.included():
+            assert ps.rank() == ps.ranks.index(hvd.rank())
+        else:  # Horovod's error for a rank outside the set
+            with pytest.raises(ValueError, match=r"^Process is not part of provided process "
+                                                 r"set\.$"):
+                ps.rank()
         assert str(ps) == (f"ProcessSet(process_set_id={ps.process_set_id}, "
                            f"ranks={ps.ranks}, mpi_comm=None)")
 
@@ -139,8 +144,12 @@ def test_adding_without_dynamic_mode_is_refused():
     with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding "
                                          r"process sets after Horovod initialization\."):
         hvd.add_process_set([0])
-    with pytest.raises(ValueError):
-        hvd.remove_process_set(hvd.global_process_set)
+    # Horovod returns False for the global set and refuses a registered one with its text.
+    assert hvd.remove_process_set(hvd.global_process_set) is False
+    with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow removing "
+                                         r"process sets after Horovod initialization\."):
+        hvd.remove_process_set(STATIC[0])
+    assert STATIC[0].process_set_id is not None
 
 
 def test_duplicate_static_sets_are_rejected():
@@ -157,7 +166,9 @@ def test_shutdown_unbinds_the_sets_and_init_registers_them_afresh():
     hvd.shutdown()
     try:
         for ps in STATIC:
-            assert (ps.process_set_id, ps.size(), ps.rank(), ps.included()) == (None,) * 4
+            assert (ps.process_set_id, ps.size(), ps.rank()) == (None,) * 3
+            with pytest.raises(ValueError, match=r"^Horovod has not been initialized"):
+                ps.included()  # Horovod's included() needs init too
         assert hvd.global_process_set.ranks is None
         # Only the last set this time: it takes id 1, so the others, left out, must be
         # refused as unregistered rather than run on the set that now has their old id.

@@ -1,6 +1,7 @@
 """Process sets in one process (loopback ranks as threads, or the size-1 world): the texts of
-`remove_process_set()` for the ops it fails and the submits it refuses; the global set's
-ranks; sets unbound by `shutdown()` (or a failed `init()`) and registered afresh later."""
+`remove_process_set()` for the ops it fails and the submits it refuses, and what it returns
+for the global and unregistered sets; the global set's ranks; `included()`/`rank()`/`size()`
+as Horovod's; sets unbound by `shutdown()` (or a failed `init()`) and registered afresh later."""
 from __future__ import annotations
 
 import threading
@@ -120,18 +121,82 @@ def test_a_submit_refused_after_the_removal_says_what_to_do():
     assert got[2] is None
 
 
+def test_removing_the_global_set_or_an_unregistered_one_returns_false(monkeypatch):
+    """As Horovod: remove_process_set() answers False for the global set and for a set that is
+    not registered (before init too); without dynamic mode, removing a registered set is
+    refused with Horovod's text for removing, and the set stays registered."""
+    g, loose, a = hvd.global_process_set, hvd.ProcessSet([0]), hvd.ProcessSet([0])
+    assert (hvd.remove_process_set(g), hvd.remove_process_set(loose)) == (False, False)
+    hvd.init(process_sets=[a])
+    try:
+        assert (hvd.remove_process_set(g), hvd.remove_process_set(loose)) == (False, False)
+        with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow "
+                                             r"removing process sets after Horovod "
+                                             r"initialization\.$"):
+            hvd.remove_process_set(a)
+        assert a.process_set_id == 1
+        with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow "
+                                             r"adding process sets after Horovod "
+                                             r"initialization\.$"):
+            hvd.add_process_set([0])
+    finally:
+        hvd.shutdown()
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+    hvd.init(process_sets="dynamic")
+    try:
+        assert hvd.remove_process_set(g) is False and g.process_set_id == 0
+        b = hvd.add_process_set([0])
+        assert hvd.remove_process_set(b) is True and hvd.remove_process_set(b) is False
+    finally:
+        hvd.shutdown()
+
+
+def _uninitialised(*queries):
+    """Each query raises Horovod's not-initialised ValueError."""
+    for query in queries:
+        with pytest.raises(ValueError, match=r"^Horovod has not been initialized; use "
+                                             r"hvd\.init\(\)\.$"):
+            query()
+    return True
+
+
 def test_the_global_set_lists_every_rank_once_initialised():
     g = hvd.global_process_set
     assert not hvd.is_initialized()
-    assert (g.process_set_id, g.ranks, g.size(), g.rank(), g.included()) == (0, None, None,
-                                                                              None, None)
+    assert (g.process_set_id, g.ranks) == (0, None)
+    assert _uninitialised(g.size, g.rank, g.included)  # as Horovod's
     hvd.init()
     try:
         assert (g.ranks, g.size(), g.rank(), g.included()) == ([0], 1, 0, True)
         assert str(g) == "ProcessSet(process_set_id=0, ranks=[0], mpi_comm=None)"
     finally:
         hvd.shutdown()
-    assert (g.ranks, g.size(), g.rank(), g.included()) == (None, None, None, None)
+    assert g.ranks is None and _uninitialised(g.size, g.rank, g.included)
+
+
+@pytest.mark.timeout(60)
+def test_a_sets_included_rank_and_size_answer_as_horovods():
+    """Horovod's ProcessSet: `included()` is whether this rank is in `ranks`, registered or
+    not (it raises before init); `rank()` and `size()` are None while the set is not
+    registered, and `rank()` raises for a rank outside a registered set."""
+    loose = hvd.ProcessSet([0])
+    assert (loose.size(), loose.rank()) == (None, None) and _uninitialised(loose.included)
+
+    def body(rank):
+        a = hvd.add_process_set([1])
+        got = [loose.included(), loose.size(), loose.rank(), a.included(), a.size()]
+        try:
+            got.append(a.rank())
+        except ValueError as exc:
+            got.append(str(exc))
+        assert hvd.remove_process_set(a)
+        return got
+
+    got = run_loopback(2, body, timeout=40, dynamic_process_sets=True)
+    assert got == [[True, None, None, False, 1, "Process is not part of provided process set."],
+                   [False, None, None, True, 1, 0]]
+
+
 
 
 @pytest.mark.timeout(60)
@@ -145,7 +210,9 @@ def test_the_global_set_answers_for_each_ranks_runtime():
 
 
 def _unbound(ps):
-    return (ps.process_set_id, ps.size(), ps.rank(), ps.included()) == (None,) * 4
+    """Unregistered: no id, and size() and rank() are None (included() still answers from the
+    ranks once initialised, and raises when not)."""
+    return (ps.process_set_id, ps.size(), ps.rank()) == (None,) * 3
 
 
 def test_shutdown_unbinds_a_static_set_and_init_registers_it_afresh():
@@ -160,7 +227,7 @@ def test_shutdown_unbinds_a_static_set_and_init_registers_it_afresh():
             assert by_set[a] == "a"
         finally:
             hvd.shutdown()
-        assert _unbound(a) and a.ranks == [0]
+        assert _unbound(a) and a.ranks == [0] and _uninitialised(a.included)
         assert by_set[a] == "a"
 
 
@@ -175,7 +242,7 @@ def test_a_set_added_before_shutdown_can_be_added_after_the_next_init(monkeypatc
     hvd.init(process_sets="dynamic")
     try:
         assert hvd.add_process_set(a) is a and a.process_set_id == 1
-        assert hvd.remove_process_set(a) and _unbound(a)
+        assert hvd.remove_process_set(a) and _unbound(a) and a.included()
     finally:
         hvd.shutdown()
 

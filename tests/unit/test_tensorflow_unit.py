@@ -1,5 +1,7 @@
 """Single-process tests of the TensorFlow adapter (size 1): the deprecation warning's location
-for each way a distributed tape or optimizer is built, and compression's contexts."""
+for each way a distributed tape or optimizer is built, compression's contexts, what `join`
+returns, the basics in `mpi_ops`, `grouped_reducescatter`'s parameter order, and the set
+queries' refusal of an unregistered set."""
 from __future__ import annotations
 
 import os
@@ -143,3 +145,58 @@ def test_keras_callbacks_device_warns_that_it_has_no_effect(hvd, monkeypatch):
         with warnings.catch_warnings():  # once per process
             warnings.simplefilter("error")
             make()
+
+
+def test_join_returns_an_int32_tensor_eagerly_and_in_a_function(hvd):
+    """Horovod's join is an op: a scalar int32 tensor (`hvd.join().numpy()`), also eagerly."""
+    import tensorflow as tf
+    got = hvd.join()
+    assert isinstance(got, tf.Tensor) and got.dtype == tf.int32 and got.shape == []
+    assert got.numpy() == 0
+    traced = tf.function(hvd.join)()
+    assert traced.dtype == tf.int32 and traced.shape == [] and int(traced) == 0
+
+
+def test_mpi_ops_has_horovods_basics(hvd):
+    """`horovod.tensorflow.mpi_ops` defines the basics in Horovod: the same objects here."""
+    import horovod.tensorflow.mpi_ops as mpi_ops
+    names = ("init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
+             "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported",
+             "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
+             "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
+             "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
+             "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product")
+    for name in names:
+        assert getattr(mpi_ops, name) is getattr(hvd, name), name
+        assert name in mpi_ops.__all__, name
+    assert (mpi_ops.is_initialized(), mpi_ops.rank(), mpi_ops.size()) == (True, 0, 1)
+
+
+def test_grouped_reducescatter_takes_horovods_positional_order(hvd):
+    """Horovod's order: (tensors, device_dense, compression, op, process_set, prescale_factor,
+    postscale_factor); ringvod's `name` and `ignore_name_scope` come after, keyword-only."""
+    import inspect
+
+    import tensorflow as tf
+    params = list(inspect.signature(hvd.grouped_reducescatter).parameters.values())
+    assert [p.name for p in params[:7]] == ["tensors", "device_dense", "compression", "op",
+                                            "process_set", "prescale_factor",
+                                            "postscale_factor"]
+    assert all(p.kind is p.KEYWORD_ONLY for p in params[7:])
+    [got] = hvd.grouped_reducescatter([tf.ones([2, 3])], "", hvd.Compression.none, hvd.Sum,
+                                      hvd.global_process_set, 2.0, 3.0)
+    assert got.numpy().tolist() == [[6.0] * 3] * 2
+
+
+def test_an_unregistered_set_is_refused_by_the_set_queries(hvd):
+    """`process_set_included_op` gives 1 for the global set (Horovod's op); a set that is not
+    registered is refused, as an unknown id is, rather than read as a membership of 0 or 1.
+    `process_set_rank`/`process_set_size` say it is not registered (not "not a member")."""
+    loose = hvd.ProcessSet([0])
+    assert int(hvd.process_set_included_op()) == 1
+    for query in (lambda: hvd.process_set_included_op(process_set=loose),
+                  lambda: hvd.mpi_ops.process_set_rank(loose),
+                  lambda: hvd.mpi_ops.process_set_size(loose)):
+        with pytest.raises(ValueError, match=r"^ProcessSet\(process_set_id=None, ranks=\[0\], "
+                                             r"mpi_comm=None\) is not registered"):
+            query()
