@@ -173,16 +173,19 @@ def record_ready(device: int, stream: int) -> int | None:
 
 def release_ready(entries: Any) -> None:
     """Gives back the pooled ready events of ops that failed before the engine ran them (a
-    mismatch, shutdown), which would otherwise be lost to the pool. Grouped ops share one
-    event between their members and are skipped. Coordinator thread."""
+    mismatch, shutdown), which would otherwise be lost to the pool: each event once, also one
+    that several entries share. Coordinator thread."""
     pool = _ready_events
     if pool is None:
         return
+    seen = set()
     for e in entries:
         ev = e.ready_event
-        if type(ev) is int and e.request.group_id < 0:
+        if type(ev) is int:
             e.ready_event = None  # once only
-            pool.release(ev)
+            if ev not in seen:
+                seen.add(ev)
+                pool.release(ev)
 
 
 def release_events(events: Any) -> None:

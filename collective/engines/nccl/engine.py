@@ -137,11 +137,12 @@ class NCCLEngine(Engine):
         self._kernels: Kernels | None = None
         self._has_avg = False
         self._broken: BaseException | None = None
-        self._inflight: collections.deque = collections.deque()  # (event, entries)
+        self._inflight: collections.deque = collections.deque()  # (event, what it keeps alive)
         self._free_events: list[Any] = []  # completion events of finished ops, for reuse
         self._fusion_obj: Any = None
         self._fusion_ptr = 0
         self._fusion_bytes = 0
+        self._retired_buffers: list[Any] = []  # outgrown fusion buffers (`_fusion_buffer`)
         self._stager: CopyStager | None = None  # uploads copy tables, launches the copies
         self._last_done: _Completion | _StreamDone | None = None
         # The stream the communicator's latest op was launched on: the engine's, or a caller's
@@ -165,6 +166,10 @@ class NCCLEngine(Engine):
             return
         if device < 0:
             device = int(_rt.getDevice())
+        if _tls.guest and _tls.saved is None:
+            # A user thread (a driven cycle, the express lane) binding a new set's engine: it
+            # gets its own device and stream back at `guest_exit`, saved before they change.
+            _tls.saved = int(_rt.getDevice()), cupy.cuda.get_current_stream()
         cupy.cuda.Device(device).use()
         self.device = device
         try:
@@ -285,7 +290,12 @@ class NCCLEngine(Engine):
             ev = free.pop() if free else cupy.cuda.Event(block=False, disable_timing=True)
             ev.record(self.stream)
             self._last_done = _Completion(ev)
-            self._inflight.append((ev, entries))
+            retired = self._retired_buffers
+            if retired:  # fusion buffers earlier ops may still use: freed after this op
+                self._inflight.append((ev, (entries, retired)))
+                self._retired_buffers = []
+            else:
+                self._inflight.append((ev, entries))
         except _OpError as exc:
             for e in entries:
                 e.handle._set_exception(exc.error)
@@ -423,7 +433,12 @@ class NCCLEngine(Engine):
             want = max(nbytes, min(1 << (nbytes - 1).bit_length(), self.fusion_threshold))
             want = (max(want, 1 << 20) + (1 << 20) - 1) >> 20 << 20
             item = like.request.dtype.itemsize
-            self._fusion_obj = None  # freed in our stream's order; safe to reuse
+            if self._fusion_obj is not None:
+                # Ops in flight may still read or write it, and not every framework's
+                # allocator orders reuse on the engine's stream (TensorFlow's does not): it
+                # stays referenced until the op being launched, later on this stream, is done.
+                self._retired_buffers.append(self._fusion_obj)
+                self._fusion_obj = None
             self._fusion_obj = self._allocate(like, (want // item,))
             self._fusion_ptr = pointer_of(self._fusion_obj)[0]
             self._fusion_bytes = want
@@ -707,6 +722,7 @@ class NCCLEngine(Engine):
         event's resources once it fires)."""
         self._inflight.clear()
         self._caller_inflight.clear()
+        self._retired_buffers.clear()
         ev, self._caller_done = self._caller_done, None
         if ev is not None:
             try:

@@ -97,7 +97,7 @@ class _ReadyEvents:
     a wait already enqueued. Recording a recycled raw event costs a fraction of creating and
     recording a torch.cuda.Event (one CUDA call instead of object set-up). Events of
     ops that fail before the engine runs them (a mismatch, shutdown) come back through
-    `device.release_ready`, except a grouped op's shared one."""
+    `device.release_ready`."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[int]] = {}
