@@ -85,6 +85,22 @@ class ProcessSet:
 
     __repr__ = __str__
 
+    # A set is registered with the running job, which a copy cannot be: a deep copy of a model
+    # holding one (SyncBatchNorm's) keeps using the same set, and an unpickled one is the set
+    # registered under its id with the same ranks where there is one (torch.save and
+    # torch.load in the same job), else an unregistered set of those ranks.
+    def __copy__(self) -> "ProcessSet":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "ProcessSet":
+        return self
+
+    def __reduce__(self) -> tuple:
+        if self.ranks is None:
+            raise TypeError(f"{self} cannot be pickled: it was built from an mpi4py "
+                            "communicator and is not registered (its ranks are not known yet)")
+        return _restore, (list(self.ranks), self.process_set_id)
+
 
 class _GlobalProcessSet(ProcessSet):
     """Process set 0: all ranks. It follows the current runtime: before `init()` (and after
@@ -106,6 +122,9 @@ class _GlobalProcessSet(ProcessSet):
     def __hash__(self) -> int:  # one value whether or not initialised (a dict key stays found)
         return hash(((), 0))
 
+    def __reduce__(self) -> str:  # the one global set, also when unpickled
+        return "global_process_set"
+
     # Horovod answers these for the global set once initialised (all ranks are members), and
     # raises before.
     def size(self) -> int:
@@ -117,6 +136,15 @@ class _GlobalProcessSet(ProcessSet):
     def included(self) -> bool:
         _initialised()
         return True
+
+
+def _restore(ranks: list[int], ps_id: int | None) -> ProcessSet:
+    """An unpickled process set (`ProcessSet.__reduce__`)."""
+    rt = current_or_none()
+    registered = None if rt is None or ps_id is None else rt._registry.get(ps_id)
+    if registered is not None and registered.ranks == ranks:
+        return registered
+    return ProcessSet(ranks)
 
 
 def _initialised() -> Any:

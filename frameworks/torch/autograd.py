@@ -140,17 +140,24 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, ps: ProcessSet, *tensors: torch.Tensor) -> tuple:
         ctx.dims, ctx.name, ctx.ps = [t.shape[0] if t.dim() else 0 for t in tensors], name, ps
+        # Members with a gradient (the same on every rank: the ranks' dtypes agree); autograd
+        # hands the others' outputs zeros, which are neither reduced nor returned.
+        ctx.diff = [t.is_floating_point() or t.is_complex() for t in tensors]
         return tuple(wait_now(grouped_allgather_async, list(tensors), name, ps))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        reduced = HorovodGroupedAllreduce.apply(_grad_name(ctx.name), ReduceOp.AVERAGE, 1.0,
-                                                1.0, ctx.ps, *[g.contiguous() for g in grads])
-        dims = wait_now(allgather_async, torch.tensor([ctx.dims], dtype=torch.int64),
-                        _grad_name(ctx.name, "grad.dims"), ctx.ps)
-        before = dims[:process_set_rank(ctx.ps)].sum(0)
-        outs = [r.narrow(0, int(before[i]), d) for i, (r, d) in enumerate(zip(reduced,
-                                                                              ctx.dims))]
+        keep = [i for i, d in enumerate(ctx.diff) if d]
+        outs: list[torch.Tensor | None] = [None] * len(grads)
+        if keep:
+            reduced = HorovodGroupedAllreduce.apply(
+                _grad_name(ctx.name), ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps,
+                *[grads[i].contiguous() for i in keep])
+            dims = wait_now(allgather_async, torch.tensor([ctx.dims], dtype=torch.int64),
+                            _grad_name(ctx.name, "grad.dims"), ctx.ps)
+            before = dims[:process_set_rank(ctx.ps)].sum(0)
+            for i, r in zip(keep, reduced):
+                outs[i] = r.narrow(0, int(before[i]), ctx.dims[i])
         return (None, None, *outs)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from collective import ProcessSet, ReduceOp, global_process_set, rank
@@ -87,6 +88,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @once_differentiable  # its saved tensors carry no graph: a second derivative would be wrong
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         xhat, invstd, weight = ctx.saved_tensors
         c = xhat.shape[1]

@@ -336,6 +336,34 @@ def test_sync_batch_norm_matches_global_batch_norm(case):
     _bn_case(tail, rows_of, affine, momentum, dtype, seed=zlib.crc32(label.encode()) % 1000)
 
 
+def test_sync_batch_norm_refuses_a_second_derivative():
+    """Its backward uses statistics saved outside the graph: a second derivative (a gradient
+    penalty) raises instead of silently missing terms; a first one under create_graph works."""
+    bn = hvd.SyncBatchNorm(3)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(hvd.rank())).requires_grad_()
+    (gx,) = torch.autograd.grad(bn(x).pow(3).sum(), x, create_graph=True)
+    assert gx.shape == x.shape
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.pow(2).sum().backward()
+
+
+def test_a_model_holding_the_global_process_set_copies_and_pickles():
+    """deepcopy (EMA models, best-model copies) and torch.save/torch.load of a model whose
+    SyncBatchNorm holds the global set: the copies hold the one global set (unpickling made
+    another object; registered sets: tests/unit/test_process_sets.py)."""
+    import copy
+    import io
+    model = nn.Sequential(nn.Linear(2, 3), hvd.SyncBatchNorm(3))
+    assert copy.deepcopy(model)[1].process_set is hvd.global_process_set
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded[1].process_set is hvd.global_process_set
+    x = torch.randn(4, 2, generator=torch.Generator().manual_seed(hvd.rank()))
+    torch.testing.assert_close(loaded(x), model(x))
+
+
 def test_sync_batch_norm_in_a_model_with_distributed_optimizer():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 4, 3), hvd.SyncBatchNorm(4), nn.ReLU(), nn.Flatten(),

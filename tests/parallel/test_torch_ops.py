@@ -408,6 +408,13 @@ def test_allgather_grad():
     (ga.sum() + 3 * gb.sum()).backward()
     torch.testing.assert_close(a.grad, torch.ones(me + 1))
     torch.testing.assert_close(b.grad, torch.full((2, 2), 3.0))
+    # Members without a gradient (bool, integers) beside one with: only that one is reduced
+    # (an Average of bool zeros was refused on every rank).
+    c = torch.ones(me + 1, 2, requires_grad=True)
+    gc, _, _ = hvd.grouped_allgather([c, torch.ones(2, dtype=torch.bool),
+                                      torch.arange(me + 1)], name="grad.gag.mixed")
+    (gc.sum() * 2).backward()
+    torch.testing.assert_close(c.grad, torch.full((me + 1, 2), 2.0))
 
 
 def test_broadcast_grad():

@@ -320,3 +320,27 @@ def test_adding_a_set_with_more_ranks_than_the_job_fails_that_call_on_every_rank
         assert errors == ["process set ranks [0, 1, 2] out of range for size 2",
                           "process set ranks [0, 5] out of range for size 2"]
         assert total == 2.0
+
+
+@pytest.mark.timeout(60)
+def test_a_registered_set_survives_deepcopy_and_pickling():
+    # A model holding a set (SyncBatchNorm's process_set) is deep-copied (EMA, best-model
+    # copies) and saved: the set's live runtime (locks) made both raise. A copy is the set
+    # itself; unpickled in the same job it is the registered set again, after its removal an
+    # unregistered set of the same ranks.
+    import copy
+    import pickle
+
+    def body(rank):
+        ps = hvd.add_process_set([0, 1])
+        holder = {"bn": ps, "eps": 1e-5}
+        assert copy.deepcopy(holder)["bn"] is ps and copy.copy(ps) is ps
+        data = pickle.dumps(holder)
+        assert pickle.loads(data)["bn"] is ps
+        assert pickle.loads(pickle.dumps(hvd.global_process_set)) is hvd.global_process_set
+        assert hvd.remove_process_set(ps)
+        later = pickle.loads(data)["bn"]
+        return later is not ps, later.ranks, later.process_set_id
+
+    assert run_loopback(2, body, timeout=40, dynamic_process_sets=True) == [
+        (True, [0, 1], None)] * 2
