@@ -357,8 +357,8 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                       device_dense: str = "", device_sparse: str = "",
                       compression: Any = Compression.none, op: ReduceOp | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: str | None = None, process_set: ProcessSet = global_process_set,
-                      ignore_name_scope: bool = False) -> list[Any]:
+                      process_set: ProcessSet = global_process_set,
+                      ignore_name_scope: bool = False, name: str | None = None) -> list[Any]:
     """Allreduces a list as one atomic group (negotiated and fused together); differentiable.
 
     `tf.IndexedSlices` entries are allgathered on their own.

@@ -188,6 +188,18 @@ def test_grouped_reducescatter_takes_horovods_positional_order(hvd):
     assert got.numpy().tolist() == [[6.0] * 3] * 2
 
 
+def test_grouped_allreduce_takes_horovods_positional_order(hvd):
+    """Horovod's order after the scale factors: process_set, ignore_name_scope, name."""
+    import inspect
+
+    import tensorflow as tf
+    names = list(inspect.signature(hvd.grouped_allreduce).parameters)
+    assert names[8:] == ["process_set", "ignore_name_scope", "name"], names
+    [got] = hvd.grouped_allreduce([tf.ones([2])], None, "", "", hvd.Compression.none, hvd.Sum,
+                                  2.0, 3.0, hvd.global_process_set, False, "positional")
+    assert got.numpy().tolist() == [6.0, 6.0]
+
+
 def test_an_unregistered_set_is_refused_by_the_set_queries(hvd):
     """`process_set_included_op` gives 1 for the global set (Horovod's op); a set that is not
     registered is refused, as an unknown id is, rather than read as a membership of 0 or 1.
