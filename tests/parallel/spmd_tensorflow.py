@@ -590,6 +590,8 @@ class _Record(keras.callbacks.Callback):
 class _RankMetric(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         logs["rank_metric"] = float(hvd.rank())
+        # A per-class metric (F1Score(average=None)): a vector, averaged too (it stayed local).
+        logs["rank_vector"] = np.array([hvd.rank(), 2.0 * hvd.rank(), 7.0])
 
 
 def test_broadcast_callback_after_first_batch_and_metric_average():
@@ -604,6 +606,7 @@ def test_broadcast_callback_after_first_batch_and_metric_average():
                          hvd.callbacks.MetricAverageCallback(), rec])
     np.testing.assert_array_equal(_weights(model), root_w)  # lr 0: only the broadcast moved them
     assert rec.logs[0]["rank_metric"] == pytest.approx((SIZE - 1) / 2)
+    np.testing.assert_allclose(rec.logs[0]["rank_vector"], [(SIZE - 1) / 2, SIZE - 1, 7.0])
 
 
 def test_broadcast_callback_leaves_each_ranks_dropout_masks():

@@ -124,6 +124,39 @@ def test_auto_jit_compile_means_no_xla_with_a_distributed_optimizer(hvd, monkeyp
     assert plain.jit_compile is True  # Keras' own rule for other models
 
 
+def test_the_broadcast_callback_leaves_the_local_gradient_accumulators_alone(hvd, monkeypatch):
+    """With backward_passes_per_step > 1 the optimizer sums each rank's own gradients between
+    steps in variables of its own; the broadcast after the first batch replaced them with the
+    root's (the first update then used the root's first gradient on every rank)."""
+    import keras
+    import numpy as np
+    import horovod.tensorflow.keras as hvd_keras
+    from frameworks.tensorflow.keras import callbacks as cb
+    sent = []
+    monkeypatch.setattr(cb, "broadcast_variables", lambda vs, root: sent.extend(vs))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(np.ones((4, 3)), np.ones((4, 2)), batch_size=2, epochs=1, verbose=0,
+              callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+    accumulators = {id(v) for v in opt._accumulated_gradients}
+    assert accumulators and sent
+    assert not [v.path for v in sent if id(v) in accumulators]
+    assert {id(v) for v in model.trainable_variables} <= {id(v) for v in sent}
+
+
+def test_keras_optimizer_has_horovods_register_local_var(hvd):
+    """Horovod's Keras DistributedOptimizer keeps a variable's gradient local through
+    `register_local_var` (the gradient tape's `register_local_source` is accepted too)."""
+    import keras
+    import horovod.tensorflow.keras as hvd_keras
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    v, w = keras.Variable(1.0), keras.Variable(2.0)
+    opt.register_local_var(v)
+    opt.register_local_source(w)
+    assert opt._hvd_reducer.is_local(v) and opt._hvd_reducer.is_local(w)
+
+
 def test_keras_callbacks_device_warns_that_it_has_no_effect(hvd, monkeypatch):
     """docs/tensorflow.md says `device` has no effect; the callbacks stored it silently. They
     warn once, as `device_dense`/`device_sparse` do, at the caller's line."""

@@ -77,9 +77,19 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             return
         opt = getattr(self.model, "optimizer", None)
         variables = list(self.model.variables) + (list(opt.variables) if opt is not None else [])
-        skip = self._local | _seed_states(self.model)
+        skip = self._local | _seed_states(self.model) | _accumulators(opt)
         broadcast_variables([v for v in variables if _ref(v) not in skip], self.root_rank)
         self.broadcast_done = True
+
+
+def _accumulators(opt: Any) -> set[Any]:
+    """The gradients an optimizer sums locally between its steps (`gradient_accumulation_steps`,
+    `backward_passes_per_step`): each rank's own, reduced at the step, never broadcast."""
+    out = set()
+    for o in (opt, getattr(opt, "inner_optimizer", None)):
+        for v in getattr(o, "_accumulated_gradients", None) or ():
+            out.add(_ref(v))
+    return out
 
 
 def _seed_states(model: Any) -> set[Any]:
@@ -105,14 +115,19 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if not logs:
             return
+        # Every numeric entry, vectors too (a per-class metric), in one allreduce by sorted key.
         keys = sorted(k for k, v in logs.items()
                       if isinstance(v, (int, float, np.number, np.ndarray, tf.Tensor))
-                      and np.size(v) == 1)
-        values = tf.constant([float(np.asarray(logs[k])) for k in keys], dtype=tf.float64)
-        averaged = allreduce(values, op=collective.Average, name="MetricAverageCallback",
-                             ignore_name_scope=True).numpy()
-        for k, v in zip(keys, averaged):
-            logs[k] = float(v)
+                      and not isinstance(v, bool))
+        arrays = [np.asarray(logs[k], dtype=np.float64) for k in keys]
+        flat = np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0)
+        averaged = allreduce(tf.constant(flat, dtype=tf.float64), op=collective.Average,
+                             name="MetricAverageCallback", ignore_name_scope=True).numpy()
+        at = 0
+        for k, a in zip(keys, arrays):
+            part = averaged[at:at + a.size]
+            at += a.size
+            logs[k] = float(part[0]) if a.size == 1 else part.reshape(a.shape)
 
 
 def _momentum_owner(opt: Any) -> Any:
@@ -223,9 +238,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
     """Linear warm-up from initial_lr / size to initial_lr over `warmup_epochs` (per batch).
 
-    With `verbose` > 0, rank 0 prints a line when the warm-up ends; the other ranks stay quiet
-    whatever their `verbose` (Horovod prints on every rank that passes `verbose` > 0, which is
-    why its examples pass `verbose=1 if hvd.rank() == 0 else 0`)."""
+    With `verbose` > 0, rank 0 prints a line when the warm-up ends (the other ranks stay quiet
+    whatever their `verbose`, as in Horovod)."""
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5,
                  momentum_correction: bool = True, steps_per_epoch: int | None = None,

@@ -111,10 +111,12 @@ class _DistributedOptimizerMixin:
     def lr(self, value: Any) -> None:
         self.learning_rate = value
 
-    def register_local_source(self, var: Any) -> None:
+    def register_local_var(self, var: Any) -> None:
         """Keeps `var`'s gradient local (not reduced; scaled by 1/size when
-        `scale_local_gradients`)."""
+        `scale_local_gradients`): Horovod's name on the Keras optimizer."""
         self._hvd_reducer.register_local_source(var)
+
+    register_local_source = register_local_var  # the gradient tape's name, accepted too
 
     def apply(self, grads: Sequence[Any], trainable_variables: Any = None) -> Any:
         # Before Keras drops the None gradients: eagerly, a gradient that another rank has is
@@ -308,7 +310,7 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_
         if not hasattr(layer, "trainable_weights"):
             raise ValueError(f"local_layers must be Keras layers, got {type(layer).__name__}")
         for var in layer.trainable_weights:
-            opt.register_local_source(var)
+            opt.register_local_var(var)
     return opt
 
 
