@@ -37,13 +37,14 @@ class _DistributedGradientTapeMixin:
         return tf.nest.pack_sequence_as(grads, reduced)
 
     def get_local_and_global_gradients(self, target: Any, sources: Any,
-                                       output_gradients: Any = None) -> tuple[list, list]:
-        """(gradients of local sources, gradients of the others), each reduced as `gradient`
-        does, in the order of `sources`."""
+                                       output_gradients: Any = None,
+                                       use_generic_names: bool = False) -> tuple[list, list]:
+        """(`(source, gradient)` pairs of the local sources, pairs of the others), each
+        gradient reduced as `gradient` does, in the order of `sources` (Horovod's form)."""
         flat = tf.nest.flatten(sources)
-        grads = self.gradient(target, flat, output_gradients)
-        local = [g for s, g in zip(flat, grads) if self._hvd_reducer.is_local(s)]
-        glob = [g for s, g in zip(flat, grads) if not self._hvd_reducer.is_local(s)]
+        grads = self.gradient(target, flat, output_gradients, use_generic_names)
+        local = [(s, g) for s, g in zip(flat, grads) if self._hvd_reducer.is_local(s)]
+        glob = [(s, g) for s, g in zip(flat, grads) if not self._hvd_reducer.is_local(s)]
         return local, glob
 
 

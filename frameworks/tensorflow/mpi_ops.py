@@ -265,7 +265,11 @@ def _differentiable(forward: Callable[[list[tf.Tensor]], list[tf.Tensor]],
         outs = forward(list(args))
 
         def grad(*dys: Any) -> Any:
-            dys = [tf.zeros_like(o) if d is None else d for d, o in zip(dys, outs)]
+            # An output used through an index (tf.gather, an embedding lookup) sends its
+            # gradient back as IndexedSlices: the collectives take it dense, as Horovod's do.
+            dys = [tf.zeros_like(o) if d is None else
+                   tf.convert_to_tensor(d) if isinstance(d, tf.IndexedSlices) else d
+                   for d, o in zip(dys, outs)]
             dxs = backward(dys)
             return dxs if len(dxs) > 1 else dxs[0]
         return tuple(outs), grad
@@ -512,7 +516,11 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
         return [out]
 
     def backward(dys: list[tf.Tensor]) -> list[tf.Tensor]:
-        return [run(dys[0], received[0], _grad_name(name))[0]]
+        g = run(dys[0], received[0], _grad_name(name))[0]
+        # Rows the splits left unsent (the last ones) had no effect: zeros, as in torch's.
+        missing = tf.shape(t)[0] - tf.shape(g)[0]
+        pad = tf.zeros(tf.concat([[missing], tf.shape(g)[1:]], 0), dtype=g.dtype)
+        return [tf.concat([g, pad], 0)]
     out = _differentiable(forward, backward, [t])[0]
     return out if splits is None else (out, received[0])
 

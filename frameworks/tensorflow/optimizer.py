@@ -18,6 +18,11 @@ __all__ = ["DistributedOptimizer"]
 class _DistributedV1Mixin:
     _hvd_reducer: GradientReducer
 
+    def register_local_var(self, var: Any) -> None:
+        """Keeps `var`'s gradient local (not reduced; scaled by 1/size when
+        `scale_local_gradients`), as Horovod's TF1 optimizer does."""
+        self._hvd_reducer.register_local_source(var)
+
     def compute_gradients(self, *args: Any, **kwargs: Any) -> list:
         gvs = super().compute_gradients(*args, **kwargs)
         grads = self._hvd_reducer.reduce([g for g, _ in gvs], [v for _, v in gvs])

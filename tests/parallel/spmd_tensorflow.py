@@ -312,6 +312,40 @@ def test_gradients_of_the_collectives():
             np.testing.assert_allclose(g.numpy(), wt, rtol=1e-6, err_msg=f"{mode} {i}")
 
 
+def test_gradients_through_an_index_and_of_unsent_rows():
+    """An output used through tf.gather sends back IndexedSlices: the collectives take them
+    dense (they raised); alltoall's gradient has the input's rows, zeros for rows the splits
+    left unsent (it had only the sent ones: a shape error in the sum)."""
+    me = hvd.rank()
+    table = tf.constant(np.arange(6, dtype=np.float32).reshape(3, 2) + me)
+
+    def through_gather(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            y = hvd.allgather(t, name="gr.ag.gather")
+            loss = tf.reduce_sum(tf.gather(y, [0, 2]))
+        return tape.gradient(loss, t)
+
+    def unsent(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            out, _ = hvd.alltoall(t, splits=[1] * SIZE, name="gr.a2a.unsent")
+            loss = tf.reduce_sum(out) + tf.reduce_sum(t)  # the unsent rows' own term
+        return tape.gradient(loss, t)
+
+    # Rows 0 and 2 of the gathered table are rank 0's rows 0 and 2: every rank's gradient
+    # there is 1, and their average too.
+    want_gather = np.zeros((3, 2), np.float32)
+    if me == 0:
+        want_gather[[0, 2]] = 1.0
+    x = tf.ones([SIZE + 2, 2])
+    want_unsent = np.concatenate([np.full((SIZE, 2), 2.0), np.ones((2, 2))]).astype(np.float32)
+    for mode, g, u in (("eager", through_gather, unsent),
+                       ("graph", tf.function(through_gather), tf.function(unsent))):
+        np.testing.assert_allclose(g(table).numpy(), want_gather, err_msg=mode)
+        np.testing.assert_allclose(u(x).numpy(), want_unsent, err_msg=mode)
+
+
 # -- helpers --------------------------------------------------------------------------------------
 def test_broadcast_and_allgather_objects_and_variables():
     me = hvd.rank()
@@ -393,9 +427,11 @@ def test_tape_local_sources_and_partial_tape():
         loss = (me + 1.0) * tf.reduce_sum(layer(tf.ones((1, 1))))
     tape = hvd.PartialDistributedGradientTape(tape, local_layers=[layer],
                                               scale_local_gradients=False)
-    local, glob = tape.get_local_and_global_gradients(loss, layer.trainable_weights)
-    assert len(local) == 2 and glob == []
-    np.testing.assert_allclose(local[1].numpy(), [me + 1.0], rtol=1e-6)
+    local, glob = tape.get_local_and_global_gradients(loss, layer.trainable_weights,
+                                                      use_generic_names=False)
+    assert len(local) == 2 and glob == []  # Horovod's (source, gradient) pairs
+    assert [s is w for (s, _), w in zip(local, layer.trainable_weights)] == [True, True]
+    np.testing.assert_allclose(local[1][1].numpy(), [me + 1.0], rtol=1e-6)
 
 
 def test_tape_gradient_none_on_some_ranks_only_is_reduced():

@@ -157,6 +157,16 @@ def test_keras_optimizer_has_horovods_register_local_var(hvd):
     assert opt._hvd_reducer.is_local(v) and opt._hvd_reducer.is_local(w)
 
 
+def test_tf1_optimizer_has_horovods_register_local_var(hvd):
+    """Horovod's wrapped tf.compat.v1 optimizer keeps a variable's gradient local through
+    `register_local_var` (it raised AttributeError)."""
+    import tensorflow as tf
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    v = tf.Variable(1.0)
+    opt.register_local_var(v)
+    assert opt._hvd_reducer.is_local(v)
+
+
 def test_keras_callbacks_device_warns_that_it_has_no_effect(hvd, monkeypatch):
     """docs/tensorflow.md says `device` has no effect; the callbacks stored it silently. They
     warn once, as `device_dense`/`device_sparse` do, at the caller's line."""
