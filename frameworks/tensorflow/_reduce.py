@@ -194,6 +194,7 @@ class GradientReducer:
                 layout = _digest(self._kinds(grads, variables))
         out: list[Any] = list(grads)
         dense: list[int] = []
+        sparse: list[int] = []
         for i, g in enumerate(grads):
             if g is None:
                 continue
@@ -209,14 +210,24 @@ class GradientReducer:
                 if self.sparse_as_dense:
                     out[i] = g = tf.convert_to_tensor(g)
                 else:
-                    # Allgathered values are not summed, so the predivide factor (it keeps
-                    # sums in range) has nothing to do there, and its two factors multiply to 1.
-                    out[i] = _sparse_allreduce(g, f"{self.name}.sparse.{i}", self.op, 1.0, 1.0,
-                                               ps)
+                    sparse.append(i)
                     continue
             dense.append(i)
-        if not dense:
-            return out
+        if dense:
+            self._reduce_dense(out, dense, variables, ps, layout)
+        # After the dense reduction, which carries the kinds' digest (`layout`): ranks that
+        # traced different gradients fail there on every rank before any of them waits in a
+        # sparse allgather the others never make (a compiled step runs these ops in order).
+        for i in sparse:
+            # Allgathered values are not summed, so the predivide factor (it keeps sums in
+            # range) has nothing to do there, and its two factors multiply to 1.
+            out[i] = _sparse_allreduce(out[i], f"{self.name}.sparse.{i}", self.op, 1.0, 1.0, ps)
+        return out
+
+    def _reduce_dense(self, out: list[Any], dense: list[int], variables: Sequence[Any] | None,
+                      ps: ProcessSet, layout: int | None) -> None:
+        """Reduces the dense gradients `out[i]`, i in `dense`, in place (one grouped op per
+        group)."""
         pairs = {i: self.compression.compress(tf.convert_to_tensor(out[i])) for i in dense}
         order = sorted(dense)
         wire = [pairs[i][0] for i in order]
@@ -235,7 +246,6 @@ class GradientReducer:
             reduced = run(wire, self.name)
         for i, r in zip(order, reduced):
             out[i] = self.compression.decompress(r, pairs[i][1])
-        return out
 
 
 def _digest(kinds: list[int]) -> int:

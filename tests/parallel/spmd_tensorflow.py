@@ -577,6 +577,30 @@ def test_keras_gradient_on_some_ranks_only():
         model.fit(x[:4], y[:4], batch_size=4, epochs=1, shuffle=False, verbose=0)
 
 
+def test_compiled_tape_with_a_sparse_gradient_on_some_ranks_only_fails_everywhere():
+    # Inside a tf.function rank 0 uses the embedding through tf.gather (a sparse gradient),
+    # the others do not: the dense reduction, which carries the kinds' digest, runs before the
+    # sparse allgathers, so every rank gets the mismatch error (rank 0 waited in its sparse
+    # allgather, the others in the dense one: a stall).
+    if SIZE == 1:
+        return
+    me = hvd.rank()
+    emb, w = tf.Variable(tf.ones([4, 2])), tf.Variable([1.0, 2.0])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * w)
+            if me == 0:
+                loss += tf.reduce_sum(tf.gather(emb, [1, 3]))
+        tape = hvd.DistributedGradientTape(tape)
+        return tape.gradient(loss, [emb, w])
+
+    with pytest.raises((tf.errors.UnknownError, hvd.HorovodInternalError),
+                       match="Mismatched ALLREDUCE tensor layouts"):
+        step()
+
+
 def test_loss_scale_optimizer_reduces_and_skips_on_every_rank():
     me = hvd.rank()
     scale = 2.0 ** 15
