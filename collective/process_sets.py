@@ -141,9 +141,13 @@ class _GlobalProcessSet(ProcessSet):
 def _restore(ranks: list[int], ps_id: int | None) -> ProcessSet:
     """An unpickled process set (`ProcessSet.__reduce__`)."""
     rt = current_or_none()
-    registered = None if rt is None or ps_id is None else rt._registry.get(ps_id)
-    if registered is not None and registered.ranks == ranks:
-        return registered
+    if rt is not None and ps_id is not None:
+        try:
+            registered = rt.registered_set(ps_id)
+        except ValueError:  # no set of that id in this job
+            registered = None
+        if registered is not None and registered.ranks == ranks:
+            return registered
     return ProcessSet(ranks)
 
 

@@ -179,9 +179,14 @@ def process_set_size(process_set: ProcessSet = global_process_set) -> int:
         return collective.size()
     n = process_set.size()
     if n is None:
-        raise ValueError(f"{process_set} is not registered; pass it to hvd.init(process_sets=...) "
-                         "or hvd.add_process_set()")
+        raise not_registered(process_set)
     return n
+
+
+def not_registered(process_set: ProcessSet) -> ValueError:
+    """The error for a query or op on a set that is not registered."""
+    return ValueError(f"{process_set} is not registered; pass it to "
+                      "hvd.init(process_sets=...) or hvd.add_process_set()")
 
 
 def process_set_rank(process_set: ProcessSet = global_process_set) -> int:
@@ -195,8 +200,7 @@ def process_set_rank(process_set: ProcessSet = global_process_set) -> int:
         return collective.rank()
     r = process_set.rank()
     if r is None:
-        raise ValueError(f"{process_set} is not registered; pass it to hvd.init(process_sets=...) "
-                         "or hvd.add_process_set()")
+        raise not_registered(process_set)
     return r
 
 

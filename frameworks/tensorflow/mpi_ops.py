@@ -42,7 +42,7 @@ from collective import (add_process_set, ccl_built, cross_rank, cross_size, cuda
                         nccl_built, rank, remove_process_set, rocm_built, size, start_timeline,
                         stop_timeline)
 
-from .._common import process_set_rank, process_set_size
+from .._common import not_registered, process_set_rank, process_set_size
 from .basics import init, shutdown
 from ._buffers import dtype_of, eager, enqueue, finish, run_one
 from collective.adapter import (config, process_set_by_id, reducescatter_op, splits_values,
@@ -180,8 +180,7 @@ def process_set_included_op(process_set_id: int = 0, name: str | None = None,
     if ps is global_process_set or ps.process_set_id == 0:
         return tf.constant(1, dtype=tf.int32, name=name)
     if ps.process_set_id is None:
-        raise ValueError(f"{ps} is not registered; pass it to hvd.init(process_sets=...) or "
-                         "hvd.add_process_set()")
+        raise not_registered(ps)
     return tf.constant(int(bool(ps.included())), dtype=tf.int32, name=name)
 
 

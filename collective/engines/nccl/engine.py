@@ -438,7 +438,6 @@ class NCCLEngine(Engine):
                 # allocator orders reuse on the engine's stream (TensorFlow's does not): it
                 # stays referenced until the op being launched, later on this stream, is done.
                 self._retired_buffers.append(self._fusion_obj)
-                self._fusion_obj = None
             self._fusion_obj = self._allocate(like, (want // item,))
             self._fusion_ptr = pointer_of(self._fusion_obj)[0]
             self._fusion_bytes = want

@@ -77,7 +77,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             return
         opt = getattr(self.model, "optimizer", None)
         variables = list(self.model.variables) + (list(opt.variables) if opt is not None else [])
-        skip = self._local | _seed_states(self.model) | _accumulators(opt)
+        # `broadcast_variables` leaves the SeedGenerators' state (dropout masks) alone itself.
+        skip = self._local | _accumulators(opt)
         broadcast_variables([v for v in variables if _ref(v) not in skip], self.root_rank)
         self.broadcast_done = True
 
@@ -89,17 +90,6 @@ def _accumulators(opt: Any) -> set[Any]:
     for o in (opt, getattr(opt, "inner_optimizer", None)):
         for v in getattr(o, "_accumulated_gradients", None) or ():
             out.add(_ref(v))
-    return out
-
-
-def _seed_states(model: Any) -> set[Any]:
-    """The state variables of the model's `SeedGenerator`s (their layers' random draws)."""
-    out = set()
-    for layer in model._flatten_layers():
-        for gen in getattr(layer, "_seed_generators", ()):
-            state = getattr(gen, "state", None)
-            if state is not None:
-                out.add(_ref(state))
     return out
 
 

@@ -181,6 +181,7 @@ def _check_finite_everywhere(self: Any, grads: Any) -> Any:
 _check_finite_everywhere._hvd_original = _keras_check_finite  # type: ignore[attr-defined]
 keras.optimizers.LossScaleOptimizer.check_finite = _check_finite_everywhere
 
+
 def _ours(opt: Any) -> bool:
     """A `DistributedOptimizer`, or a loss-scale optimizer around one."""
     return isinstance(opt, _DistributedOptimizerMixin) or isinstance(
